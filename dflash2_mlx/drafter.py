@@ -1,0 +1,313 @@
+"""The DFlash / DFlash 2 block drafter (SPEC sections 2-3).
+
+The drafter has no embedding or output head of its own: the caller embeds the block with the
+target's `embed_tokens` and hands in the target's head. Context features of the target go
+through `fc` + `hidden_norm` and are injected as extra keys/values in every layer; they are
+cached (context rows only) and grow by the accepted rows of each cycle.
+
+Shapes: B batch, L block rows, S new context rows, H hidden, F = len(target_layer_ids) * H.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.activations import swiglu
+from mlx_lm.models.rope_utils import initialize_rope
+
+from .config import DrafterArgs
+from .kernels import KernelPath, path_walk, short_conv
+from .sampling import Sampling
+
+
+class ContextCache:
+    """Keys/values of the context rows of one drafter layer, in temporal order.
+
+    Pre-allocated in steps (like mlx-lm's KVCache) so a cycle appends without copying the whole
+    context. With a `window`, rows a block can no longer see are dropped, keeping memory bounded.
+    `offset` is the absolute position after the last context row; `start` that of the first kept.
+    """
+
+    step = 256
+
+    def __init__(self, window: int | None = None):
+        self.window = window
+        self.keys = self.values = None
+        self.start = self.offset = 0
+
+    @property
+    def size(self) -> int:
+        return self.offset - self.start
+
+    def _ensure(self, keys: mx.array, values: mx.array, extra: int) -> None:
+        need = self.size + extra
+        if self.keys is not None and need <= self.keys.shape[2]:
+            return
+        if self.window is not None and self.keys is not None and self.size > self.window:
+            drop = self.size - (self.window - 1)   # older rows are invisible to every query
+            self.keys = self.keys[..., drop : self.size, :]
+            self.values = self.values[..., drop : self.size, :]
+            self.start += drop
+            need = self.size + extra
+        B, n_kv, _, d = keys.shape
+        cap = ((need + self.step - 1) // self.step) * self.step
+        new_k = mx.zeros((B, n_kv, cap, d), keys.dtype)
+        new_v = mx.zeros((B, n_kv, cap, values.shape[3]), values.dtype)
+        if self.keys is not None and self.size:
+            new_k[..., : self.size, :] = self.keys[..., : self.size, :]
+            new_v[..., : self.size, :] = self.values[..., : self.size, :]
+        self.keys, self.values = new_k, new_v
+
+    def append(self, keys: mx.array, values: mx.array) -> None:
+        """keys/values [B, n_kv, S, D] at positions offset..offset+S-1."""
+        S = keys.shape[2]
+        self._ensure(keys, values, S)
+        self.keys[..., self.size : self.size + S, :] = keys
+        self.values[..., self.size : self.size + S, :] = values
+        self.offset += S
+
+    def with_block(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Context keys followed by the block's (written after the context, not kept)."""
+        L = keys.shape[2]
+        self._ensure(keys, values, L)
+        self.keys[..., self.size : self.size + L, :] = keys
+        self.values[..., self.size : self.size + L, :] = values
+        return self.keys[..., : self.size + L, :], self.values[..., : self.size + L, :]
+
+    @property
+    def state(self):
+        return self.keys, self.values
+
+
+class Attention(nn.Module):
+    def __init__(self, args: DrafterArgs, sliding: bool):
+        super().__init__()
+        h, d = args.hidden_size, args.head_dim
+        self.n_heads, self.n_kv_heads = args.num_attention_heads, args.num_key_value_heads
+        self.scale = d**-0.5
+        self.window = args.sliding_window if sliding else None
+        self.causal = args.is_causal
+        self.q_proj = nn.Linear(h, self.n_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.n_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.n_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
+        self.q_norm = nn.RMSNorm(d, eps=args.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(d, eps=args.rms_norm_eps)
+        self.rope = initialize_rope(d, args.rope_theta, False, args.rope_scaling,
+                                    args.max_position_embeddings)
+
+    def _kv(self, x: mx.array, offset: int):
+        B, S, _ = x.shape
+        k = self.k_norm(self.k_proj(x).reshape(B, S, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, S, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        return self.rope(k, offset=offset), v
+
+    def __call__(self, x: mx.array, ctx: mx.array | None, cache: ContextCache) -> mx.array:
+        """x [B, L, H] block rows, ctx [B, S, H] new context rows (or None) -> [B, L, H]."""
+        B, L, _ = x.shape
+        if ctx is not None and ctx.shape[1]:
+            cache.append(*self._kv(ctx, cache.offset))
+        pos = cache.offset                  # block row 0 (the anchor) sits right after the context
+        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        q = self.rope(q, offset=pos)
+        keys, values = cache.with_block(*self._kv(x, pos))
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale,
+                                                   mask=self._mask(cache, L))
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def _mask(self, cache: ContextCache, L: int) -> mx.array | None:
+        if self.window is None and not self.causal:
+            return None                     # every block row sees everything
+        q_pos = cache.offset + mx.arange(L)[:, None]
+        k_pos = mx.concatenate([mx.arange(cache.start, cache.offset),
+                                cache.offset + mx.arange(L)])[None]
+        is_ctx = k_pos < cache.offset
+        visible = mx.ones((L, k_pos.shape[1]), dtype=mx.bool_)
+        if self.window is not None:
+            visible = visible & (~is_ctx | (q_pos - k_pos < self.window))
+        if self.causal:
+            visible = visible & (is_ctx | (k_pos <= q_pos))
+        return visible
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def __call__(self, x):
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class DynamicConv(nn.Module):
+    """Two-tap grouped dynamic convolution around one sublayer (`GroupedDynamicCausalConv`).
+
+    Both sides take their dynamic taps from the normed sublayer input u:
+    dyn = kernel_projection(u) -> [B, L, 2 sides, K taps, H/G groups].
+    """
+
+    def __init__(self, hidden: int, kernel_size: int, group_size: int):
+        super().__init__()
+        self.kernel_size, self.groups = kernel_size, hidden // group_size
+        self.base_kernel = mx.zeros((2, kernel_size, hidden))
+        self.kernel_projection = nn.Linear(hidden, 2 * kernel_size * self.groups, bias=False)
+
+    def taps(self, u: mx.array) -> mx.array:
+        B, L, _ = u.shape
+        return self.kernel_projection(u).reshape(B, L, 2, self.kernel_size, self.groups)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: DrafterArgs, index: int):
+        super().__init__()
+        h = args.hidden_size
+        self.self_attn = Attention(args, args.layer_types[index] == "sliding_attention")
+        self.mlp = MLP(h, args.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(h, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(h, eps=args.rms_norm_eps)
+        if args.has_conv:
+            self.attention_conv = DynamicConv(h, args.conv_kernel_size, args.conv_group_size)
+            self.mlp_conv = DynamicConv(h, args.conv_kernel_size, args.conv_group_size)
+        self.has_conv = args.has_conv
+
+    def __call__(self, x, ctx, cache, kernels: KernelPath = "ops"):
+        if not self.has_conv:
+            x = x + self.self_attn(self.input_layernorm(x), ctx, cache)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = self._conv_sublayer(x, self.input_layernorm, self.attention_conv,
+                                lambda y: self.self_attn(y, ctx, cache), kernels)
+        return self._conv_sublayer(x, self.post_attention_layernorm, self.mlp_conv, self.mlp,
+                                   kernels)
+
+    @staticmethod
+    def _conv_sublayer(x, norm, conv: DynamicConv, sublayer, kernels):
+        """x + conv_1(sublayer(conv_0(norm(x)))), both sides' taps computed from norm(x)."""
+        u = norm(x)
+        dyn = conv.taps(u)
+        y = short_conv(u, dyn[:, :, 0], conv.base_kernel[0], path=kernels)
+        return short_conv(sublayer(y), dyn[:, :, 1], conv.base_kernel[1], residual=x,
+                          path=kernels)
+
+
+class CandidateSelector(nn.Module):
+    """Scores candidate pairs: S_t(a, b) = U_t(b) + sum_r P[a, r] g_t[r] Q[b, r]."""
+
+    def __init__(self, args: DrafterArgs):
+        super().__init__()
+        self.top_k = args.selector_top_k
+        self.hidden_projection = nn.Linear(args.hidden_size, args.selector_rank, bias=False)
+        # Stored as `candidate_selector.{predecessor,successor}_codebook` in checkpoints.
+        self.predecessor_codebook = nn.Embedding(args.vocab_size, args.selector_rank)
+        self.successor_codebook = nn.Embedding(args.vocab_size, args.selector_rank)
+
+    def candidates(self, logits: mx.array) -> tuple[mx.array, mx.array]:
+        """logits [B, L, V] -> top-K ids [B, L, K] and their logits (unary scores) [B, L, K]."""
+        cand = mx.argpartition(logits, -self.top_k, axis=-1)[..., -self.top_k:]
+        return cand, mx.take_along_axis(logits, cand, axis=-1)
+
+    def walk(self, h: mx.array, logits: mx.array, anchor: mx.array, temperature: float,
+             uniforms: mx.array | None, kernels: KernelPath = "ops"):
+        """h [B, L, H] proposal rows, logits [B, L, V], anchor [B]
+        -> ids [B, L], cand [B, L, K], q [B, L, K] (None when greedy)."""
+        cand, unary = self.candidates(logits)
+        g = self.hidden_projection(h)
+        pred_rows = self.predecessor_codebook(cand).astype(g.dtype)
+        succ_rows = self.successor_codebook(cand).astype(g.dtype)
+        anchor_pred = self.predecessor_codebook(anchor).astype(g.dtype)
+        ids, q = path_walk(cand, unary.astype(g.dtype), g, pred_rows, succ_rows, anchor_pred,
+                           temperature, uniforms, path=kernels)
+        return ids, cand, q
+
+
+@dataclass
+class Proposal:
+    """One drafted block: tokens [B, L-1]; for sampling, the distribution each was drawn from,
+    either dense `q` [B, L-1, V] or sparse `q` [B, L-1, K] over `q_ids` [B, L-1, K]."""
+
+    tokens: mx.array
+    q: mx.array | None = None
+    q_ids: mx.array | None = None
+
+    def dense_q(self, vocab: int) -> mx.array:
+        """q as [B, L-1, V], zero outside the candidates."""
+        if self.q_ids is None:
+            return self.q
+        zeros = mx.zeros((*self.q.shape[:-1], vocab), mx.float32)
+        return mx.put_along_axis(zeros, self.q_ids, self.q, axis=-1)
+
+
+class Drafter(nn.Module):
+    """A DFlash (selector/conv absent) or DFlash 2 drafter."""
+
+    def __init__(self, args: DrafterArgs):
+        super().__init__()
+        self.args = args
+        H = args.hidden_size
+        self.fc = nn.Linear(len(args.target_layer_ids) * H, H, bias=False)
+        self.hidden_norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
+        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
+        if args.has_selector:
+            self.candidate_selector = CandidateSelector(args)
+        self.kernels: KernelPath = "ops"
+
+    def make_cache(self) -> list[ContextCache]:
+        return [ContextCache(l.self_attn.window) for l in self.layers]
+
+    @property
+    def context_window(self) -> int | None:
+        """How many trailing context rows a block can see at most (None: all of them)."""
+        return self.args.sliding_window - 1 if self.args.sliding_only else None
+
+    @staticmethod
+    def skip_context(cache: list[ContextCache], n: int) -> None:
+        """Start the context at position n (features of rows < n were never computed)."""
+        for c in cache:
+            c.start = c.offset = c.offset + n
+
+    def __call__(self, x: mx.array, feats: mx.array | None, cache: list[ContextCache]):
+        """x [B, L, H] embedded block, feats [B, S, F] new target features (or None)
+        -> final-normed hidden states [B, L, H]."""
+        ctx = None if feats is None or not feats.shape[1] else self.hidden_norm(self.fc(feats))
+        for layer, c in zip(self.layers, cache):
+            x = layer(x, ctx, c, self.kernels)
+        return self.norm(x)
+
+    def logits(self, h: mx.array, head) -> mx.array:
+        """Apply the target's head, then the output multiplier and the soft cap."""
+        logits = head(h)
+        if self.args.output_multiplier != 1.0:
+            logits = logits * self.args.output_multiplier
+        cap = self.args.final_logit_softcapping
+        if cap:
+            logits = mx.tanh(logits / cap) * cap
+        return logits
+
+    def propose(self, target, anchor: mx.array, feats: mx.array | None,
+                cache: list[ContextCache], width: int, sampling: Sampling,
+                key: mx.array) -> Proposal:
+        """Draft width-1 tokens after `anchor` [1, 1] in one pass.
+
+        `target` supplies `embed` and `head` (the drafter has neither); feats [1, S, F] are the
+        target features of the rows committed since the last call.
+        """
+        mask = mx.full((1, width - 1), self.args.mask_token_id, dtype=anchor.dtype)
+        x = target.embed(mx.concatenate([anchor, mask], axis=1))
+        if self.args.input_embedding_scale != 1.0:
+            x = x * self.args.input_embedding_scale
+        h = self(x, feats, cache)[:, 1:]                                   # [1, w-1, H]
+        logits = self.logits(h, target.head)                               # [1, w-1, V]
+        if self.args.has_selector:
+            uniforms = None if sampling.greedy else mx.random.uniform(shape=h.shape[:2], key=key)
+            ids, cand, q = self.candidate_selector.walk(h, logits, anchor[:, 0],
+                                                        sampling.temperature, uniforms,
+                                                        self.kernels)
+            return Proposal(ids, q, None if q is None else cand)
+        if sampling.greedy:
+            return Proposal(mx.argmax(logits, axis=-1))
+        q = sampling.probs(logits)
+        return Proposal(mx.random.categorical(mx.log(q), key=key), q)

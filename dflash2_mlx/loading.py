@@ -1,0 +1,157 @@
+"""Loading targets and drafters: resolve paths or hub ids, read configs and weights strictly.
+
+Targets are mlx-lm model folders (any family mlx-lm knows) or llama-architecture `.gguf` files.
+Drafters are DFlash / DFlash 2 checkpoint folders in the published format (SPEC section 4).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map
+
+from .config import CheckpointError, DrafterArgs
+from .drafter import Drafter
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# Tensors some early drafter checkpoints carried; the drafter uses the target's instead.
+IGNORED_PREFIXES = ("embed_tokens.", "lm_head.", "model.embed_tokens.")
+# Published files store the selector codebooks as bare tensors, without ".weight".
+CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
+
+
+def resolve(path_or_id: str | Path, what: str, allow_patterns: list[str] | None = None) -> Path:
+    """A local file/folder as is; otherwise a Hugging Face Hub id, downloaded (or cached)."""
+    path = Path(path_or_id).expanduser()
+    if path.exists():
+        return path
+    text = str(path_or_id)
+    if not HUB_ID.match(text) or text.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"{what} '{text}': no such file or folder")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(text, allow_patterns=allow_patterns))
+    except Exception as e:  # noqa: BLE001 - re-raised with the cause named and chained
+        raise FileNotFoundError(
+            f"{what} '{text}' is not a local path and could not be fetched from the Hugging "
+            f"Face Hub ({type(e).__name__}: {e}). Pass a local folder, or check the network "
+            "and HF_HUB_OFFLINE.") from e
+
+
+def cast_floats(model: nn.Module, dtype) -> None:
+    """Cast every floating-point parameter (not quantized integers) to `dtype`, in place."""
+    model.update(tree_map(
+        lambda x: x.astype(dtype) if mx.issubdtype(x.dtype, mx.floating) else x,
+        model.parameters()))
+
+
+def is_quantized(model: nn.Module) -> bool:
+    return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+               for _, m in model.named_modules())
+
+
+def load_target(path_or_id: str | Path, dtype=None, keep_quantized: bool = False):
+    """-> (mlx-lm model, mlx-lm TokenizerWrapper, resolved path).
+
+    `dtype` casts the float weights; unless `keep_quantized`, quantized layers are dequantized
+    first (the CPU backend runs fp32 matmuls through BLAS, quantized ones much slower).
+    """
+    text = str(path_or_id)
+    if text.endswith(".gguf"):
+        from .gguf import load_gguf
+
+        path = resolve(text, "target model")
+        model, tokenizer = load_gguf(path)
+    else:
+        from mlx_lm.utils import load as mlx_lm_load
+
+        path = resolve(text, "target model",
+                       ["*.json", "*.safetensors", "*.py", "tokenizer.model", "*.tiktoken",
+                        "*.txt", "*.jsonl", "*.jinja"])
+        if path.is_file():
+            raise ValueError(f"target model '{path}': expected an mlx-lm model folder or a "
+                             ".gguf file")
+        model, tokenizer = mlx_lm_load(str(path))
+    if dtype is not None:
+        if not keep_quantized and is_quantized(model):
+            from mlx_lm.utils import dequantize_model
+
+            model = dequantize_model(model)
+        cast_floats(model, dtype)
+    model.eval()
+    mx.eval(model.parameters())
+    return model, tokenizer, path
+
+
+def read_safetensors(folder: Path) -> dict[str, mx.array]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{folder}: no *.safetensors weight files")
+    weights: dict[str, mx.array] = {}
+    for f in files:
+        try:
+            weights.update(mx.load(str(f)))
+        except (RuntimeError, ValueError, OSError) as e:
+            raise CheckpointError(f"{f}: not a readable safetensors file ({e})") from e
+    return weights
+
+
+def load_drafter_weights(drafter: Drafter, weights: dict[str, mx.array], source: str) -> None:
+    """Load by the published tensor names; every missing, unexpected or mis-shaped tensor is
+    reported by name in one error."""
+    weights = {k: v for k, v in weights.items() if not k.startswith(IGNORED_PREFIXES)}
+    for name in CODEBOOKS:
+        if name in weights:
+            weights[name + ".weight"] = weights.pop(name)
+    expected = dict(tree_flatten(drafter.parameters()))
+    missing = sorted(k.removesuffix(".weight") if k.startswith(CODEBOOKS) else k
+                     for k in expected.keys() - weights.keys())
+    unexpected = sorted(weights.keys() - expected.keys())
+    misshaped = sorted(f"{k} {tuple(weights[k].shape)} (expected {tuple(expected[k].shape)})"
+                       for k in expected.keys() & weights.keys()
+                       if weights[k].shape != expected[k].shape)
+    problems = [f"missing tensors: {', '.join(missing)}" if missing else "",
+                f"unexpected tensors: {', '.join(unexpected)}" if unexpected else "",
+                f"mis-shaped tensors: {', '.join(misshaped)}" if misshaped else ""]
+    problems = [p for p in problems if p]
+    if problems:
+        raise CheckpointError(f"{source}: weights do not match the config: " + "; ".join(problems))
+    drafter.load_weights(list(weights.items()), strict=True)
+
+
+def quantize_drafter(drafter: Drafter, bits: int, group_size: int = 64) -> None:
+    """Quantize linear layers and selector codebooks; norms, `fc`-free small tensors and the
+    convolution base kernels stay in full precision."""
+    if bits not in (4, 8):
+        raise ValueError(f"draft_bits must be 4, 8 or None (unquantized), got {bits}")
+
+    def pick(path: str, module: nn.Module) -> bool:
+        if not isinstance(module, (nn.Linear, nn.Embedding)):
+            return False
+        return module.weight.shape[-1] % group_size == 0
+
+    nn.quantize(drafter, group_size=group_size, bits=bits, class_predicate=pick)
+
+
+def load_drafter(path_or_id: str | Path, *, hidden_size: int, vocab_size: int, num_layers: int,
+                 dtype=None, bits: int | None = None, group_size: int = 64) -> Drafter:
+    """Read config + weights from a drafter folder, check them against the target's shape."""
+    folder = resolve(path_or_id, "draft model", ["*.json", "*.safetensors"])
+    if folder.is_file():
+        raise CheckpointError(f"{folder}: a drafter is a folder with config.json and "
+                              "*.safetensors")
+    args = DrafterArgs.from_file(folder)
+    args.check_against_target(hidden_size, vocab_size, num_layers, str(folder / "config.json"))
+    drafter = Drafter(args)
+    load_drafter_weights(drafter, read_safetensors(folder), str(folder))
+    if dtype is not None:
+        cast_floats(drafter, dtype)
+    if bits is not None:
+        quantize_drafter(drafter, bits, group_size)
+    drafter.eval()
+    mx.eval(drafter.parameters())
+    return drafter
