@@ -126,7 +126,7 @@ def generate_tokens(target: TargetAdapter, drafter: Drafter | None, prompt: list
     stats.prefill_s = time.perf_counter() - tic
     tic = time.perf_counter()
     stats.generated_tokens = 1
-    yield tokens
+    yield list(tokens)
     n = 1
     pending = [feats] if drafting else []   # target features the drafter has not read yet
 
