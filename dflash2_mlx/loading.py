@@ -6,7 +6,9 @@ Drafters are DFlash / DFlash 2 checkpoint folders in the published format (SPEC 
 
 from __future__ import annotations
 
+import json
 import re
+import tempfile
 from pathlib import Path
 
 import mlx.core as mx
@@ -124,10 +126,12 @@ def load_drafter_weights(drafter: Drafter, weights: dict[str, mx.array], source:
 
 
 def quantize_drafter(drafter: Drafter, bits: int, group_size: int = 64) -> None:
-    """Quantize linear layers and selector codebooks; norms, `fc`-free small tensors and the
-    convolution base kernels stay in full precision."""
+    """Quantize the linear layers and the selector codebooks; norms and the convolution base
+    kernels (plain arrays, not layers) stay in full precision."""
     if bits not in (4, 8):
         raise ValueError(f"draft_bits must be 4, 8 or None (unquantized), got {bits}")
+    if group_size not in (32, 64, 128):
+        raise ValueError(f"draft group size must be 32, 64 or 128, got {group_size}")
 
     def pick(path: str, module: nn.Module) -> bool:
         if not isinstance(module, (nn.Linear, nn.Embedding)):
@@ -137,9 +141,45 @@ def quantize_drafter(drafter: Drafter, bits: int, group_size: int = 64) -> None:
     nn.quantize(drafter, group_size=group_size, bits=bits, class_predicate=pick)
 
 
+def save_drafter(drafter: Drafter, folder: str | Path, dtype=mx.bfloat16) -> Path:
+    """Write `config.json` + `model.safetensors` in the published layout (SPEC section 4).
+
+    An unquantized drafter is stored in `dtype` (BF16 like the published files). A quantized one
+    is stored as is, with mlx-lm's `"quantization": {"group_size", "bits"}` config key, which
+    `load_drafter` reads back.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, value in tree_flatten(drafter.parameters()):
+        base = name.removesuffix(".weight")
+        if base in CODEBOOKS:
+            name = base
+        if mx.issubdtype(value.dtype, mx.floating) and not is_quantized(drafter):
+            value = value.astype(dtype)
+        tensors[name] = value
+    config = drafter.args.to_config()
+    quantized = [m for _, m in drafter.named_modules()
+                 if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+    if quantized:
+        config["quantization"] = {"group_size": quantized[0].group_size,
+                                  "bits": quantized[0].bits}
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:   # nothing half-written on failure
+        mx.save_safetensors(str(Path(tmp) / "model.safetensors"), tensors)
+        (Path(tmp) / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for name in ("model.safetensors", "config.json"):
+            (Path(tmp) / name).replace(folder / name)
+    return folder
+
+
 def load_drafter(path_or_id: str | Path, *, hidden_size: int, vocab_size: int, num_layers: int,
-                 dtype=None, bits: int | None = None, group_size: int = 64) -> Drafter:
-    """Read config + weights from a drafter folder, check them against the target's shape."""
+                 dtype=None, bits: int | None = None, group_size: int = 64,
+                 keep_quantized: bool = False) -> Drafter:
+    """Read config + weights from a drafter folder, check them against the target's shape.
+
+    A checkpoint stored quantized is dequantized when `dtype` is given, unless `bits` asks for
+    quantization or `keep_quantized` is set; `bits` quantizes an unquantized one.
+    """
     folder = resolve(path_or_id, "draft model", ["*.json", "*.safetensors"])
     if folder.is_file():
         raise CheckpointError(f"{folder}: a drafter is a folder with config.json and "
@@ -147,10 +187,17 @@ def load_drafter(path_or_id: str | Path, *, hidden_size: int, vocab_size: int, n
     args = DrafterArgs.from_file(folder)
     args.check_against_target(hidden_size, vocab_size, num_layers, str(folder / "config.json"))
     drafter = Drafter(args)
+    stored = json.loads((folder / "config.json").read_text()).get("quantization")
+    if stored:   # a checkpoint saved quantized: give the model the same structure first
+        quantize_drafter(drafter, int(stored["bits"]), int(stored["group_size"]))
     load_drafter_weights(drafter, read_safetensors(folder), str(folder))
     if dtype is not None:
+        if stored and bits is None and not keep_quantized:
+            from mlx_lm.utils import dequantize_model
+
+            drafter = dequantize_model(drafter)
         cast_floats(drafter, dtype)
-    if bits is not None:
+    if bits is not None and not is_quantized(drafter):
         quantize_drafter(drafter, bits, group_size)
     drafter.eval()
     mx.eval(drafter.parameters())

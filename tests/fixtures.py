@@ -12,11 +12,11 @@ import json
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from dflash2_mlx.config import DFLASH, DFLASH2, DrafterArgs
 from dflash2_mlx.drafter import Drafter
+from dflash2_mlx.loading import save_drafter
 
 CORPUS = [
     "def add(a, b):\n    return a + b\n",
@@ -109,25 +109,7 @@ def random_drafter(args: DrafterArgs, seed: int = 0) -> Drafter:
     return drafter
 
 
-def drafter_tensors(drafter: Drafter) -> dict[str, mx.array]:
-    """The published tensor names: codebooks without `.weight`."""
-    out = {}
-    for k, v in tree_flatten(drafter.parameters()):
-        if k.startswith("candidate_selector.") and k.endswith("_codebook.weight"):
-            k = k.removesuffix(".weight")
-        out[k] = v
-    return out
-
-
 def write_drafter(folder: Path, args: DrafterArgs | None = None, seed: int = 0,
-                  dtype=mx.bfloat16, config_edits=None) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    args = args or drafter_args()
-    drafter = random_drafter(args, seed)
-    tensors = {k: v.astype(dtype) for k, v in drafter_tensors(drafter).items()}
-    mx.save_safetensors(str(folder / "model.safetensors"), tensors)
-    cfg = args.to_config()
-    if config_edits:
-        config_edits(cfg)
-    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
-    return folder
+                  dtype=mx.bfloat16) -> Path:
+    """A drafter folder in the published layout (BF16 by default)."""
+    return save_drafter(random_drafter(args or drafter_args(), seed), folder, dtype)
