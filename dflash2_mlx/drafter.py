@@ -214,11 +214,13 @@ class CandidateSelector(nn.Module):
         """h [B, L, H] proposal rows, logits [B, L, V], anchor [B]
         -> ids [B, L], cand [B, L, K], q [B, L, K] (None when greedy)."""
         cand, unary = self.candidates(logits)
-        g = self.hidden_projection(h)
-        pred_rows = self.predecessor_codebook(cand).astype(g.dtype)
-        succ_rows = self.successor_codebook(cand).astype(g.dtype)
-        anchor_pred = self.predecessor_codebook(anchor).astype(g.dtype)
-        ids, q = path_walk(cand, unary.astype(g.dtype), g, pred_rows, succ_rows, anchor_pred,
+        # Scores in float32: in 16-bit, pair scores of ~20 round to steps of 0.125 and ties
+        # between candidates become common. The tensors are tiny ([L, K, R]).
+        f32 = lambda x: x.astype(mx.float32)
+        g = f32(self.hidden_projection(h))
+        pred_rows, succ_rows = f32(self.predecessor_codebook(cand)), f32(self.successor_codebook(cand))
+        anchor_pred = f32(self.predecessor_codebook(anchor))
+        ids, q = path_walk(cand, f32(unary), g, pred_rows, succ_rows, anchor_pred,
                            temperature, uniforms, path=kernels)
         return ids, cand, q
 
