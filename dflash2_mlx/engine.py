@@ -4,8 +4,9 @@ One cycle, with committed tokens x_1..x_n and the anchor x_n not yet seen by the
   draft   the drafter turns [x_n, M, ..., M] (w rows) into proposals d_1..d_{w-1}
   verify  the target runs [x_n, d_1, ..., d_{w-1}] and gives w rows of logits and features
   accept  greedy prefix match or rejection sampling -> a accepted drafts and one bonus token
-  rollback  the target cache drops the w-1-a rejected rows; rows 0..a of the features become
-          the drafter's new context
+  rollback  the target cache drops the w-1-a rejected rows (recurrent layers re-run the kept
+          rows from their pre-verify state); rows 0..a of the features become the drafter's
+          new context
 Block width w = 1 is plain decoding (no drafter call). Everything but one host sync per cycle
 (reading a and the tokens) stays on the device.
 """
@@ -111,7 +112,7 @@ def generate_tokens(target: TargetAdapter, drafter: Drafter | None, prompt: list
     drafting = drafter is not None and block_size > 1
     cache = target.make_cache()
     if drafting:
-        target.check_trimmable(cache)
+        target.check_rollback(cache)
         dcache = drafter.make_cache()
     key = mx.random.key(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
 
@@ -141,6 +142,7 @@ def generate_tokens(target: TargetAdapter, drafter: Drafter | None, prompt: list
             verify_in = mx.concatenate([anchor, drafts], axis=1)          # [1, w]
         else:
             drafts, verify_in = mx.zeros((1, 0), mx.uint32), anchor
+        snapshot = target.snapshot(cache) if width > 1 else {}
         logits, feats = target.forward(verify_in, cache)                  # [1, w, V], [1, w, F]
         if sampling.greedy:
             a, bonus = greedy_accept(drafts[0], mx.argmax(logits[0], axis=-1).astype(mx.uint32))
@@ -151,7 +153,7 @@ def generate_tokens(target: TargetAdapter, drafter: Drafter | None, prompt: list
         mx.eval(a, bonus, drafts)
         a = a.item()
         new = drafts[0, :a].tolist() + [bonus.item()]
-        target.trim(cache, width - 1 - a)
+        target.rollback(cache, snapshot, a + 1, width)
         if drafting:
             pending.append(feats[:, : a + 1])
         if width > 1:

@@ -13,6 +13,7 @@ import copy
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache, RotatingKVCache, make_prompt_cache
 
 # Where decoder stacks live in mlx-lm models: Model.model (llama, qwen2/3, mistral, ...),
 # Model.language_model.model (multimodal wrappers such as qwen3_5, gemma3).
@@ -20,14 +21,21 @@ STACK_PATHS = (("model",), ("language_model", "model"), ("language_model",), ())
 
 
 class LayerTap:
-    """Calls one target layer and stores its output (the hidden state after that layer)."""
+    """Calls one target layer and stores its output (the hidden state after that layer) in
+    `outputs[slot]`, and, when `inputs` is given, its input in `inputs[index]` (recurrent layers:
+    the rows to replay on rollback)."""
 
-    def __init__(self, layer: nn.Module, slot: int, store: list):
-        self.layer, self.slot, self.store = layer, slot, store
+    def __init__(self, layer: nn.Module, index: int, slot: int | None, outputs: list,
+                 inputs: dict | None = None):
+        self.layer, self.index, self.slot = layer, index, slot
+        self.outputs, self.inputs = outputs, inputs
 
-    def __call__(self, *args, **kwargs):
-        out = self.layer(*args, **kwargs)
-        self.store[self.slot] = out[0] if isinstance(out, tuple) else out
+    def __call__(self, x, *args, **kwargs):
+        if self.inputs is not None:
+            self.inputs[self.index] = x
+        out = self.layer(x, *args, **kwargs)
+        if self.slot is not None:
+            self.outputs[self.slot] = out[0] if isinstance(out, tuple) else out
         return out
 
     def __getattr__(self, name):  # the forward may read layer attributes (e.g. use_sliding)
@@ -47,10 +55,56 @@ def find_stack_path(model: nn.Module) -> tuple[str, ...]:
                      f"{', '.join('.'.join(('model',) + p) for p in STACK_PATHS)}.layers")
 
 
+class _FirstLayerInput(Exception):
+    def __init__(self, x):
+        self.x = x
+
+
+class _StopAtFirstLayer:
+    """Stands in for layer 0 of a view: hands back the embeddings and stops the forward."""
+
+    def __init__(self, layer):
+        self.layer = layer
+
+    def __call__(self, x, *args, **kwargs):
+        raise _FirstLayerInput(x)
+
+    def __getattr__(self, name):
+        return getattr(self.layer, name)
+
+
+class RollbackRotatingKVCache(RotatingKVCache):
+    """mlx-lm's sliding-window cache, trimmable after a multi-row update.
+
+    A verify block goes through `_update_concat`, which leaves the rows in temporal order with
+    the newest last; dropping the rejected rows there is exact. (The parent refuses to trim once
+    the window is full because single-row updates rotate the buffer in place.)
+    """
+
+    def is_trimmable(self):
+        return True
+
+    def trim(self, n):
+        n = min(self.offset, n)
+        if n and self.keys is not None and self._idx == self.keys.shape[2]:
+            self.keys, self.values = self.keys[..., :-n, :], self.values[..., :-n, :]
+            self._idx = self.keys.shape[2]
+            self.offset -= n
+            return n
+        if n and self.offset > self.max_size:
+            raise RuntimeError("cannot trim a rotated sliding-window cache")
+        return super().trim(n)
+
+
 class TargetAdapter:
     """Logits plus concatenated hidden states of `layer_ids` from one forward of the target.
 
     `forward(tokens [B, T], cache)` -> (logits [B, T, V], features [B, T, len(layer_ids) * H]).
+
+    Rollback after a partial acceptance (`snapshot` before the verify, `rollback` after):
+    attention caches drop the rejected rows; recurrent layers (GatedDeltaNet in qwen3_5 /
+    qwen3_next), whose state cannot be trimmed, get the state from before the verify back and
+    re-run the installed layer over the kept rows only (their inputs are recorded by the taps).
     """
 
     def __init__(self, model: nn.Module, layer_ids: tuple[int, ...] = ()):
@@ -59,8 +113,13 @@ class TargetAdapter:
         self.stack = self._descend(model, self.path)
         self.layers = self.stack["layers"]
         self.layer_ids = tuple(layer_ids)
+        probe = self.make_cache()
+        self.recurrent = tuple(i for i, c in enumerate(probe) if not c.is_trimmable())
         self._store: list = [None] * len(self.layer_ids)
-        self._view = self._build_view()
+        self._inputs: dict = {}
+        self._view = self._build_view(self._taps())
+        self._embed_view = self._build_view([_StopAtFirstLayer(self.layers[0])]
+                                            + list(self.layers[1:]))
 
     @staticmethod
     def _descend(model, path):
@@ -68,17 +127,22 @@ class TargetAdapter:
             model = model[name]
         return model
 
-    def _build_view(self) -> nn.Module:
-        # Copy each module on the path so that swapping `layers` on the copy leaves the
-        # original alone; parameters are shared, not copied.
+    def _taps(self) -> list:
+        layers = list(self.layers)
+        for i in sorted(set(self.layer_ids) | set(self.recurrent)):
+            slot = self.layer_ids.index(i) if i in self.layer_ids else None
+            layers[i] = LayerTap(self.layers[i], i, slot, self._store,
+                                 self._inputs if i in self.recurrent else None)
+        return layers
+
+    def _build_view(self, layers: list) -> nn.Module:
+        """A shallow copy of the model whose decoder stack runs `layers`. Each module on the
+        path is copied, so swapping `layers` leaves the original alone; parameters are shared."""
         chain = [copy.copy(self.model)]
         for name in self.path:
             child = copy.copy(chain[-1][name])
             chain[-1][name] = child
             chain.append(child)
-        layers = list(self.layers)
-        for slot, i in enumerate(self.layer_ids):
-            layers[i] = LayerTap(self.layers[i], slot, self._store)
         chain[-1]["layers"] = layers
         return chain[0]
 
@@ -101,17 +165,15 @@ class TargetAdapter:
         e = self.embed_tokens
         return e.num_embeddings if isinstance(e, nn.QuantizedEmbedding) else e.weight.shape[0]
 
-    @property
-    def embed_scale(self) -> float:
-        """The factor the target multiplies its token embeddings by (Gemma: sqrt(H))."""
-        model_type = str(getattr(getattr(self.model, "args", None), "model_type", ""))
-        return self.hidden_size**0.5 if model_type.startswith("gemma") else 1.0
-
-    # ---- compute
     def embed(self, ids: mx.array) -> mx.array:
-        """[B, L] ids -> [B, L, H] embeddings as the target's first layer sees them."""
-        x = self.embed_tokens(ids)
-        return x * self.embed_scale if self.embed_scale != 1.0 else x
+        """[B, L] ids -> [B, L, H]: exactly what the target's first layer receives, including
+        any embedding scale of the family (Gemma multiplies by sqrt(H)), computed by the
+        installed forward pass itself up to its first layer."""
+        try:
+            self._embed_view(ids, cache=None)
+        except _FirstLayerInput as captured:
+            return captured.x
+        raise RuntimeError("the target's forward pass never reached its first layer")
 
     def head(self, h: mx.array) -> mx.array:
         """The target's output projection: lm_head, or the tied embedding."""
@@ -128,21 +190,36 @@ class TargetAdapter:
         return logits, feats
 
     def make_cache(self) -> list:
-        from mlx_lm.models.cache import make_prompt_cache
+        """mlx-lm's cache for this model, with sliding-window caches made trimmable."""
+        cache = make_prompt_cache(self.model)
+        return [RollbackRotatingKVCache(c.max_size, c.keep)
+                if type(c) is RotatingKVCache else c for c in cache]
 
-        return make_prompt_cache(self.model)
-
-    @staticmethod
-    def check_trimmable(cache: list) -> None:
-        bad = sorted({type(c).__name__ for c in cache if not c.is_trimmable()})
+    def check_rollback(self, cache: list) -> None:
+        """Raise when some layer's cache can neither be trimmed nor replayed."""
+        bad = sorted({type(c).__name__ for i, c in enumerate(cache)
+                      if not c.is_trimmable() and not (i in self.recurrent
+                                                       and isinstance(c, ArraysCache))})
         if bad:
             raise NotImplementedError(
                 f"the target's cache ({', '.join(bad)}) cannot be rolled back after a partial "
-                "acceptance; this target family is not supported yet")
+                "acceptance; this target family is not supported")
 
-    @staticmethod
-    def trim(cache: list, n: int) -> None:
-        """Drop the last n positions (rejected drafts) from every layer's cache."""
-        if n > 0:
-            for c in cache:
-                c.trim(n)
+    def snapshot(self, cache: list) -> dict:
+        """The recurrent layers' state before a verify (array references: cheap)."""
+        return {i: [list(s) if isinstance(s, list) else s for s in cache[i].state]
+                for i in self.recurrent}
+
+    def rollback(self, cache: list, snapshot: dict, kept: int, total: int) -> None:
+        """Make every layer's cache what it would be had the verify fed only `kept` of its
+        `total` rows."""
+        if kept == total:
+            return
+        for i, c in enumerate(cache):
+            if i in snapshot:
+                c.state = snapshot[i]
+                # The installed layer over the kept rows updates the state exactly; its output
+                # is never evaluated, so only the recurrent part is computed.
+                self.layers[i](self._inputs[i][:, :kept], mask=None, cache=c)
+            else:
+                c.trim(total - kept)
