@@ -4,10 +4,28 @@ from . import runtime as _runtime
 
 _runtime.preload_openblas()  # must run before the first `import mlx`
 
-from .config import CheckpointError, DrafterArgs  # noqa: E402
-from .engine import GenerationStats  # noqa: E402
-from .pipeline import Chunk, Generation, Pipeline, load  # noqa: E402
-
 __version__ = "0.1.0"
-__all__ = ["load", "Pipeline", "Generation", "Chunk", "GenerationStats", "DrafterArgs",
-           "CheckpointError"]
+
+# Public names, imported on first use (PEP 562) so that `dflash2-mlx --help`, `doctor` and
+# flag errors answer without importing MLX and mlx-lm (~2 s).
+_EXPORTS = {
+    "load": "pipeline", "Pipeline": "pipeline", "Generation": "pipeline", "Chunk": "pipeline",
+    "DFlashNotice": "pipeline", "GenerationStats": "engine", "DrafterArgs": "config",
+    "CheckpointError": "config", "load_omlx_settings": "omlx", "OmlxSettings": "omlx",
+    "OmlxSettingsError": "omlx",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'dflash2_mlx' has no attribute '{name}'")
+    from importlib import import_module
+
+    value = getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted([*globals(), *_EXPORTS])

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
+import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from . import runtime
 from .drafter import Drafter
 from .engine import GenerationStats, generate_tokens
 from .kernels import resolve_kernel_path
 from .loading import load_drafter, load_target
+from .omlx import OmlxSettings, OmlxSettingsError
 from .sampling import Sampling
 from .target import TargetAdapter
 
@@ -37,14 +41,22 @@ class Generation:
 
 class Pipeline:
     """A target (an mlx-lm model, usable with mlx-lm's own functions), its tokenizer, and a
-    drafter (None: plain decoding)."""
+    drafter (None: plain decoding).
+
+    block_size: the default runtime block width (None: the drafter's). max_ctx: prompts of at
+    least this many tokens run plain decoding. info: how it was loaded, for `describe()`.
+    """
 
     def __init__(self, target: nn.Module, tokenizer, drafter: Drafter | None = None, *,
-                 prefill_step_size: int = 2048):
+                 prefill_step_size: int = 2048, block_size: int | None = None,
+                 max_ctx: int | None = None, info: dict | None = None):
         self.target = target
         self.tokenizer = tokenizer
         self.drafter = drafter
         self.prefill_step_size = prefill_step_size
+        self.default_block_size = block_size
+        self.max_ctx = max_ctx
+        self.info = dict(info or {})
         self.adapter = TargetAdapter(target, drafter.args.target_layer_ids if drafter else ())
 
     # ---- prompts
@@ -79,11 +91,26 @@ class Pipeline:
                                  "none (plain decoding, block size 1)")
             return 1
         limit = self.drafter.args.block_size
-        b = limit if block_size is None else block_size
+        b = block_size if block_size is not None else self.default_block_size or limit
         if not isinstance(b, int) or not 1 <= b <= limit:
             raise ValueError(f"block_size must be an integer in 1..{limit} (the drafter's "
-                             f"block size), got {block_size!r}")
+                             f"block size), got {b!r}")
         return b
+
+    def describe(self) -> dict:
+        """The effective settings: sources, block size, weight dtypes and quantization as
+        loaded, kernel path (for reports such as the CLI's `--stats-json`)."""
+        d = self.drafter
+        quant = _quantization(d) if d is not None else None
+        return {**self.info, "block_size": self.block_size(None),
+                "drafter_block_size": d.args.block_size if d is not None else None,
+                "max_ctx": self.max_ctx, "dtype": _float_dtypes(self.target),
+                "target_quantized": _quantization(self.target) is not None,
+                "draft_dtype": _float_dtypes(d) if d is not None else None,
+                "draft_bits": (quant or {}).get("bits", 16) if d is not None else None,
+                "draft_group_size": (quant or {}).get("group_size"),
+                "draft_quantized_layers": (quant or {}).get("layers", 0),
+                "kernels": d.kernels if d is not None else None}
 
     # ---- generation
     def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 256,
@@ -97,6 +124,10 @@ class Pipeline:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         ids = self.encode(prompt, chat_template, system)
+        if self.max_ctx is not None and len(ids) >= self.max_ctx and b > 1:
+            _notice(f"the prompt has {len(ids)} tokens, at or beyond max_ctx={self.max_ctx}: "
+                    "plain target decoding")
+            b = 1
         stop_ids = set(self.tokenizer.eos_token_ids) | {int(t) for t in stop_tokens}
         stats = GenerationStats()
         detok = self.tokenizer.detokenizer
@@ -127,24 +158,101 @@ class Pipeline:
         return Generation("".join(text), tokens, stats, finish)
 
 
-def load(model: str, draft: str | None = None, *, draft_bits: int | None = None,
-         draft_group_size: int = 64, dtype=None, kernels: str | None = None) -> Pipeline:
+def _float_dtypes(model: nn.Module) -> str:
+    """'float32', or e.g. 'bfloat16+float32' when float parameters are mixed."""
+    names = {str(v.dtype).rsplit(".", 1)[-1] for _, v in tree_flatten(model.parameters())
+             if mx.issubdtype(v.dtype, mx.floating)}
+    return "+".join(sorted(names))
+
+
+def _quantization(model: nn.Module) -> dict | None:
+    """{"bits", "group_size", "layers"} of a model's quantized layers, None when it has none."""
+    layers = [m for _, m in model.named_modules()
+              if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+    if not layers:
+        return None
+    return {"bits": layers[0].bits, "group_size": layers[0].group_size, "layers": len(layers)}
+
+
+class DFlashNotice(UserWarning):
+    """Something the user should know about how a generation runs (a fallback, an override)."""
+
+
+def _notice(message: str) -> None:
+    warnings.warn(message, DFlashNotice, stacklevel=3)
+
+
+def _drafting_plan(draft: str | None, settings: OmlxSettings | None) -> str | None:
+    """Which drafter an oMLX entry asks for, given an explicit `draft` (which wins)."""
+    if settings is None:
+        return draft
+    if settings.verify_mode == "ddtree":
+        raise OmlxSettingsError(f"{settings.where('dflash_verify_mode')} = \"ddtree\": DDTree "
+                                "verification is not supported by dflash2-mlx; use \"dflash\", "
+                                "\"adaptive\" or \"off\"")
+    why = ("dflash_enabled is false" if not settings.enabled else
+           "dflash_verify_mode is \"off\"" if settings.verify_mode == "off" else None)
+    if why and draft is not None:
+        _notice(f"{settings.source}: model '{settings.model_id}': {why}, but a drafter was "
+                f"given explicitly ({draft}): using it")
+        return draft
+    if why:
+        _notice(f"{settings.source}: model '{settings.model_id}': {why}: plain target decoding")
+        return None
+    draft = draft if draft is not None else settings.draft_model
+    if draft is None:
+        raise OmlxSettingsError(f"{settings.where('dflash_draft_model')} is not set and no "
+                                "drafter was given (--draft / draft=)")
+    if settings.verify_mode == "adaptive":
+        _notice(f"{settings.where('dflash_verify_mode')} = \"adaptive\": adaptive block sizes "
+                "are not available yet; running a fixed block size")
+    return draft
+
+
+def load(model: str, draft: str | None = None, *, settings: OmlxSettings | None = None,
+         draft_bits: int | None = None, draft_group_size: int | None = None, dtype=None,
+         kernels: str | None = None, progress: Callable[[str], object] | None = None) -> Pipeline:
     """Load a target (mlx-lm folder, hub id or .gguf file) and a DFlash / DFlash 2 drafter.
 
-    dtype: weight dtype ("float32", "bfloat16", ...); default float32 on CPU (quantized targets
-    dequantized, since fp32 runs through BLAS) and the checkpoint's own on Metal.
-    draft_bits: None (unquantized), 4 or 8. kernels: "metal", "ops" or None (auto).
+    Precision defaults (`runtime.resolve_precision`): on Metal weights stay as stored
+    (quantized targets stay quantized) and the drafter is quantized to 4 bits, group size 64;
+    on the CPU backend target and drafter are float32 (quantized targets dequantized), since
+    fp32 matmuls run through BLAS and quantized ones do not.
+    dtype: "float32" | "float16" | "bfloat16" overrides the float dtype of both.
+    draft_bits: 4 | 8 | 16 (16: unquantized); draft_group_size: 32 | 64 | 128.
+    settings: one model's oMLX settings (`load_omlx_settings`); explicit arguments override it.
+    kernels: "metal", "ops" or None (auto). progress: called with one line per loading step.
+    Notices (fallbacks, overrides) are issued as `DFlashNotice` warnings.
     """
-    dtype = runtime.parse_dtype(dtype)
-    on_metal = runtime.on_metal()
-    if dtype is None and not on_metal:
-        dtype = runtime.default_dtype()
-    target, tokenizer, _ = load_target(model, dtype, keep_quantized=on_metal)
+    say = progress or (lambda _line: None)
+    draft = _drafting_plan(draft, settings)
+    s = settings or OmlxSettings(model_id=str(model))
+    draft_dtype = {16: "bfloat16", 32: "float32"}.get(s.draft_activation_bits)
+    p = runtime.resolve_precision(dtype, s.draft_bits if draft_bits is None else draft_bits,
+                                  draft_group_size or s.draft_group_size,
+                                  None if dtype is not None else draft_dtype)
+    path = resolve_kernel_path(kernels) if draft is not None else None
+    say(f"loading target {model} ({p.dtype or 'weights as stored'}) ...")
+    target, tokenizer, _ = load_target(model, runtime.parse_dtype(p.dtype),
+                                       keep_quantized=p.keep_quantized)
     drafter = None
     if draft is not None:
+        bits = f"{p.draft_bits}-bit, group size {p.draft_group_size}" if p.draft_bits else \
+            "unquantized"
+        say(f"loading drafter {draft} ({bits}, {p.draft_dtype or 'as stored'}) ...")
         adapter = TargetAdapter(target)
         drafter = load_drafter(draft, hidden_size=adapter.hidden_size,
                                vocab_size=adapter.vocab_size, num_layers=adapter.num_layers,
-                               dtype=dtype, bits=draft_bits, group_size=draft_group_size)
-        drafter.kernels = resolve_kernel_path(kernels)
-    return Pipeline(target, tokenizer, drafter)
+                               dtype=runtime.parse_dtype(p.draft_dtype), bits=p.draft_bits,
+                               group_size=p.draft_group_size)
+        drafter.kernels = path
+        if s.block_size is not None and s.block_size > drafter.args.block_size:
+            raise OmlxSettingsError(f"{s.where('dflash_block_size')} = {s.block_size} exceeds "
+                                    f"the drafter's block size {drafter.args.block_size} "
+                                    f"({draft})")
+    info = {"model": str(model), "draft": None if draft is None else str(draft),
+            "backend": p.backend, "verify_mode": "dflash" if drafter is not None else "off",
+            "omlx_settings": settings.source if settings else None,
+            "model_id": settings.model_id if settings else None}
+    return Pipeline(target, tokenizer, drafter, block_size=s.block_size, max_ctx=s.max_ctx,
+                    info=info)

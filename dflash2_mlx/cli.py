@@ -1,0 +1,352 @@
+"""The `dflash2-mlx` command: `generate`, `doctor`, and `train` when the training package is
+installed.
+
+A thin layer over the Python API (`dflash2_mlx.load`, `Pipeline.stream`): parse flags, load,
+stream, print. MLX and mlx-lm are imported inside the commands, so `--help`, flag errors and
+oMLX settings errors answer before anything heavy loads. Errors print one line
+(`dflash2-mlx: error: ...`) and exit non-zero; `--verbose` adds the traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from . import __version__, runtime
+
+PROG = "dflash2-mlx"
+# typer >= 0.26 vendors click; the base class of its usage errors is found the same way in both.
+_CLICK_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+OPTIONAL_VALUE_FLAGS = {"--omlx-settings": ""}     # flag given without a value -> this value
+
+app = typer.Typer(name=PROG, add_completion=False, no_args_is_help=True,
+                  pretty_exceptions_enable=False,
+                  help="Exact speculative decoding with DFlash / DFlash 2 drafters on MLX.")
+
+
+# --------------------------------------------------------------------------- helpers
+
+def _say(line: str) -> None:
+    print(f"{PROG}: {line}", file=sys.stderr, flush=True)
+
+
+def _show_notice(message, category, filename, lineno, file=None, line=None):
+    if category.__name__ == "DFlashNotice":
+        _say(f"note: {message}")
+    else:
+        _original_showwarning(message, category, filename, lineno, file, line)
+
+
+_original_showwarning = warnings.showwarning
+
+
+@contextlib.contextmanager
+def _errors(verbose: bool):
+    """One line per error and a non-zero exit; the traceback only with --verbose."""
+    try:
+        yield
+    except (typer.Exit, _CLICK_ERROR):
+        raise
+    except KeyboardInterrupt:
+        _say("interrupted")
+        raise typer.Exit(130)
+    except BrokenPipeError:   # e.g. `| head`: the reader left; nothing more to say
+        sys.stdout = open(os.devnull, "w")
+        raise typer.Exit(141)
+    except Exception as e:  # noqa: BLE001 - reported with its type and message, never hidden
+        if verbose:
+            traceback.print_exc()
+        expected = isinstance(e, (ValueError, OSError, RuntimeError, ImportError))
+        message = str(e) if expected and str(e) else f"{type(e).__name__}: {e}"
+        hint = "" if expected or verbose else " (run with --verbose for the traceback)"
+        _say(f"error: {message}{hint}")
+        raise typer.Exit(1)
+
+
+def _choice(allowed: tuple, convert=str):
+    """A callback accepting only `allowed` (None passes); click names the flag in the error."""
+    def check(value):
+        if value is None:
+            return None
+        try:
+            converted = convert(value)
+        except ValueError:
+            converted = None
+        if converted not in allowed:
+            raise typer.BadParameter(f"{value!r} is not one of {', '.join(map(str, allowed))}")
+        return converted
+    return check
+
+
+def _top_p(value: float) -> float:
+    if not 0 < value <= 1:
+        raise typer.BadParameter(f"{value} is not in (0, 1]")
+    return value
+
+
+def _default_pair() -> tuple[str, str]:
+    """The embedded default (target, drafter), from `dflash2_mlx.defaults`."""
+    try:
+        from .defaults import default_pair
+    except ImportError as e:
+        if e.name and not e.name.startswith("dflash2_mlx.defaults"):
+            raise
+        raise ValueError("no --model given and no embedded default model is installed in this "
+                         "version; pass --model (and --draft)") from e
+    target, drafter = default_pair()
+    return str(target), str(drafter)
+
+
+def _openblas_hint() -> None:
+    """On Linux without OpenBLAS, say how to install it (fp32 matmuls are 17-47x faster)."""
+    if (sys.platform.startswith("linux") and os.environ.get(runtime.DISABLE_ENV) != "1"
+            and not runtime.openblas_loaded() and runtime.find_openblas() is None):
+        _say("note: OpenBLAS is not installed, so float32 matmuls run 20-40x slower; install "
+             f"it with: {runtime.OPENBLAS_INSTALL_HINT}")
+
+
+def _summary(stats, pipe) -> str:
+    tail = (f"tau {stats.tau:.2f} over {stats.cycles} cycles, block size {stats.block_size}"
+            if stats.cycles else "plain decoding (block size 1)")
+    return (f"{stats.generated_tokens} tokens, {stats.decode_tps:.1f} tok/s decode, {tail}, "
+            f"prefill {stats.prefill_s:.2f} s for {stats.prompt_tokens} prompt tokens")
+
+
+# --------------------------------------------------------------------------- generate
+
+@app.command()
+def generate(
+    model: Optional[str] = typer.Option(
+        None, "--model", help="Target: mlx-lm model folder, hub id or .gguf file "
+        "[default: the embedded default]"),
+    draft: Optional[str] = typer.Option(
+        None, "--draft", "--draft-model", help="DFlash / DFlash 2 drafter folder or hub id "
+        "[default: the oMLX setting, or the embedded default's]"),
+    prompt: str = typer.Option("hello", "--prompt", "-p", help="Prompt text; '-' reads stdin"),
+    system: Optional[str] = typer.Option(None, "--system", "--system-prompt",
+                                         help="System message (with a chat template)"),
+    max_tokens: int = typer.Option(256, "--max-tokens", "-m", min=1,
+                                   help="Most tokens to generate"),
+    temp: float = typer.Option(0.0, "--temp", min=0.0, help="Temperature; 0 = greedy"),
+    top_p: float = typer.Option(1.0, "--top-p", callback=_top_p, help="Nucleus mass in (0, 1]"),
+    top_k: int = typer.Option(0, "--top-k", min=0, help="Keep the k likeliest; 0 = all"),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling"),
+    block_size: Optional[int] = typer.Option(
+        None, "--block-size", min=1, help="Draft/verify tokens per cycle, 1..the drafter's "
+        "[default: oMLX setting, else the drafter's]"),
+    draft_bits: Optional[str] = typer.Option(
+        None, "--draft-bits", callback=_choice(runtime.DRAFT_BITS, int),
+        metavar="{4,8,16}", help="Drafter weight bits; 16 = unquantized "
+        "[default: 4 on Metal, 16 on CPU]"),
+    draft_group_size: Optional[str] = typer.Option(
+        None, "--draft-group-size", metavar="{32,64,128}",
+        callback=_choice(runtime.DRAFT_GROUP_SIZES, int),
+        help="Quantization group size [default: 64]"),
+    dtype: Optional[str] = typer.Option(
+        None, "--dtype", callback=_choice(runtime.DTYPES),
+        metavar="{float32,float16,bfloat16}",
+        help="Float weight dtype [default: float32 on CPU, as stored on Metal]"),
+    no_chat_template: bool = typer.Option(False, "--no-chat-template", "--ignore-chat-template",
+                                          help="Use the prompt as raw text"),
+    omlx_settings: Optional[str] = typer.Option(
+        None, "--omlx-settings", metavar="[PATH]", help="Read oMLX's model_settings.json "
+        "(PATH, or $OMLX_BASE_PATH/~/.omlx when no PATH is given); flags override it"),
+    model_id: Optional[str] = typer.Option(None, "--model-id",
+                                           help="Entry in the oMLX settings [default: --model]"),
+    stats_json: Optional[Path] = typer.Option(None, "--stats-json", metavar="PATH",
+                                              help="Write statistics and effective settings"),
+    verbose: bool = typer.Option(False, "--verbose", help="Effective settings, tracebacks"),
+):
+    """Generate text; it streams to stdout, one summary line goes to stderr."""
+    with _errors(verbose):
+        settings = None
+        default_draft = None
+        with contextlib.redirect_stdout(sys.stderr):       # downloads may print progress
+            if model is None:
+                model, default_draft = _default_pair()
+        if omlx_settings is not None:
+            from .omlx import load_omlx_settings
+
+            settings = load_omlx_settings(omlx_settings or None, model_id=model_id or model)
+            if default_draft and settings.draft_model is None:
+                settings = dataclasses.replace(settings, draft_model=default_draft)
+        elif draft is None:
+            draft = default_draft
+        text = sys.stdin.read() if prompt == "-" else prompt
+        if not text:
+            raise ValueError("--prompt -: standard input was empty")
+        _openblas_hint()
+
+        from .pipeline import load
+
+        tic = time.perf_counter()
+        with contextlib.redirect_stdout(sys.stderr):
+            pipe = load(model, draft, settings=settings, draft_bits=draft_bits,
+                        draft_group_size=draft_group_size, dtype=dtype, progress=_say)
+        try:
+            pipe.block_size(block_size)
+        except ValueError as e:
+            raise ValueError(f"--block-size {block_size}: {e}") from e
+        if pipe.drafter is None and settings is None:
+            _say("note: no drafter (--draft): plain target decoding")
+        _say(f"ready in {time.perf_counter() - tic:.1f} s")
+        if verbose:
+            _say("settings " + json.dumps(pipe.describe()))
+
+        chunk = None
+        for chunk in pipe.stream(text, max_tokens=max_tokens, temperature=temp, top_p=top_p,
+                                 top_k=top_k, seed=seed, block_size=block_size,
+                                 chat_template=False if no_chat_template else None,
+                                 system=system):
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        _say(_summary(chunk.stats, pipe))
+        if stats_json is not None:
+            report = {**chunk.stats.to_dict(), "finish_reason": chunk.finish_reason,
+                      "settings": pipe.describe()}
+            stats_json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+# --------------------------------------------------------------------------- doctor
+
+def _folder_size(path: Path) -> str:
+    if not path.exists():
+        return "absent"
+    total = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return f"{total / 1e6:.0f} MB"
+
+
+@app.command()
+def doctor(verbose: bool = typer.Option(False, "--verbose", help="Tracebacks")):
+    """MLX version and backend, OpenBLAS, kernel path, precision defaults, cache locations."""
+    with _errors(verbose):
+        from importlib.metadata import PackageNotFoundError, version
+
+        import mlx.core as mx
+
+        from .assets import resolve_cache_dir
+        from .kernels import resolve_kernel_path
+        from .omlx import default_settings_path
+
+        def row(name, value):
+            print(f"{name:<14}{value}")
+
+        def pkg(name):
+            try:
+                return version(name)
+            except PackageNotFoundError:
+                return "not installed"
+
+        metal = runtime.on_metal()
+        row(PROG, f"{__version__} ({Path(__file__).parent})")
+        row("python", f"{platform.python_version()} ({sys.executable})")
+        row("platform", f"{platform.system()} {platform.machine()}")
+        row("mlx", f"{mx.__version__}, backend {'Metal (GPU)' if metal else 'CPU'}"
+            f"{'' if mx.metal.is_available() else ' (Metal not available)'}")
+        row("mlx-lm", pkg("mlx-lm"))
+        if sys.platform.startswith("linux"):
+            lib = runtime.find_openblas()
+            state = ("active" if runtime.openblas_loaded() else
+                     f"installed at {lib} but not loaded" if lib else
+                     f"missing: install it with `{runtime.OPENBLAS_INSTALL_HINT}`")
+            row("openblas", state + (f" ({lib})" if runtime.openblas_loaded() and lib else ""))
+        a = mx.random.normal((512, 512))
+        mx.eval(a @ a)
+        tic = time.perf_counter()
+        for _ in range(5):
+            mx.eval(a @ a)
+        row("fp32 matmul", f"{5 * 2 * 512 ** 3 / (time.perf_counter() - tic) / 1e9:.0f} GFLOP/s "
+            "(512 x 512)")
+        try:
+            kernels = resolve_kernel_path(None)
+            kernels = {"metal": "metal (custom Metal kernels)",
+                       "ops": "ops (MLX-ops twins, compiled)"}[kernels]
+        except (ValueError, RuntimeError) as e:
+            kernels = f"error: {e}"
+        row("kernels", kernels)
+        p = runtime.resolve_precision(metal=metal)
+        row("precision", f"target {p.dtype or 'as stored'}"
+            f"{'' if p.keep_quantized else ' (quantized layers dequantized)'}, drafter "
+            f"{f'{p.draft_bits}-bit g{p.draft_group_size}' if p.draft_bits else 'unquantized'}"
+            f" {p.draft_dtype or ''}".rstrip() + " (--dtype / --draft-bits override)")
+        try:
+            from . import defaults  # noqa: F401
+            row("default model", "installed (dflash2_mlx.defaults)")
+        except ImportError:
+            row("default model", "not installed in this version (pass --model)")
+        cache = resolve_cache_dir()
+        hf = os.environ.get("HF_HUB_CACHE") or str(
+            Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hub")
+        omlx = default_settings_path()
+        row("cache", f"{cache} ({_folder_size(cache)}; set $DFLASH2_CACHE to move it)")
+        row("hub cache", f"{hf} ({_folder_size(Path(hf))})")
+        row("omlx settings", f"{omlx} ({'present' if omlx.is_file() else 'absent'})")
+
+
+# --------------------------------------------------------------------------- train (optional)
+
+@app.command("train", add_help_option=False,
+             context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+             help="Train a drafter (when the training package is installed; see train --help).")
+def train(ctx: typer.Context):
+    try:
+        from .train.command import train_command
+    except ImportError as e:
+        if e.name and not e.name.startswith("dflash2_mlx.train"):
+            raise
+        _say("error: `train` is not available in this version (dflash2_mlx.train is missing)")
+        raise typer.Exit(1)
+    sub = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    sub.command()(train_command)
+    return _run(sub, list(ctx.args), f"{PROG} train")
+
+
+# --------------------------------------------------------------------------- entry point
+
+def _optional_values(args: list[str]) -> list[str]:
+    """`--omlx-settings` may come without a value (typer has no optional-value options):
+    give it an explicit empty one when the next word is another flag or there is none."""
+    out = []
+    for i, arg in enumerate(args):
+        nxt = args[i + 1] if i + 1 < len(args) else None
+        if arg in OPTIONAL_VALUE_FLAGS and (nxt is None or (nxt.startswith("-") and nxt != "-")):
+            arg = f"{arg}={OPTIONAL_VALUE_FLAGS[arg]}"
+        out.append(arg)
+    return out
+
+
+def _run(typer_app: typer.Typer, args: list[str], prog: str) -> int:
+    command = typer.main.get_command(typer_app)
+    try:
+        code = command.main(args=args, prog_name=prog, standalone_mode=False)
+    except _CLICK_ERROR as e:
+        where = e.ctx.command_path if getattr(e, "ctx", None) else prog
+        print(f"{where}: error: {e.format_message()} (see {where} --help)", file=sys.stderr)
+        return e.exit_code
+    except typer.Abort:
+        return 130
+    return code if isinstance(code, int) else 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    runtime.reexec_with_openblas()   # Linux: OpenBLAS installed but not loaded -> relaunch
+    warnings.showwarning = _show_notice
+    args = _optional_values(list(sys.argv[1:] if argv is None else argv))
+    sys.exit(_run(app, args, PROG))
+
+
+if __name__ == "__main__":
+    main()
