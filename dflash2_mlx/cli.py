@@ -181,6 +181,7 @@ def generate(
             settings = load_omlx_settings(omlx_settings or None, model_id=model_id or model)
             if default_draft and settings.draft_model is None:
                 settings = dataclasses.replace(settings, draft_model=default_draft)
+            settings.check(draft)        # fail before loading anything
         elif draft is None:
             draft = default_draft
         text = sys.stdin.read() if prompt == "-" else prompt

@@ -55,6 +55,17 @@ class OmlxSettings:
         """False when the file turns DFlash off (`dflash_enabled` false or verify mode "off")."""
         return self.enabled and self.verify_mode != "off"
 
+    def check(self, draft: str | None = None) -> None:
+        """The errors found without loading anything: an unsupported verify mode, or DFlash on
+        with no drafter (`draft` is one given explicitly)."""
+        if self.verify_mode == "ddtree":
+            raise OmlxSettingsError(f"{self.where('dflash_verify_mode')} = \"ddtree\": DDTree "
+                                    "verification is not supported by dflash2-mlx; use "
+                                    "\"dflash\", \"adaptive\" or \"off\"")
+        if self.drafting and draft is None and self.draft_model is None:
+            raise OmlxSettingsError(f"{self.where('dflash_draft_model')} is not set and no "
+                                    "drafter was given (--draft / draft=)")
+
     def to_dict(self) -> dict:
         return asdict(self)
 

@@ -186,10 +186,7 @@ def _drafting_plan(draft: str | None, settings: OmlxSettings | None) -> str | No
     """Which drafter an oMLX entry asks for, given an explicit `draft` (which wins)."""
     if settings is None:
         return draft
-    if settings.verify_mode == "ddtree":
-        raise OmlxSettingsError(f"{settings.where('dflash_verify_mode')} = \"ddtree\": DDTree "
-                                "verification is not supported by dflash2-mlx; use \"dflash\", "
-                                "\"adaptive\" or \"off\"")
+    settings.check(draft)
     why = ("dflash_enabled is false" if not settings.enabled else
            "dflash_verify_mode is \"off\"" if settings.verify_mode == "off" else None)
     if why and draft is not None:
@@ -200,9 +197,6 @@ def _drafting_plan(draft: str | None, settings: OmlxSettings | None) -> str | No
         _notice(f"{settings.source}: model '{settings.model_id}': {why}: plain target decoding")
         return None
     draft = draft if draft is not None else settings.draft_model
-    if draft is None:
-        raise OmlxSettingsError(f"{settings.where('dflash_draft_model')} is not set and no "
-                                "drafter was given (--draft / draft=)")
     if settings.verify_mode == "adaptive":
         _notice(f"{settings.where('dflash_verify_mode')} = \"adaptive\": adaptive block sizes "
                 "are not available yet; running a fixed block size")
