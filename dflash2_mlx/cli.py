@@ -129,10 +129,10 @@ def _summary(stats, pipe) -> str:
 def generate(
     model: Optional[str] = typer.Option(
         None, "--model", help="Target: mlx-lm model folder, hub id or .gguf file "
-        "[default: the embedded default]"),
+        "(default: the embedded default)"),
     draft: Optional[str] = typer.Option(
         None, "--draft", "--draft-model", help="DFlash / DFlash 2 drafter folder or hub id "
-        "[default: the oMLX setting, or the embedded default's]"),
+        "(default: the oMLX setting, else the embedded default's)"),
     prompt: str = typer.Option("hello", "--prompt", "-p", help="Prompt text; '-' reads stdin"),
     system: Optional[str] = typer.Option(None, "--system", "--system-prompt",
                                          help="System message (with a chat template)"),
@@ -144,26 +144,26 @@ def generate(
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling"),
     block_size: Optional[int] = typer.Option(
         None, "--block-size", min=1, help="Draft/verify tokens per cycle, 1..the drafter's "
-        "[default: oMLX setting, else the drafter's]"),
+        "(default: the oMLX setting, else the drafter's)"),
     draft_bits: Optional[str] = typer.Option(
         None, "--draft-bits", callback=_choice(runtime.DRAFT_BITS, int),
         metavar="{4,8,16}", help="Drafter weight bits; 16 = unquantized "
-        "[default: 4 on Metal, 16 on CPU]"),
+        "(default: 4 on Metal, 16 on CPU)"),
     draft_group_size: Optional[str] = typer.Option(
         None, "--draft-group-size", metavar="{32,64,128}",
         callback=_choice(runtime.DRAFT_GROUP_SIZES, int),
-        help="Quantization group size [default: 64]"),
+        help="Quantization group size (default: 64)"),
     dtype: Optional[str] = typer.Option(
         None, "--dtype", callback=_choice(runtime.DTYPES),
         metavar="{float32,float16,bfloat16}",
-        help="Float weight dtype [default: float32 on CPU, as stored on Metal]"),
+        help="Float weight dtype (default: float32 on CPU, as stored on Metal)"),
     no_chat_template: bool = typer.Option(False, "--no-chat-template", "--ignore-chat-template",
                                           help="Use the prompt as raw text"),
     omlx_settings: Optional[str] = typer.Option(
         None, "--omlx-settings", metavar="[PATH]", help="Read oMLX's model_settings.json "
         "(PATH, or $OMLX_BASE_PATH/~/.omlx when no PATH is given); flags override it"),
     model_id: Optional[str] = typer.Option(None, "--model-id",
-                                           help="Entry in the oMLX settings [default: --model]"),
+                                           help="Entry in the oMLX settings (default: --model)"),
     stats_json: Optional[Path] = typer.Option(None, "--stats-json", metavar="PATH",
                                               help="Write statistics and effective settings"),
     verbose: bool = typer.Option(False, "--verbose", help="Effective settings, tracebacks"),

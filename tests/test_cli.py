@@ -213,3 +213,32 @@ def test_doctor_help_and_missing_defaults():
     except ImportError:
         assert no_model.returncode == 1
         assert "no embedded default model is installed" in no_model.stderr
+
+
+def test_train_is_registered_lazily(monkeypatch, capsys):
+    """`dflash2-mlx train ...` hands its arguments to `dflash2_mlx.train.command.train_command`
+    (owned by the training package) when it exists; a clear error when it does not."""
+    import types
+
+    import typer
+
+    from dflash2_mlx import cli
+
+    def train_command(steps: int = typer.Option(1, "--steps", min=1, help="Steps to run")):
+        print(f"training for {steps} steps")
+
+    fake = types.ModuleType("dflash2_mlx.train.command")
+    fake.train_command = train_command
+    monkeypatch.setitem(sys.modules, "dflash2_mlx.train.command", fake)
+    for argv, code, out, err in ((["train", "--steps", "3"], 0, "training for 3 steps", ""),
+                                 (["train", "--help"], 0, "--steps", ""),
+                                 (["train", "--steps", "0"], 2, "", "--steps")):
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        captured = capsys.readouterr()
+        assert e.value.code == code and out in captured.out and err in captured.err
+        assert len(lines(captured.err)) == (1 if err else 0)
+    monkeypatch.setitem(sys.modules, "dflash2_mlx.train.command", None)   # import fails
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train"])
+    assert e.value.code == 1 and "`train` is not available" in capsys.readouterr().err
