@@ -1,0 +1,74 @@
+"""`dflash2-mlx train`: the typer-annotated entry point (registered by the CLI).
+
+Only typer is imported at module level; everything heavy loads when the command runs.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+    except ValueError:
+        raise typer.BadParameter(f"{flag} takes comma-separated integers, got {text!r}")
+
+
+def train_command(
+    run: str = typer.Option(..., "--run", help="Run folder: every stage resumes from it."),
+    model: Optional[str] = typer.Option(None, "--model", help="Target (mlx-lm folder, hub id or "
+                                        ".gguf); default: the embedded SmolLM2-135M-Instruct."),
+    data: Optional[str] = typer.Option(None, "--data", help="Train on an existing feature store "
+                                       "instead of generating one in <run>/data."),
+    out: Optional[str] = typer.Option(None, "--out", help="Export folder (default <run>/drafter)."),
+    stdlib_functions: int = typer.Option(400, help="Prompts: stdlib signatures + docstrings."),
+    stdlib_tasks: int = typer.Option(150, help="Prompts: 'write a function that ...'."),
+    pydoc_topics: int = typer.Option(40, help="Prompts: CPython documentation topics."),
+    self_chat: int = typer.Option(32, help="Prompts: user turns sampled from the target."),
+    sampled_fraction: float = typer.Option(0.25, help="Share of prompts also answered at T=1."),
+    max_prompt_tokens: int = typer.Option(320),
+    max_new_tokens: int = typer.Option(160),
+    gen_batch: int = typer.Option(16, help="Sequences per generation batch."),
+    layers: int = typer.Option(2, help="Drafter depth."),
+    block_size: int = typer.Option(8),
+    target_layer_ids: str = typer.Option("1,8,15,22,27", help="Target layers the drafter reads."),
+    mask_token_id: Optional[int] = typer.Option(None, help="Default: 16 for SmolLM2."),
+    conv: bool = typer.Option(True, "--conv/--no-conv", help="DFlash 2 short convolution."),
+    selector: bool = typer.Option(True, "--selector/--no-selector", help="DFlash 2 selector."),
+    selector_rank: int = typer.Option(128),
+    init_from_target: bool = typer.Option(True, "--init-from-target/--random-init"),
+    steps: int = typer.Option(1500),
+    lr: float = typer.Option(6e-4),
+    seqs: int = typer.Option(4, help="Sequences per step."),
+    anchors: int = typer.Option(96, help="Random anchors per sequence per step."),
+    gamma: Optional[float] = typer.Option(None, help="Position decay (default 4 for b=8)."),
+    soft: float = typer.Option(0.5, help="Weight of the distillation term (0: hard labels)."),
+    ckpt_every: int = typer.Option(100),
+    seed: int = typer.Option(0),
+    bits: Optional[int] = typer.Option(None, help="Export quantized: 4 or 8."),
+    stop_after: str = typer.Option("export", help="data | train | export"),
+):
+    """Train a DFlash / DFlash 2 drafter for a target: prompts -> target responses with features
+    -> training -> export (resumable at every stage)."""
+    if stop_after not in ("data", "train", "export"):
+        raise typer.BadParameter(f"--stop-after must be data, train or export, got {stop_after!r}")
+    if bits not in (None, 4, 8):
+        raise typer.BadParameter(f"--bits must be 4 or 8, got {bits}")
+    from .recipe import Recipe, run_recipe
+
+    recipe = Recipe(
+        run=run, model=model, data=data, out=out,
+        counts={"stdlib_function": stdlib_functions, "stdlib_task": stdlib_tasks,
+                "pydoc_topic": pydoc_topics, "self_chat": self_chat},
+        sampled_fraction=sampled_fraction, max_prompt_tokens=max_prompt_tokens,
+        max_new_tokens=max_new_tokens, gen_batch=gen_batch, layers=layers,
+        block_size=block_size, target_layer_ids=_ints(target_layer_ids, "--target-layer-ids"),
+        mask_token_id=mask_token_id, conv=conv, selector=selector, selector_rank=selector_rank,
+        init_from_target=init_from_target, steps=steps, lr=lr, seqs=seqs, anchors=anchors,
+        gamma=gamma, soft=soft, ckpt_every=ckpt_every, seed=seed, bits=bits,
+        stop_after=stop_after)
+    folder = run_recipe(recipe, log=lambda line: typer.echo(line, err=True))
+    typer.echo(str(folder))

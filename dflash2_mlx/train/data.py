@@ -1,0 +1,383 @@
+"""Target responses with their features, generated in batches and kept on disk.
+
+`generate_store(...)` answers prompts with the TARGET (greedy and/or sampled) and writes, per
+batch, one shard of a `FeatureStore` folder:
+
+  NNNNN.tokens.npy   uint16 [sum T]        prompt + response ids of each sequence, concatenated
+  NNNNN.index.npy    int64  [n, 3]         (start, prompt length, total length T) per sequence
+  NNNNN.feats.npy    fp16   [sum (T-1), F] features of the chosen target layers at positions
+                                           0..T-2 (the last token is never fed to the target)
+  NNNNN.topk_ids.npy uint16 [sum R, k]     the target's top-k next-token ids for each response
+  NNNNN.topk_lp.npy  fp16   [sum R, k]     token (R = T - prompt length) and their log-probs
+  manifest.json      layer ids, hidden size, k, vocabulary size, the finished shards
+
+Features are captured during generation (the prefill gives the prompt's, each decode step the
+fed token's), never in a second pass. Shards are written atomically and skipped when present,
+so an interrupted run continues where it stopped. `capture_store` fills a store from token ids
+alone (one teacher-forced forward per sequence), for data committed as ids only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+MANIFEST = "manifest.json"
+SHARD_FILES = ("tokens", "index", "feats", "topk_ids", "topk_lp")
+
+
+@dataclass
+class GenConfig:
+    """How the target answers: `temperature` 0 is greedy."""
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    batch_size: int = 16
+    topk: int = 16
+    prefill_chunk: int = 128     # prompt rows per prefill forward (bounds the logits' memory)
+    seed: int = 0
+
+
+@dataclass
+class Sequence_:
+    tokens: np.ndarray       # uint16 [T]
+    prompt_len: int
+    feats: np.ndarray        # fp16 [T-1, F]
+    topk_ids: np.ndarray     # uint16 [T-prompt_len, k]
+    topk_lp: np.ndarray      # fp16 [T-prompt_len, k]
+
+
+# --------------------------------------------------------------------------- generation
+
+def _topk(logits, k: int):
+    """logits [B, V] (mx) -> ids [B, k] uint16, log-probs [B, k] fp16, as numpy; descending."""
+    import mlx.core as mx
+
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    ids = mx.argpartition(-logp, k - 1, axis=-1)[:, :k]
+    lp = mx.take_along_axis(logp, ids, axis=-1)
+    order = mx.argsort(-lp, axis=-1)
+    ids, lp = mx.take_along_axis(ids, order, -1), mx.take_along_axis(lp, order, -1)
+    return ids.astype(mx.uint16), lp.astype(mx.float16), logp
+
+
+def generate_batch(adapter, prompts: Sequence[Sequence[int]], cfg: GenConfig, stop_ids: set[int],
+                   key=None) -> list[Sequence_]:
+    """Answer `prompts` (token ids) in one batch with the target, capturing features.
+
+    `adapter` is a `TargetAdapter` built with the layer ids to capture. Prompts are left-padded
+    (mlx-lm's BatchKVCache masks the padding and offsets RoPE per row); a finished row leaves
+    the batch. Greedy when cfg.temperature == 0, else sampling from softmax(logits / T).
+    """
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    n = len(prompts)
+    lens = [len(p) for p in prompts]
+    P = max(lens)
+    pad = [P - l for l in lens]
+    ids = mx.array([[0] * p + list(map(int, q)) for p, q in zip(pad, prompts)], dtype=mx.uint32)
+    cache = [BatchKVCache(pad) for _ in range(adapter.num_layers)]
+    feats_chunks = []
+    for s in range(0, P, cfg.prefill_chunk):
+        logits, feats = adapter.forward(ids[:, s: s + cfg.prefill_chunk], cache)
+        feats_chunks.append(feats.astype(mx.float16))
+        last = logits[:, -1]
+        mx.eval(feats_chunks[-1], last)
+    prompt_feats = np.array(mx.concatenate(feats_chunks, axis=1))          # [n, P, F]
+    key = mx.random.key(cfg.seed) if key is None else key
+
+    out_tokens = [[] for _ in range(n)]
+    out_feats = [[] for _ in range(n)]
+    out_tk = [[] for _ in range(n)]
+    out_lp = [[] for _ in range(n)]
+    active = list(range(n))            # original index of each batch row
+    logits = last
+    while active:
+        tk_ids, tk_lp, logp = _topk(logits, cfg.topk)
+        if cfg.temperature > 0:
+            key, sub = mx.random.split(key)
+            nxt = mx.random.categorical(logp / cfg.temperature, key=sub)
+        else:
+            nxt = mx.argmax(logits, axis=-1)
+        mx.eval(nxt, tk_ids, tk_lp)
+        nxt_np, tk_ids_np, tk_lp_np = np.array(nxt), np.array(tk_ids), np.array(tk_lp)
+        keep = []
+        for row, i in enumerate(active):
+            t = int(nxt_np[row])
+            out_tokens[i].append(t)
+            out_tk[i].append(tk_ids_np[row])
+            out_lp[i].append(tk_lp_np[row])
+            if t not in stop_ids and len(out_tokens[i]) < cfg.max_new_tokens:
+                keep.append(row)
+        if not keep:
+            break
+        if len(keep) < len(active):
+            idx = mx.array(keep)
+            for c in cache:
+                c.filter(idx)
+            nxt = nxt[idx]
+            active = [active[r] for r in keep]
+        logits, feats = adapter.forward(nxt[:, None].astype(mx.uint32), cache)
+        logits = logits[:, -1]
+        f16 = feats[:, 0].astype(mx.float16)
+        mx.eval(f16)
+        f16 = np.array(f16)
+        for row, i in enumerate(active):
+            out_feats[i].append(f16[row])
+
+    result = []
+    for i in range(n):
+        resp = out_tokens[i]
+        tokens = np.array(list(prompts[i]) + resp, dtype=np.uint16)
+        pf = prompt_feats[i, pad[i]:]
+        rf = np.stack(out_feats[i]) if out_feats[i] else np.zeros((0, pf.shape[1]), np.float16)
+        result.append(Sequence_(tokens, lens[i], np.concatenate([pf, rf])[: len(tokens) - 1],
+                                np.stack(out_tk[i]), np.stack(out_lp[i])))
+    return result
+
+
+# --------------------------------------------------------------------------- the on-disk store
+
+class FeatureStore:
+    """A folder of shards (see the module docstring); arrays are memory-mapped on read."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self.manifest = json.loads((self.folder / MANIFEST).read_text())
+        self.layer_ids = tuple(self.manifest["layer_ids"])
+        self.hidden = int(self.manifest["hidden_size"])
+        self.shards = []
+        for name in self.manifest["shards"]:
+            arrays = {k: np.load(self.folder / f"{name}.{k}.npy", mmap_mode="r")
+                      for k in SHARD_FILES}
+            self.shards.append(arrays)
+        self.entries = []               # (shard, row) for every sequence
+        for s, arrays in enumerate(self.shards):
+            self.entries += [(s, r) for r in range(len(arrays["index"]))]
+        self._feat_off = [self._offsets(a["index"], 1) for a in self.shards]
+        self._resp_off = [self._offsets(a["index"], 0) for a in self.shards]
+
+    @staticmethod
+    def _offsets(index: np.ndarray, minus: int) -> np.ndarray:
+        if not len(index):
+            return np.zeros(1, np.int64)
+        lengths = index[:, 2] - (minus if minus else index[:, 1])
+        return np.concatenate([[0], np.cumsum(lengths)])
+
+    @staticmethod
+    def create(folder: str | Path, layer_ids: Sequence[int], hidden_size: int, topk: int,
+               vocab_size: int, extra: dict | None = None) -> "FeatureStore":
+        """Create an empty store, or open an existing one after checking it matches."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / MANIFEST
+        want = {"layer_ids": [int(i) for i in layer_ids], "hidden_size": int(hidden_size),
+                "topk": int(topk), "vocab_size": int(vocab_size)}
+        if path.exists():
+            have = json.loads(path.read_text())
+            for k, v in want.items():
+                if have.get(k) != v:
+                    raise ValueError(f"{path}: existing store has {k}={have.get(k)}, this run "
+                                     f"asks for {v}; use another folder or the same settings")
+        else:
+            _write_json(path, {**want, **(extra or {}), "shards": []})
+        return FeatureStore(folder)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def has_shard(self, name: str) -> bool:
+        return name in self.manifest["shards"]
+
+    def write_shard(self, name: str, seqs: list[Sequence_]) -> None:
+        arrays = {
+            "tokens": np.concatenate([s.tokens for s in seqs]).astype(np.uint16),
+            "index": np.array(_index([len(s.tokens) for s in seqs],
+                                     [s.prompt_len for s in seqs]), np.int64),
+            "feats": np.concatenate([s.feats for s in seqs]).astype(np.float16),
+            "topk_ids": np.concatenate([s.topk_ids for s in seqs]).astype(np.uint16),
+            "topk_lp": np.concatenate([s.topk_lp for s in seqs]).astype(np.float16),
+        }
+        for k, v in arrays.items():
+            tmp = self.folder / f"{name}.{k}.tmp.npy"
+            np.save(tmp, v)
+            os.replace(tmp, self.folder / f"{name}.{k}.npy")
+        manifest = json.loads((self.folder / MANIFEST).read_text())
+        manifest["shards"].append(name)
+        _write_json(self.folder / MANIFEST, manifest)
+        self.__init__(self.folder)
+
+    # ---- reading
+    def tokens(self, i: int) -> np.ndarray:
+        s, r = self.entries[i]
+        start, _, T = self.shards[s]["index"][r]
+        return self.shards[s]["tokens"][start: start + T]
+
+    def prompt_len(self, i: int) -> int:
+        s, r = self.entries[i]
+        return int(self.shards[s]["index"][r][1])
+
+    def feats(self, i: int, layers: Sequence[int] | None = None) -> np.ndarray:
+        """fp16 [T-1, len(layers) * H]: features of the stored layers `layers` (default all)."""
+        s, r = self.entries[i]
+        a, b = self._feat_off[s][r], self._feat_off[s][r + 1]
+        f = self.shards[s]["feats"][a:b]
+        if layers is None or tuple(layers) == self.layer_ids:
+            return f
+        H = self.hidden
+        cols = [self.layer_ids.index(l) for l in layers]
+        return np.concatenate([f[:, c * H:(c + 1) * H] for c in cols], axis=1)
+
+    def topk(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """([R, k] ids, [R, k] log-probs) of the target's distribution for each response token."""
+        s, r = self.entries[i]
+        a, b = self._resp_off[s][r], self._resp_off[s][r + 1]
+        return self.shards[s]["topk_ids"][a:b], self.shards[s]["topk_lp"][a:b]
+
+    def check_layers(self, layers: Sequence[int]) -> None:
+        missing = sorted(set(layers) - set(self.layer_ids))
+        if missing:
+            raise ValueError(f"{self.folder}: target layers {missing} were not captured (the "
+                             f"store holds {list(self.layer_ids)}); regenerate or pick those")
+
+    def stats(self) -> dict:
+        T = sum(int(a["index"][:, 2].sum()) for a in self.shards if len(a["index"]))
+        P = sum(int(a["index"][:, 1].sum()) for a in self.shards if len(a["index"]))
+        return {"sequences": len(self), "tokens": T, "prompt_tokens": P,
+                "response_tokens": T - P}
+
+
+def _index(lengths: list[int], prompt_lens: list[int]) -> list[tuple[int, int, int]]:
+    out, start = [], 0
+    for T, p in zip(lengths, prompt_lens):
+        out.append((start, p, T))
+        start += T
+    return out
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------- driving it
+
+def encode_chat(tokenizer, text: str) -> list[int]:
+    """One user turn through the target's chat template, as `Pipeline.encode` renders it."""
+    msgs = [{"role": "user", "content": text}]
+    rendered = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(rendered, add_special_tokens=False)
+
+
+def plan_batches(prompt_ids: list[list[int]], batch_size: int) -> list[list[int]]:
+    """Indices grouped into batches of similar prompt length (little padding), stable order."""
+    order = sorted(range(len(prompt_ids)), key=lambda i: (len(prompt_ids[i]), i))
+    return [order[i: i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def generate_store(adapter, prompt_ids: list[list[int]], store: FeatureStore, cfg: GenConfig,
+                   stop_ids: set[int], tag: str = "g",
+                   progress: Callable[[Iterable], Iterable] | None = None) -> FeatureStore:
+    """Answer every prompt (ids) with the target and add the results to `store`, one shard per
+    batch named `{tag}{batch:05d}`; shards already there are skipped (resume)."""
+    import mlx.core as mx
+
+    batches = plan_batches(prompt_ids, cfg.batch_size)
+    todo = [(b, idx) for b, idx in enumerate(batches) if not store.has_shard(f"{tag}{b:05d}")]
+    bar = progress(todo) if progress else todo
+    tokens_done, t0 = 0, time.perf_counter()
+    for b, idx in bar:
+        key = mx.random.key(cfg.seed * 100003 + b)
+        seqs = generate_batch(adapter, [prompt_ids[i] for i in idx], cfg, stop_ids, key)
+        store.write_shard(f"{tag}{b:05d}", seqs)
+        tokens_done += sum(len(s.tokens) - s.prompt_len for s in seqs)
+        if hasattr(bar, "set_postfix"):
+            bar.set_postfix(tok_s=f"{tokens_done / (time.perf_counter() - t0):.0f}",
+                            seqs=len(store))
+        mx.clear_cache()
+    return store
+
+
+def sample_user_turns(adapter, tokenizer, n: int, cfg: GenConfig, stop_ids: set[int],
+                      min_chars: int = 20, max_chars: int = 600) -> list[str]:
+    """User turns sampled from the target's own chat template: the rendered prefix up to
+    `<|im_start|>user\\n` is continued by sampling (T = cfg.temperature or 1) until the end of
+    the turn; de-duplicated, length-filtered."""
+    marker = "\x00USER\x00"
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": marker}],
+                                             tokenize=False, add_generation_prompt=False)
+    prefix = tokenizer.encode(rendered.split(marker)[0], add_special_tokens=False)
+    gcfg = GenConfig(max_new_tokens=min(cfg.max_new_tokens, 160),
+                     temperature=cfg.temperature or 1.0, batch_size=cfg.batch_size, topk=1,
+                     seed=cfg.seed + 7)
+    import mlx.core as mx
+
+    out, seen, b = [], set(), 0
+    while len(out) < n and b < 4 * (n // gcfg.batch_size + 1):
+        seqs = generate_batch(adapter, [prefix] * gcfg.batch_size, gcfg, stop_ids,
+                              mx.random.key(gcfg.seed * 7919 + b))
+        b += 1
+        for s in seqs:
+            text = tokenizer.decode([int(t) for t in s.tokens[s.prompt_len:]
+                                     if int(t) not in stop_ids]).strip()
+            if min_chars <= len(text) <= max_chars and text not in seen:
+                seen.add(text)
+                out.append(text)
+    return out[:n]
+
+
+def dedupe(store_folder: str | Path) -> list[int]:
+    """Indices of the sequences to train on: the first of each identical token sequence."""
+    store = FeatureStore(store_folder)
+    seen, keep = set(), []
+    for i in range(len(store)):
+        key = store.tokens(i).tobytes()
+        if key not in seen:
+            seen.add(key)
+            keep.append(i)
+    return keep
+
+
+# --------------------------------------------------------------------------- the data stage
+
+def load_prompt_file(path: Path) -> list[dict]:
+    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+
+
+def build_prompts(path: str | Path, counts: dict[str, int], adapter=None, tokenizer=None,
+                  cfg: GenConfig | None = None, stop_ids: set[int] = frozenset(),
+                  seed: int = 0) -> list[dict]:
+    """Write (once) and return the prompt list `[{"source", "text"}]` at `path` (jsonl).
+
+    `counts` maps a source of `prompts.offline_prompts` to a count; "self_chat" asks for user
+    turns sampled from the target (needs `adapter`, `tokenizer`, `cfg`)."""
+    from .prompts import offline_prompts
+
+    path = Path(path)
+    if path.exists():
+        return load_prompt_file(path)
+    counts = dict(counts)
+    n_chat = counts.pop("self_chat", 0)
+    rows = [{"source": p.source, "text": p.text} for p in offline_prompts(counts, seed)]
+    if n_chat:
+        turns = sample_user_turns(adapter, tokenizer, n_chat, cfg or GenConfig(), set(stop_ids))
+        rows += [{"source": "self_chat", "text": t} for t in turns]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    os.replace(tmp, path)
+    return rows
+
+
+def encode_prompts(tokenizer, rows: list[dict], max_prompt_tokens: int) -> list[list[int]]:
+    """Chat-templated ids of each prompt; prompts over `max_prompt_tokens` are dropped."""
+    ids = [encode_chat(tokenizer, r["text"]) for r in rows]
+    return [i for i in ids if len(i) <= max_prompt_tokens]

@@ -1,0 +1,164 @@
+"""Offline prompt sources (never HumanEval): everything comes from the running Python itself.
+
+- `stdlib_functions`: a standard-library function's signature and docstring, body left out
+  (the shape of a code-completion request);
+- `stdlib_tasks`: "Write a Python function `name(args)` that <first docstring sentence>";
+- `pydoc_topics`: excerpts of the documentation topics that ship with CPython
+  (`pydoc_data.topics`), with a request to explain or summarise them;
+- user turns sampled from the target's own chat template: see `data.sample_user_turns`.
+
+A prompt is the text of one user turn; the target's chat template is applied later.
+"""
+
+from __future__ import annotations
+
+import ast
+import random
+import re
+import sysconfig
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+# Standard-library folders that are tests, demos or GUI code rather than library code.
+SKIP_PARTS = {"test", "tests", "idle_test", "idlelib", "turtledemo", "site-packages",
+              "__pycache__", "lib2to3", "ensurepip", "tkinter", "dist-packages"}
+MIN_DOC, MAX_DOC = 40, 900          # docstring length (characters) of usable functions
+MAX_PROMPT_CHARS = 1600
+
+INSTRUCTIONS = (
+    "Complete the following Python function:\n\n```python\n{code}```",
+    "{code}",
+    "{code}",
+    "Implement this function:\n\n{code}",
+)
+TASK_TEMPLATES = (
+    "Write a Python function `{sig}` that {what}",
+    "Write a Python function {name}{args} which {what} Include a docstring.",
+    "In Python, implement `{sig}`: {what}",
+)
+TOPIC_TEMPLATES = (
+    "Explain the following part of the Python documentation in simple words:\n\n{text}",
+    "Summarize this excerpt from the Python reference:\n\n{text}",
+    "Give a short Python example that illustrates this:\n\n{text}",
+)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    source: str     # "stdlib_function" | "stdlib_task" | "pydoc_topic" | "self_chat"
+    text: str
+
+
+def stdlib_files(root: str | Path | None = None) -> list[Path]:
+    """The standard library's own .py files (tests, demos and GUI code left out), sorted."""
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.rglob("*.py")
+                  if not SKIP_PARTS & set(p.relative_to(root).parts[:-1]))
+
+
+def _functions(path: Path) -> Iterator[tuple[ast.FunctionDef, list[str]]]:
+    try:
+        source = path.read_text(encoding="utf-8")
+        tree = ast.parse(source)
+    except (SyntaxError, UnicodeDecodeError, ValueError):
+        return
+    lines = source.splitlines()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc and MIN_DOC <= len(doc) <= MAX_DOC and not node.name.startswith("_"):
+                yield node, lines
+
+
+def _signature_and_doc(node, lines: list[str]) -> str:
+    """Source lines from the `def` (decorators left out) to the end of the docstring."""
+    first = node.body[0]
+    text = "\n".join(lines[node.lineno - 1: first.end_lineno])
+    return textwrap.dedent(text) + "\n"
+
+
+def stdlib_functions(root=None, seed: int = 0) -> list[Prompt]:
+    """Signature + docstring of public standard-library functions, as completion requests."""
+    rng = random.Random(seed)
+    out, seen = [], set()
+    for path in stdlib_files(root):
+        for node, lines in _functions(path):
+            code = _signature_and_doc(node, lines)
+            if len(code) > MAX_PROMPT_CHARS or code in seen:
+                continue
+            seen.add(code)
+            out.append(Prompt("stdlib_function", rng.choice(INSTRUCTIONS).format(code=code)))
+    return out
+
+
+def _first_sentence(doc: str) -> str | None:
+    text = " ".join(ast.literal_eval(repr(doc)).split())
+    m = re.match(r"(.{20,300}?[.!?])(\s|$)", text)
+    if not m:
+        return None
+    s = m.group(1)
+    return s[0].lower() + s[1:]
+
+
+def stdlib_tasks(root=None, seed: int = 1) -> list[Prompt]:
+    """"Write a function that ..." requests built from standard-library docstrings."""
+    rng = random.Random(seed)
+    out, seen = [], set()
+    for path in stdlib_files(root):
+        for node, _ in _functions(path):
+            what = _first_sentence(ast.get_docstring(node) or "")
+            args = [a.arg for a in node.args.args if a.arg not in ("self", "cls")]
+            if what is None or node.name in seen:
+                continue
+            seen.add(node.name)
+            sig = f"{node.name}({', '.join(args)})"
+            text = rng.choice(TASK_TEMPLATES).format(sig=sig, name=node.name,
+                                                     args=f"({', '.join(args)})", what=what)
+            out.append(Prompt("stdlib_task", text))
+    return out
+
+
+def pydoc_topics(seed: int = 2, chunk_chars: int = 700) -> list[Prompt]:
+    """Excerpts of CPython's bundled documentation topics (`pydoc_data.topics`)."""
+    from pydoc_data.topics import topics
+
+    rng = random.Random(seed)
+    out = []
+    for name in sorted(topics):
+        paras = [p.strip() for p in topics[name].split("\n\n") if len(p.strip()) > 80]
+        chunk = ""
+        for p in paras:
+            if len(chunk) + len(p) > chunk_chars and chunk:
+                out.append(Prompt("pydoc_topic", rng.choice(TOPIC_TEMPLATES).format(
+                    text=chunk.strip())))
+                chunk = ""
+            chunk += p + "\n\n"
+        if len(chunk) > 200:
+            out.append(Prompt("pydoc_topic", rng.choice(TOPIC_TEMPLATES).format(
+                text=chunk.strip())))
+    return out
+
+
+def offline_prompts(counts: dict[str, int], seed: int = 0, root=None) -> list[Prompt]:
+    """Draw `counts[source]` prompts from each offline source (fewer if the source has fewer),
+    shuffled, de-duplicated by text."""
+    sources = {"stdlib_function": lambda: stdlib_functions(root, seed),
+               "stdlib_task": lambda: stdlib_tasks(root, seed + 1),
+               "pydoc_topic": lambda: pydoc_topics(seed + 2)}
+    unknown = sorted(set(counts) - set(sources))
+    if unknown:
+        raise ValueError(f"unknown prompt sources {unknown}; allowed: {sorted(sources)} "
+                         "(self_chat prompts come from data.sample_user_turns)")
+    rng = random.Random(seed)
+    out, seen = [], set()
+    for name, n in counts.items():
+        pool = sources[name]()
+        rng.shuffle(pool)
+        for p in pool[:n]:
+            if p.text not in seen:
+                seen.add(p.text)
+                out.append(p)
+    rng.shuffle(out)
+    return out

@@ -1,0 +1,249 @@
+"""Drafter training (issue #5): masks and weights by hand, the packed forward against the
+inference path, generation with feature capture against mlx-lm, a training run on tiny
+fixtures that learns, resumes exactly and exports a checkpoint that generates exactly."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from fixtures import drafter_args, random_drafter
+
+from dflash2_mlx.train import data as D
+from dflash2_mlx.train.losses import block_loss, selector_loss, selector_scores
+from dflash2_mlx.train.masks import (block_mask, context_mask, default_gamma, dense_mask,
+                                     position_weights)
+from dflash2_mlx.train.packed import packed_hidden
+
+PROMPTS = [[1, 40, 41, 42], [1, 50, 51, 52, 53, 54, 55], [1, 60], [1, 70, 71, 72, 73]]
+
+
+# --------------------------------------------------------------------------- masks and weights
+
+def test_position_weights_by_hand():
+    np.testing.assert_allclose(position_weights(4, 2.0), [1.0, math.exp(-0.5), math.exp(-1.0)],
+                               rtol=1e-6)
+    assert default_gamma(8) == 4.0 and default_gamma(16) == 7.0
+
+
+def test_context_mask_by_hand():
+    got = context_mask(np.array([2, 4, -1]), 3, 5)
+    row_a2 = [1, 1, 0, 0, 0]        # anchor 2 sees positions 0, 1
+    row_a4 = [1, 1, 1, 1, 0]        # anchor 4 sees positions 0..3
+    expected = np.array([row_a2] * 3 + [row_a4] * 3 + [[0] * 5] * 3, bool)
+    np.testing.assert_array_equal(got, expected)
+    # sliding window 3: row 0 at position 4 sees {2, 3}; row 1 at position 5 sees {3}
+    np.testing.assert_array_equal(context_mask(np.array([4]), 2, 5, window=3),
+                                  np.array([[0, 0, 1, 1, 0], [0, 0, 0, 1, 0]], bool))
+
+
+def test_dense_mask_is_block_diagonal():
+    m = dense_mask(np.array([1, 3]), 2, 4)
+    expected = np.array([
+        # ctx 0..3     block 0  block 1
+        [1, 0, 0, 0,   1, 1,    0, 0],
+        [1, 0, 0, 0,   1, 1,    0, 0],
+        [1, 1, 1, 0,   0, 0,    1, 1],
+        [1, 1, 1, 0,   0, 0,    1, 1]], bool)
+    np.testing.assert_array_equal(m, expected)
+    np.testing.assert_array_equal(block_mask(3, causal=True), np.tril(np.ones((3, 3), bool)))
+
+
+# --------------------------------------------------------------------------- losses
+
+def test_block_loss_by_hand():
+    logits = np.array([[2.0, 0.0, -1.0], [0.5, 0.5, 3.0]], np.float32)
+    labels = np.array([0, 1])
+    w = np.array([1.0, 0.5], np.float32)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    ce = -logp[[0, 1], labels]
+    loss, _ = block_loss(mx.array(logits), mx.array(labels), mx.array(w))
+    assert float(loss) == pytest.approx((ce * w).sum() / w.sum(), rel=1e-5)
+    t_ids = np.array([[0, 1], [2, 1]])
+    t_lp = np.log(np.array([[0.6, 0.2], [0.3, 0.3]], np.float32))
+    p = np.exp(t_lp) / np.exp(t_lp).sum(-1, keepdims=True)
+    soft = -(p * np.take_along_axis(logp, t_ids, -1)).sum(-1)
+    loss, _ = block_loss(mx.array(logits), mx.array(labels), mx.array(w), mx.array(t_ids),
+                         mx.array(t_lp), soft=0.25)
+    row = 0.75 * ce + 0.25 * soft
+    assert float(loss) == pytest.approx((row * w).sum() / w.sum(), rel=1e-5)
+
+
+def test_selector_loss_skips_rows_without_the_true_token():
+    rng = np.random.default_rng(0)
+    unary, g = rng.normal(size=(3, 4)), rng.normal(size=(3, 5))
+    prev, cand_rows = rng.normal(size=(3, 5)), rng.normal(size=(3, 4, 5))
+    scores = selector_scores(*(mx.array(a.astype(np.float32)) for a in (unary, g, prev, cand_rows)))
+    np.testing.assert_allclose(np.array(scores),
+                               unary + np.einsum("rk,rj,rjk->rj", prev * g, np.ones((3, 4)),
+                                                 cand_rows) * 0 + ((prev * g)[:, None] * cand_rows).sum(-1),
+                               rtol=1e-5)
+    cand = np.array([[5, 6, 7, 8], [1, 2, 3, 4], [9, 10, 11, 12]])
+    labels = np.array([7, 99, 9])                      # row 1's token is not a candidate
+    w = np.array([1.0, 1.0, 0.5], np.float32)
+    loss, hit = selector_loss(scores, mx.array(cand), mx.array(labels), mx.array(w))
+    s = np.array(scores)
+    ce = np.log(np.exp(s).sum(-1)) - s[[0, 1, 2], [2, 0, 0]]
+    assert np.array(hit).tolist() == [True, False, True]
+    assert float(loss) == pytest.approx((ce[0] * 1.0 + ce[2] * 0.5) / 1.5, rel=1e-5)
+
+
+# --------------------------------------------------------------------------- packed forward
+
+@pytest.mark.parametrize("dflash2", [False, True])
+def test_packed_forward_equals_inference_path(dflash2):
+    args = drafter_args(dflash2=dflash2, block_size=8)
+    drafter = random_drafter(args, seed=1)
+    H, F, S, B = args.hidden_size, len(args.target_layer_ids) * args.hidden_size, 20, 8
+    feats = mx.random.normal((2, S, F), key=mx.random.key(1))
+    x = mx.random.normal((2, 3, B, H), key=mx.random.key(2))
+    anchors = np.array([[3, 10, 19], [0, 7, -1]])
+    h = packed_hidden(drafter, x, feats, mx.array(anchors),
+                      {None: mx.array(context_mask(anchors, B, S))}, mx.array(block_mask(B)))
+    for n in range(2):
+        for j, a in enumerate(anchors[n]):
+            if a < 0:
+                continue
+            cache = drafter.make_cache()
+            ref = drafter(x[n:n + 1, j], feats[n:n + 1, :a] if a else None, cache)
+            np.testing.assert_allclose(np.array(h[n, j]), np.array(ref[0]), atol=1e-4)
+
+
+# --------------------------------------------------------------------------- generation
+
+@pytest.fixture(scope="module")
+def tiny_target(llama_dir):
+    from dflash2_mlx.loading import load_target
+    from dflash2_mlx.target import TargetAdapter
+
+    model, tokenizer, _ = load_target(str(llama_dir), mx.float32)
+    return model, tokenizer, TargetAdapter(model, (0, 1, 2))
+
+
+def test_generate_batch_matches_mlx_lm_and_a_full_forward(tiny_target):
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, _, adapter = tiny_target
+    cfg = D.GenConfig(max_new_tokens=12, batch_size=4, topk=4, prefill_chunk=3)
+    seqs = D.generate_batch(adapter, PROMPTS, cfg, stop_ids={2})
+    for prompt, s in zip(PROMPTS, seqs):
+        ref = [t for t, _ in zip((int(t) for t, _ in generate_step(mx.array(prompt), model)),
+                                 range(12))]
+        if 2 in ref:
+            ref = ref[: ref.index(2) + 1]
+        assert s.tokens[len(prompt):].tolist() == ref
+        assert s.feats.shape == (len(s.tokens) - 1, 3 * adapter.hidden_size)
+        logits, feats = adapter.forward(mx.array(s.tokens[None, :-1].astype(np.int32)),
+                                        make_prompt_cache(model))
+        np.testing.assert_allclose(s.feats.astype(np.float32), np.array(feats[0]),
+                                   rtol=2e-3, atol=2e-3)
+        assert (s.topk_ids[:, 0] == np.array(mx.argmax(logits[0, len(prompt) - 1:], -1))).all()
+
+
+def test_feature_store_roundtrip_and_resume(tmp_path, tiny_target):
+    _, _, adapter = tiny_target
+    cfg = D.GenConfig(max_new_tokens=6, batch_size=2, topk=4)
+    store = D.FeatureStore.create(tmp_path / "s", (0, 1, 2), adapter.hidden_size, 4, 384)
+    D.generate_store(adapter, PROMPTS, store, cfg, {2})
+    assert len(store) == 4 and store.manifest["shards"] == ["g00000", "g00001"]
+    written = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "s").iterdir()}
+    D.generate_store(adapter, PROMPTS, D.FeatureStore(tmp_path / "s"), cfg, {2})   # resume
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "s").iterdir()} == written
+    i = next(i for i in range(4) if store.prompt_len(i) == 7)
+    assert store.tokens(i)[:7].tolist() == PROMPTS[1]
+    assert store.feats(i, (2,)).shape == (len(store.tokens(i)) - 1, adapter.hidden_size)
+    np.testing.assert_array_equal(store.feats(i, (2,)), store.feats(i)[:, 2 * 64:])
+    with pytest.raises(ValueError, match="layer_ids"):
+        D.FeatureStore.create(tmp_path / "s", (0, 1), adapter.hidden_size, 4, 384)
+
+
+# --------------------------------------------------------------------------- training
+
+@pytest.fixture(scope="module")
+def tiny_store(tmp_path_factory, tiny_target):
+    _, _, adapter = tiny_target
+    rng = np.random.default_rng(0)
+    prompts = [[1] + rng.integers(20, 300, size=int(rng.integers(3, 12))).tolist()
+               for _ in range(24)]
+    folder = tmp_path_factory.mktemp("store")
+    store = D.FeatureStore.create(folder, (0, 1, 2), adapter.hidden_size, 8, 384)
+    return D.generate_store(adapter, prompts, store,
+                            D.GenConfig(max_new_tokens=24, batch_size=12, topk=8), {2})
+
+
+def _train(tiny_target, store, run, steps, dflash2=True, log=None, init=True):
+    from dflash2_mlx.train.init import drafter_args_for, init_drafter
+    from dflash2_mlx.train.trainer import TrainConfig, train
+
+    _, _, adapter = tiny_target
+    from dflash2_mlx.target import TargetAdapter
+
+    plain = TargetAdapter(adapter.model)
+    args = drafter_args_for(plain, layers=2, block_size=4, target_layer_ids=(1, 2),
+                            mask_token_id=383, conv=dflash2, selector=dflash2,
+                            selector_rank=32)
+    drafter = init_drafter(args, plain, [2, 3] if init else None, seed=0)
+    cfg = TrainConfig(steps=steps, lr=3e-3, seqs=4, anchors=8, ckpt_every=4, soft=0.5)
+    return train(drafter, plain, store, run, cfg, log=log), plain
+
+
+def test_training_reduces_the_loss_and_exports_an_exact_drafter(tmp_path, tiny_target,
+                                                                tiny_store, llama_dir):
+    import dflash2_mlx
+    from dflash2_mlx.train.export import export_drafter
+
+    drafter, _ = _train(tiny_target, tiny_store, tmp_path / "run", steps=40)
+    log = [json.loads(l) for l in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    first = np.mean([r["loss"] for r in log[:5]])
+    last = np.mean([r["loss"] for r in log[-5:]])
+    assert last < 0.9 * first, (first, last)
+    assert np.mean([r["acc"][0] for r in log[-5:]]) > np.mean([r["acc"][0] for r in log[:5]]) + 0.1
+    assert {"acc", "recall16", "sel"} <= set(log[-1])
+    out = export_drafter(drafter, tmp_path / "export")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlash2DraftModel"] and cfg["dflash_config"]["block_size"] == 4
+    pipe = dflash2_mlx.load(str(llama_dir), str(out))
+    plain = dflash2_mlx.load(str(llama_dir))
+    for prompt in (PROMPTS[0], PROMPTS[1]):
+        got = pipe.generate(prompt, max_tokens=20)
+        assert got.tokens == plain.generate(prompt, max_tokens=20).tokens
+        assert got.stats.cycles > 0
+
+
+def test_training_resumes_exactly(tmp_path, tiny_target, tiny_store):
+    class Stop(Exception):
+        pass
+
+    def stop_at_6(rec):
+        if rec["step"] == 6:
+            raise Stop
+
+    straight, _ = _train(tiny_target, tiny_store, tmp_path / "a", steps=8, dflash2=False)
+    with pytest.raises(Stop):
+        _train(tiny_target, tiny_store, tmp_path / "b", steps=8, dflash2=False, log=stop_at_6)
+    resumed, _ = _train(tiny_target, tiny_store, tmp_path / "b", steps=8, dflash2=False)
+    from mlx.utils import tree_flatten
+
+    for (k, a), (_, b) in zip(tree_flatten(straight.parameters()),
+                              tree_flatten(resumed.parameters())):
+        np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-6, err_msg=k)
+
+
+def test_offline_eval_counts_leading_matches(tiny_target, tiny_store):
+    from dflash2_mlx.train.evaluate import _leading, offline_eval
+    from dflash2_mlx.train.init import drafter_args_for, init_drafter
+    from dflash2_mlx.target import TargetAdapter
+
+    assert _leading(np.array([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1]], bool)).tolist() == \
+        [2, 0, 4]
+    plain = TargetAdapter(tiny_target[0])
+    args = drafter_args_for(plain, layers=1, block_size=4, target_layer_ids=(1, 2),
+                            mask_token_id=383, conv=True, selector=True, selector_rank=32)
+    res = offline_eval(init_drafter(args, plain, None), plain, tiny_store, seqs=[0, 1])
+    assert res["sequences"] == 2 and len(res["recall1"]) == 3
+    assert 1.0 <= res["tau"] <= 4.0 and all(0 <= r <= 1 for r in res["recall16"])
