@@ -116,7 +116,7 @@ def _openblas_hint() -> None:
              f"it with: {runtime.OPENBLAS_INSTALL_HINT}")
 
 
-def _summary(stats, pipe) -> str:
+def _summary(stats) -> str:
     tail = (f"tau {stats.tau:.2f} over {stats.cycles} cycles, block size {stats.block_size}"
             if stats.cycles else "plain decoding (block size 1)")
     return (f"{stats.generated_tokens} tokens, {stats.decode_tps:.1f} tok/s decode, {tail}, "
@@ -170,6 +170,9 @@ def generate(
 ):
     """Generate text; it streams to stdout, one summary line goes to stderr."""
     with _errors(verbose):
+        if model_id is not None and omlx_settings is None:
+            raise ValueError("--model-id names an entry of the oMLX settings: add "
+                             "--omlx-settings [PATH]")
         settings = None
         default_draft = None
         with contextlib.redirect_stdout(sys.stderr):       # downloads may print progress
@@ -214,7 +217,7 @@ def generate(
             sys.stdout.flush()
         sys.stdout.write("\n")
         sys.stdout.flush()
-        _say(_summary(chunk.stats, pipe))
+        _say(_summary(chunk.stats))
         if stats_json is not None:
             report = {**chunk.stats.to_dict(), "finish_reason": chunk.finish_reason,
                       "settings": pipe.describe()}
@@ -284,10 +287,13 @@ def doctor(verbose: bool = typer.Option(False, "--verbose", help="Tracebacks")):
             f"{f'{p.draft_bits}-bit g{p.draft_group_size}' if p.draft_bits else 'unquantized'}"
             f" {p.draft_dtype or ''}".rstrip() + " (--dtype / --draft-bits override)")
         try:
-            from . import defaults  # noqa: F401
-            row("default model", "installed (dflash2_mlx.defaults)")
+            from . import defaults
+            where = getattr(defaults, "drafter_path", None)
+            row("default model", f"installed (drafter {where()})" if where else "installed")
         except ImportError:
             row("default model", "not installed in this version (pass --model)")
+        except (OSError, ValueError) as e:
+            row("default model", f"broken: {e}")
         cache = resolve_cache_dir()
         hf = os.environ.get("HF_HUB_CACHE") or str(
             Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hub")

@@ -122,6 +122,7 @@ BAD_FLAGS = [  # (arguments, words the one error line must contain)
     (["--block-size", "0"], ["--block-size"]),
     (["--seed", "x"], ["--seed"]),
     (["--no-such-flag"], ["--no-such-flag"]),
+    (["--model-id", "x"], ["--model-id", "--omlx-settings"]),
 ]
 
 
@@ -199,46 +200,62 @@ def test_verbose_shows_the_traceback_and_the_settings(llama_dir, tmp_path):
         proc.stderr
 
 
-def test_doctor_help_and_missing_defaults():
-    doctor, help_, no_model = run_many([(("doctor",), {}), (("--help",), {}),
-                                        (("generate", "--prompt", "hi"), {})])
+def test_doctor_and_help():
+    doctor, help_ = run_many([(("doctor",), {}), (("--help",), {})])
     assert doctor.returncode == 0, doctor.stderr
     for word in ("mlx ", "backend", "kernels", "precision", "cache", "omlx settings"):
         assert word in doctor.stdout, doctor.stdout
     if sys.platform.startswith("linux"):
+        from dflash2_mlx.runtime import find_openblas
+
         assert "openblas" in doctor.stdout
+        assert ("openblas      active" in doctor.stdout) == (find_openblas() is not None)
     assert help_.returncode == 0 and "generate" in help_.stdout and "doctor" in help_.stdout
-    try:
-        import dflash2_mlx.defaults  # noqa: F401
-    except ImportError:
-        assert no_model.returncode == 1
-        assert "no embedded default model is installed" in no_model.stderr
 
 
-def test_train_is_registered_lazily(monkeypatch, capsys):
-    """`dflash2-mlx train ...` hands its arguments to `dflash2_mlx.train.command.train_command`
-    (owned by the training package) when it exists; a clear error when it does not."""
-    import types
-
-    import typer
-
+def test_without_an_embedded_default(monkeypatch, capsys):
     from dflash2_mlx import cli
 
-    def train_command(steps: int = typer.Option(1, "--steps", min=1, help="Steps to run")):
-        print(f"training for {steps} steps")
-
-    fake = types.ModuleType("dflash2_mlx.train.command")
-    fake.train_command = train_command
-    monkeypatch.setitem(sys.modules, "dflash2_mlx.train.command", fake)
-    for argv, code, out, err in ((["train", "--steps", "3"], 0, "training for 3 steps", ""),
-                                 (["train", "--help"], 0, "--steps", ""),
-                                 (["train", "--steps", "0"], 2, "", "--steps")):
-        with pytest.raises(SystemExit) as e:
-            cli.main(argv)
-        captured = capsys.readouterr()
-        assert e.value.code == code and out in captured.out and err in captured.err
-        assert len(lines(captured.err)) == (1 if err else 0)
-    monkeypatch.setitem(sys.modules, "dflash2_mlx.train.command", None)   # import fails
+    monkeypatch.setitem(sys.modules, "dflash2_mlx.defaults", None)      # import fails
     with pytest.raises(SystemExit) as e:
-        cli.main(["train"])
-    assert e.value.code == 1 and "`train` is not available" in capsys.readouterr().err
+        cli.main(["generate", "--prompt", "hi"])
+    assert e.value.code == 1
+    assert "no embedded default model is installed" in capsys.readouterr().err
+
+
+def test_embedded_default_pair(tmp_path):
+    """The README's first command: no --model, no --draft (skipped until a drafter ships)."""
+    try:
+        from dflash2_mlx.defaults import drafter_path
+
+        drafter = drafter_path()
+    except (ImportError, OSError) as e:
+        pytest.skip(f"no embedded default drafter: {e}")
+    stats = tmp_path / "stats.json"
+    proc = run("generate", "--prompt", "Write a Python function that adds two numbers.",
+               "--max-tokens", 8, "--stats-json", stats, check_rc=0)
+    settings = json.loads(stats.read_text())["settings"]
+    assert Path(settings["draft"]) == Path(drafter) and settings["model"].endswith(".gguf")
+    assert proc.stdout.strip() and "tau" in lines(proc.stderr)[-1]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OpenBLAS matters on Linux")
+def test_openblas_reexec_and_install_hint(monkeypatch, capsys):
+    from dflash2_mlx import cli, runtime
+
+    if runtime.find_openblas() is not None:
+        # MLX imported before the package: too late to preload, so the CLI relaunches itself
+        # with LD_PRELOAD and the relaunched doctor finds OpenBLAS active.
+        code = ("import mlx.core, sys; from dflash2_mlx import runtime; "
+                "assert not runtime.openblas_loaded(); from dflash2_mlx.cli import main; "
+                f"sys.argv = [{EXE!r}, 'doctor']; main()")
+        env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "DFLASH2_REEXEC")}
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env=env, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        assert "openblas      active" in proc.stdout, proc.stdout
+    monkeypatch.setattr(runtime, "find_openblas", lambda: None)
+    monkeypatch.setattr(runtime, "openblas_loaded", lambda: False)
+    monkeypatch.delenv(runtime.DISABLE_ENV, raising=False)
+    cli._openblas_hint()
+    assert runtime.OPENBLAS_INSTALL_HINT in capsys.readouterr().err
