@@ -121,9 +121,9 @@ def main() -> None:
     agree = {}
     for name in VARIANTS:
         a, b = proposals[name], proposals["unquantized"]
-        agree[name] = sum(x == y for x, y in zip(a, b)) / len(b)
+        agree[name] = sum(x == y for x, y in zip(a, b, strict=True)) / len(b)
 
-    print(f"\n| drafter | tau | ms / cycle | ms / drafter pass | proposals = unquantized |")
+    print("\n| drafter | tau | ms / cycle | ms / drafter pass | proposals = unquantized |")
     print("|---|---|---|---|---|")
     for name in VARIANTS:
         print(f"| {name} | {statistics.mean(taus[name]):.2f} | "

@@ -60,10 +60,10 @@ def _errors(verbose: bool):
         raise
     except KeyboardInterrupt:
         _say("interrupted")
-        raise typer.Exit(130)
+        raise typer.Exit(130) from None
     except BrokenPipeError:   # e.g. `| head`: the reader left; nothing more to say
-        sys.stdout = open(os.devnull, "w")
-        raise typer.Exit(141)
+        sys.stdout = open(os.devnull, "w")  # the pipe is closed: the rest goes nowhere
+        raise typer.Exit(141) from None
     except Exception as e:  # noqa: BLE001 - reported with its type and message, never hidden
         if verbose:
             traceback.print_exc()
@@ -71,7 +71,7 @@ def _errors(verbose: bool):
         message = str(e) if expected and str(e) else f"{type(e).__name__}: {e}"
         hint = "" if expected or verbose else " (run with --verbose for the traceback)"
         _say(f"error: {message}{hint}")
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
 
 
 def _choice(allowed: tuple, convert=str):
@@ -315,10 +315,11 @@ def train(ctx: typer.Context):
         if e.name and not e.name.startswith("dflash2_mlx.train"):
             raise
         _say("error: `train` is not available in this version (dflash2_mlx.train is missing)")
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
     sub = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
     sub.command()(train_command)
-    return _run(sub, list(ctx.args), f"{PROG} train")
+    with _errors("--verbose" in ctx.args):
+        return _run(sub, list(ctx.args), f"{PROG} train")
 
 
 # --------------------------------------------------------------------------- entry point

@@ -240,6 +240,12 @@ def load(model: str, draft: str | None = None, *, settings: OmlxSettings | None 
                                dtype=runtime.parse_dtype(p.draft_dtype), bits=p.draft_bits,
                                group_size=p.draft_group_size)
         drafter.kernels = path
+        stored = _quantization(drafter)
+        if p.draft_bits and stored and (stored["bits"], stored["group_size"]) != \
+                (p.draft_bits, p.draft_group_size):
+            _notice(f"{draft} is stored {stored['bits']}-bit (group size "
+                    f"{stored['group_size']}) and is used as stored, not re-quantized to "
+                    f"{p.draft_bits}-bit (group size {p.draft_group_size})")
         if s.block_size is not None and s.block_size > drafter.args.block_size:
             raise OmlxSettingsError(f"{s.where('dflash_block_size')} = {s.block_size} exceeds "
                                     f"the drafter's block size {drafter.args.block_size} "

@@ -129,7 +129,8 @@ BAD_FLAGS = [  # (arguments, words the one error line must contain)
 def test_bad_flags_one_line_nonzero():
     procs = run_many([(("generate", *args), {}) for args, _ in BAD_FLAGS] +
                      [(("no-such-command",), {})])
-    for (args, words), proc in zip(BAD_FLAGS + [(None, ["no-such-command"])], procs):
+    for (args, words), proc in zip(BAD_FLAGS + [(None, ["no-such-command"])], procs,
+                                   strict=True):
         err = lines(proc.stderr)
         assert proc.returncode != 0 and len(err) == 1, (args, proc.stderr)
         assert err[0].startswith("dflash2-mlx") and "error" in err[0], err
@@ -183,7 +184,7 @@ def test_bad_settings_and_values_one_line_nonzero(llama_dir, dflash2_dir, tmp_pa
     cases += [(("generate", "--model", tmp_path / "no-model"), {})]
     procs = run_many(cases)
     words = [*expect.values(), *(w for *_, w in others), ["target model", "no-model", "no such"]]
-    for (args, _), want, proc in zip(cases, words, procs):
+    for (args, _), want, proc in zip(cases, words, procs, strict=True):
         err = [line for line in lines(proc.stderr) if "error" in line]
         assert proc.returncode == 1 and len(err) == 1, (args, proc.stderr)
         assert "Traceback" not in proc.stderr and proc.stdout == "", proc.stderr
@@ -259,3 +260,32 @@ def test_openblas_reexec_and_install_hint(monkeypatch, capsys):
     monkeypatch.delenv(runtime.DISABLE_ENV, raising=False)
     cli._openblas_hint()
     assert runtime.OPENBLAS_INSTALL_HINT in capsys.readouterr().err
+
+
+def test_train_is_registered_lazily(monkeypatch, capsys):
+    """`dflash2-mlx train ...` hands its arguments to `dflash2_mlx.train.command.train_command`
+    (owned by the training package) when it exists; a clear error when it does not."""
+    import types
+
+    import typer
+
+    from dflash2_mlx import cli
+
+    def train_command(steps: int = typer.Option(1, "--steps", min=1, help="Steps to run")):
+        print(f"training for {steps} steps")
+
+    fake = types.ModuleType("dflash2_mlx.train.command")
+    fake.train_command = train_command
+    monkeypatch.setitem(sys.modules, "dflash2_mlx.train.command", fake)
+    for argv, code, out, err in ((["train", "--steps", "3"], 0, "training for 3 steps", ""),
+                                 (["train", "--help"], 0, "--steps", ""),
+                                 (["train", "--steps", "0"], 2, "", "--steps")):
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        captured = capsys.readouterr()
+        assert e.value.code == code and out in captured.out and err in captured.err
+        assert len(lines(captured.err)) == (1 if err else 0)
+    monkeypatch.setitem(sys.modules, "dflash2_mlx.train.command", None)   # import fails
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train"])
+    assert e.value.code == 1 and "`train` is not available" in capsys.readouterr().err

@@ -195,3 +195,22 @@ def test_settings_errors_at_load(llama_dir, dflash2_dir, settings, match):
         settings = OmlxSettings(**{**settings.to_dict(), "draft_model": str(dflash2_dir)})
     with pytest.raises(OmlxSettingsError, match=f"f.json: model 'm': .*{match}"):
         dflash2_mlx.load(str(llama_dir), settings=settings)
+
+
+def test_stored_quantized_drafter(llama_dir, quantizable_dir, tmp_path):
+    """A drafter saved 4-bit: dequantized to float32 by the CPU default, kept with
+    --draft-bits 4, and kept (with a notice) when other bits are asked for."""
+    from dflash2_mlx.loading import save_drafter
+
+    q4 = save_drafter(dflash2_mlx.load(str(llama_dir), str(quantizable_dir),
+                                       draft_bits=4).drafter, tmp_path / "q4")
+    default, notes = _load(llama_dir, draft=str(q4))
+    assert (default.describe()["draft_bits"], default.describe()["draft_dtype"], notes) == \
+        (16, "float32", [])
+    kept, notes = _load(llama_dir, draft=str(q4), draft_bits=4)
+    assert kept.describe()["draft_bits"] == 4 and not notes
+    other, notes = _load(llama_dir, draft=str(q4), draft_bits=8)
+    assert other.describe()["draft_bits"] == 4 and "stored 4-bit" in notes[0]
+    prompt = [5, 6, 7, 8]
+    assert default.generate(prompt, max_tokens=16).tokens == \
+        kept.generate(prompt, max_tokens=16).tokens
