@@ -47,6 +47,9 @@ def train_command(
     gamma: Optional[float] = typer.Option(None, help="Position decay (default 4 for b=8)."),
     soft: float = typer.Option(0.5, help="Weight of the distillation term (0: hard labels)."),
     ckpt_every: int = typer.Option(100),
+    snapshot_every: int = typer.Option(0, help="Also keep the weights every N steps (trend)."),
+    max_minutes: Optional[float] = typer.Option(None, help="Stop training (checkpointed, "
+                                                "resumable) after this many minutes."),
     seed: int = typer.Option(0),
     bits: Optional[int] = typer.Option(None, help="Export quantized: 4 or 8."),
     stop_after: str = typer.Option("export", help="data | train | export"),
@@ -68,7 +71,8 @@ def train_command(
         block_size=block_size, target_layer_ids=_ints(target_layer_ids, "--target-layer-ids"),
         mask_token_id=mask_token_id, conv=conv, selector=selector, selector_rank=selector_rank,
         init_from_target=init_from_target, steps=steps, lr=lr, seqs=seqs, anchors=anchors,
-        gamma=gamma, soft=soft, ckpt_every=ckpt_every, seed=seed, bits=bits,
+        gamma=gamma, soft=soft, ckpt_every=ckpt_every, snapshot_every=snapshot_every,
+        max_minutes=max_minutes, seed=seed, bits=bits,
         stop_after=stop_after)
     folder = run_recipe(recipe, log=lambda line: typer.echo(line, err=True))
     typer.echo(str(folder))

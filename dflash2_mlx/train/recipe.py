@@ -53,6 +53,8 @@ class Recipe:
     gamma: float | None = None
     soft: float = 0.5
     ckpt_every: int = 100
+    snapshot_every: int = 0
+    max_minutes: float | None = None         # training wall-time limit for this session
     seed: int = 0
     # export
     bits: int | None = None
@@ -148,16 +150,18 @@ def run_recipe(recipe: Recipe, log=print) -> Path:
     drafter = init_drafter(args, plain, copy_layers, seed=recipe.seed)
     cfg = TrainConfig(steps=recipe.steps, lr=recipe.lr, seqs=recipe.seqs, anchors=recipe.anchors,
                       gamma=recipe.gamma, soft=recipe.soft, ckpt_every=recipe.ckpt_every,
+                      snapshot_every=recipe.snapshot_every, max_minutes=recipe.max_minutes,
                       seed=recipe.seed)
     seqs = D.dedupe(store.folder)
     train(drafter, plain, store, run, cfg, seqs, progress=_progress("train"))
-    log(f"trained {cfg.steps} steps in {run}")
+    ckpt = latest_checkpoint(run)
+    done = load_checkpoint(ckpt, drafter, None)["step"]
+    log(f"training at step {done}/{cfg.steps} ({ckpt})"
+        + ("" if done == cfg.steps else "; run the same command again to continue"))
     if recipe.stop_after == "train":
         return run
 
     # ---- export
-    ckpt = latest_checkpoint(run)
-    load_checkpoint(ckpt, drafter, None)
     out = Path(recipe.out or run / "drafter")
     export_drafter(drafter, out, bits=recipe.bits)
     log(f"exported {out} ({folder_megabytes(out):.1f} MB) after "

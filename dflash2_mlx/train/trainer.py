@@ -52,6 +52,8 @@ class TrainConfig:
     vocab: str = "data"             # "data": restricted training softmax; "full"
     ckpt_every: int = 200
     keep_ckpts: int = 2
+    snapshot_every: int = 0         # also keep the weights alone every N steps (0: never)
+    max_minutes: float | None = None  # stop (with a checkpoint) after this much wall time
     seed: int = 0
     compile: bool = True
 
@@ -217,9 +219,14 @@ def forward_rows(drafter: Drafter, batch: Batch, head_w: mx.array) -> tuple[mx.a
 def selector_terms(drafter: Drafter, hr: mx.array, logits: mx.array, vocab: mx.array | None,
                    batch: Batch):
     """Scores [R, K] of the top-K candidates (indices [R, K] into the head's vocabulary) given
-    the true predecessor; the unary part is the drafter's logits, not trained through here."""
+    the true predecessor.
+
+    The selector is trained as a head on top of the drafter: no gradient reaches the drafter's
+    body or logits through it, so a drafter trained with a selector has exactly the body of
+    the same run without one (the ablation compares both from one run)."""
     sel = drafter.candidate_selector
     K = sel.top_k
+    hr = mx.stop_gradient(hr)
     lg = mx.stop_gradient(logits)
     cand = mx.argpartition(-lg, K - 1, axis=-1)[:, :K]
     unary = mx.take_along_axis(lg, cand, axis=-1)
@@ -379,8 +386,17 @@ def train(drafter: Drafter, adapter, store: FeatureStore, run: str | Path, cfg: 
                 logf.flush()
                 save_checkpoint(run, drafter, opt, step + 1,
                                 {"blocks": done_blocks + blocks}, cfg.keep_ckpts)
+            if cfg.snapshot_every and (step + 1) % cfg.snapshot_every == 0:
+                (run / "snapshots").mkdir(exist_ok=True)
+                mx.save_safetensors(str(run / "snapshots" / f"step_{step + 1:06d}.safetensors"),
+                                    dict(tree_flatten(drafter.parameters())),
+                                    {"blocks": str(done_blocks + blocks)})
             if step % 50 == 0:
                 mx.clear_cache()
+            if cfg.max_minutes and time.perf_counter() - t0 > 60 * cfg.max_minutes:
+                save_checkpoint(run, drafter, opt, step + 1,
+                                {"blocks": done_blocks + blocks}, cfg.keep_ckpts)
+                break
     finally:
         logf.close()
     return drafter
