@@ -247,3 +247,16 @@ def test_offline_eval_counts_leading_matches(tiny_target, tiny_store):
     res = offline_eval(init_drafter(args, plain, None), plain, tiny_store, seqs=[0, 1])
     assert res["sequences"] == 2 and len(res["recall1"]) == 3
     assert 1.0 <= res["tau"] <= 4.0 and all(0 <= r <= 1 for r in res["recall16"])
+
+
+def test_token_ids_rebuild_the_same_features(tmp_path, tiny_target, tiny_store):
+    _, _, adapter = tiny_target
+    path = D.save_token_ids(tiny_store, tmp_path / "ids.npz", seqs=[0, 1, 2])
+    seqs = D.load_token_ids(path)
+    assert [t.tolist() for t, _ in seqs] == [tiny_store.tokens(i).tolist() for i in range(3)]
+    rebuilt = D.FeatureStore.create(tmp_path / "c", (0, 1, 2), adapter.hidden_size, 8, 384)
+    D.capture_store(adapter, seqs, rebuilt, topk=8)
+    for i in range(3):
+        np.testing.assert_allclose(rebuilt.feats(i).astype(np.float32),
+                                   tiny_store.feats(i).astype(np.float32), rtol=2e-3, atol=2e-3)
+        np.testing.assert_array_equal(rebuilt.topk(i)[0][:, 0], tiny_store.topk(i)[0][:, 0])

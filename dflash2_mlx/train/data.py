@@ -381,3 +381,49 @@ def encode_prompts(tokenizer, rows: list[dict], max_prompt_tokens: int) -> list[
     """Chat-templated ids of each prompt; prompts over `max_prompt_tokens` are dropped."""
     ids = [encode_chat(tokenizer, r["text"]) for r in rows]
     return [i for i in ids if len(i) <= max_prompt_tokens]
+
+
+# --------------------------------------------------------------------------- compact token data
+
+def save_token_ids(store: FeatureStore, path: str | Path, seqs: Sequence[int] | None = None) -> Path:
+    """The token ids of a store (prompt + response, uint16) and the prompt lengths, as one
+    small `.npz`: enough to rebuild the features with `capture_store` (no generation)."""
+    seqs = list(range(len(store))) if seqs is None else list(seqs)
+    tokens = [np.asarray(store.tokens(i)) for i in seqs]
+    np.savez_compressed(path, tokens=np.concatenate(tokens).astype(np.uint16),
+                        lengths=np.array([len(t) for t in tokens], np.int32),
+                        prompt_lens=np.array([store.prompt_len(i) for i in seqs], np.int32),
+                        layer_ids=np.array(store.layer_ids, np.int32))
+    return Path(path)
+
+
+def load_token_ids(path: str | Path) -> list[tuple[np.ndarray, int]]:
+    """[(tokens uint16 [T], prompt length)] from `save_token_ids`."""
+    z = np.load(path)
+    ends = np.cumsum(z["lengths"])
+    starts = ends - z["lengths"]
+    return [(z["tokens"][s:e], int(p)) for s, e, p in zip(starts, ends, z["prompt_lens"])]
+
+
+def capture_store(adapter, seqs: list[tuple[np.ndarray, int]], store: FeatureStore,
+                  topk: int = 16, per_shard: int = 16, tag: str = "c", progress=None
+                  ) -> FeatureStore:
+    """Features and top-k of known sequences (teacher forcing, one forward per sequence) into
+    `store`, one shard per `per_shard` sequences; existing shards are skipped (resume)."""
+    import mlx.core as mx
+
+    groups = [seqs[i: i + per_shard] for i in range(0, len(seqs), per_shard)]
+    todo = [(g, grp) for g, grp in enumerate(groups) if not store.has_shard(f"{tag}{g:05d}")]
+    for g, grp in (progress(todo) if progress else todo):
+        out = []
+        for tokens, P in grp:
+            ids = mx.array(np.asarray(tokens[:-1], np.int32))[None]
+            logits, feats = adapter.forward(ids, adapter.make_cache())
+            tk_ids, tk_lp, _ = _topk(logits[0, P - 1:], topk)
+            f16 = feats[0].astype(mx.float16)
+            mx.eval(tk_ids, tk_lp, f16)
+            out.append(Sequence_(np.asarray(tokens, np.uint16), P, np.array(f16),
+                                 np.array(tk_ids), np.array(tk_lp)))
+        store.write_shard(f"{tag}{g:05d}", out)
+        mx.clear_cache()
+    return store
