@@ -260,3 +260,30 @@ def test_token_ids_rebuild_the_same_features(tmp_path, tiny_target, tiny_store):
         np.testing.assert_allclose(rebuilt.feats(i).astype(np.float32),
                                    tiny_store.feats(i).astype(np.float32), rtol=2e-3, atol=2e-3)
         np.testing.assert_array_equal(rebuilt.topk(i)[0][:, 0], tiny_store.topk(i)[0][:, 0])
+
+
+def test_demo_pair_greedy_equals_mlx_lm():
+    """The embedded default (SmolLM2-135M-Instruct + the shipped drafter): greedy output equals
+    mlx-lm's own generation on two prompts."""
+    from dflash2_mlx import defaults
+    from dflash2_mlx.assets import resolve_cache_dir
+
+    gguf = resolve_cache_dir() / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not gguf.is_file() or not (defaults.DRAFTER_DIR / "config.json").is_file():
+        pytest.skip("the SmolLM2 target is not cached or no drafter is shipped")
+    import dflash2_mlx
+    from mlx_lm.generate import generate_step
+
+    target, drafter = defaults.default_pair(progress=None)
+    pipe = dflash2_mlx.load(str(target), str(drafter))
+    for prompt in ("Write a Python function that reverses a string.",
+                   "def fib(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"):
+        ids = pipe.encode(prompt)
+        ref = []
+        for t, _ in generate_step(mx.array(ids), pipe.target):
+            ref.append(int(t))
+            if int(t) in pipe.tokenizer.eos_token_ids or len(ref) == 48:
+                break
+        got = pipe.generate(prompt, max_tokens=48)
+        assert got.tokens == ref
+        assert got.stats.cycles > 0

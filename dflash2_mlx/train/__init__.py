@@ -1,6 +1,6 @@
 """Training DFlash / DFlash 2 drafters with MLX (issue #5, SPEC section 5).
 
-Stages, each resumable from what it left on disk:
+Stages, each resumable from what it left on disk (`recipe.py` runs them in order):
 
   prompts    offline sources only (`prompts.py`): Python standard-library functions and
              docstrings, the documentation topics that ship with CPython, user turns sampled
@@ -8,12 +8,28 @@ Stages, each resumable from what it left on disk:
   generate   the TARGET answers them (batched, greedy and sampled); the hidden states of the
              chosen layers and the target's top-k next-token distribution are captured during
              generation and stored on disk (fp16 features, uint16 ids) by `data.py`
-  train      `trainer.py`: every response position is an anchor, the context K/V of a sequence
-             are computed once, blocks see features before their anchor and their own rows only
-             (`masks.py`); weighted CE / distillation + the selector's candidate CE (`losses.py`)
+  train      `trainer.py`: random response anchors per sequence, the context K/V of a sequence
+             computed once, blocks see features before their anchor and their own rows only
+             (`masks.py`, `packed.py`); weighted CE + distillation and the selector's candidate
+             CE (`losses.py`); drafter layers initialised from the target (`init.py`)
   export     `export.py`: the published checkpoint layout (SPEC section 4)
   evaluate   `evaluate.py`: offline tau / recall on HumanEval prompts by teacher forcing, and
              real generation through `dflash2_mlx.load`
 
+Python entry point: `train_drafter(run="runs/x", steps=..., ...)` (the options of
+`recipe.Recipe`); command line: `dflash2-mlx train` (`command.train_command`).
 Module imports stay light here: the CLI imports `command.train_command` at start-up.
 """
+
+from __future__ import annotations
+
+
+def train_drafter(run: str, **options):
+    """Run (or resume) the whole recipe into the folder `run`; -> the exported drafter folder.
+    Options: the fields of `dflash2_mlx.train.recipe.Recipe`."""
+    from .recipe import Recipe, run_recipe
+
+    return run_recipe(Recipe(run=run, **options))
+
+
+__all__ = ["train_drafter"]
