@@ -14,7 +14,7 @@ from . import runtime
 from .drafter import Drafter
 from .engine import GenerationStats, generate_tokens
 from .kernels import resolve_kernel_path
-from .loading import load_drafter, load_target
+from .loading import load_drafter, load_target, resolve
 from .omlx import OmlxSettings, OmlxSettingsError
 from .sampling import Sampling
 from .target import TargetAdapter
@@ -226,6 +226,8 @@ def load(model: str, draft: str | None = None, *, settings: OmlxSettings | None 
                                   draft_group_size or s.draft_group_size,
                                   None if dtype is not None else draft_dtype)
     path = resolve_kernel_path(kernels) if draft is not None else None
+    if draft is not None:        # a missing drafter fails before the target loads
+        draft_dir = resolve(draft, "draft model", ["*.json", "*.safetensors"])
     say(f"loading target {model} ({p.dtype or 'weights as stored'}) ...")
     target, tokenizer, _ = load_target(model, runtime.parse_dtype(p.dtype),
                                        keep_quantized=p.keep_quantized)
@@ -235,7 +237,7 @@ def load(model: str, draft: str | None = None, *, settings: OmlxSettings | None 
             "unquantized"
         say(f"loading drafter {draft} ({bits}, {p.draft_dtype or 'as stored'}) ...")
         adapter = TargetAdapter(target)
-        drafter = load_drafter(draft, hidden_size=adapter.hidden_size,
+        drafter = load_drafter(draft_dir, hidden_size=adapter.hidden_size,
                                vocab_size=adapter.vocab_size, num_layers=adapter.num_layers,
                                dtype=runtime.parse_dtype(p.draft_dtype), bits=p.draft_bits,
                                group_size=p.draft_group_size)
