@@ -293,7 +293,7 @@ def doctor(verbose: bool = typer.Option(False, "--verbose", help="Tracebacks")):
         except ImportError:
             row("default model", "not installed in this version (pass --model)")
         except (OSError, ValueError) as e:
-            row("default model", f"broken: {e}")
+            row("default model", f"unavailable: {e}")
         cache = resolve_cache_dir()
         hf = os.environ.get("HF_HUB_CACHE") or str(
             Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hub")
