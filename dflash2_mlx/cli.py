@@ -89,6 +89,19 @@ def _choice(allowed: tuple, convert=str):
     return check
 
 
+def _block_size(value: str | None):
+    """--block-size: an integer >= 1 or "auto" (adaptive)."""
+    if value is None or value == "auto":
+        return value
+    try:
+        b = int(value)
+    except ValueError:
+        b = 0
+    if b < 1:
+        raise typer.BadParameter(f"{value!r} is not an integer >= 1 or 'auto'")
+    return b
+
+
 def _top_p(value: float) -> float:
     if not 0 < value <= 1:
         raise typer.BadParameter(f"{value} is not in (0, 1]")
@@ -117,7 +130,9 @@ def _openblas_hint() -> None:
 
 
 def _summary(stats) -> str:
+    width = f" (mean {stats.mean_width:.1f})" if stats.block_size == "auto" else ""
     tail = (f"tau {stats.tau:.2f} over {stats.cycles} cycles, block size {stats.block_size}"
+            f"{width}"
             if stats.cycles else "plain decoding (block size 1)")
     return (f"{stats.generated_tokens} tokens, {stats.decode_tps:.1f} tok/s decode, {tail}, "
             f"prefill {stats.prefill_s:.2f} s for {stats.prompt_tokens} prompt tokens")
@@ -142,9 +157,10 @@ def generate(
     top_p: float = typer.Option(1.0, "--top-p", callback=_top_p, help="Nucleus mass in (0, 1]"),
     top_k: int = typer.Option(0, "--top-k", min=0, help="Keep the k likeliest; 0 = all"),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling"),
-    block_size: Optional[int] = typer.Option(
-        None, "--block-size", min=1, help="Draft/verify tokens per cycle, 1..the drafter's "
-        "(default: the oMLX setting, else the drafter's)"),
+    block_size: Optional[str] = typer.Option(
+        None, "--block-size", callback=_block_size, metavar="{1..B,auto}",
+        help="Draft/verify tokens per cycle, 1..the drafter's B, or 'auto' to choose each "
+        "cycle (default: the oMLX setting, else the drafter's)"),
     draft_bits: Optional[str] = typer.Option(
         None, "--draft-bits", callback=_choice(runtime.DRAFT_BITS, int),
         metavar="{4,8,16}", help="Drafter weight bits; 16 = unquantized "

@@ -20,6 +20,7 @@ from typing import Iterator
 
 import mlx.core as mx
 
+from .adaptive import AdaptiveWidth
 from .drafter import Drafter
 from .sampling import Sampling, greedy_accept, rejection_accept
 from .target import TargetAdapter
@@ -29,7 +30,7 @@ from .target import TargetAdapter
 class GenerationStats:
     """Figures of one generation. Times in seconds; tau counts the bonus token."""
 
-    block_size: int = 0
+    block_size: int | str = 0            # the fixed width, or "auto"
     prompt_tokens: int = 0
     generated_tokens: int = 0
     prefill_s: float = 0.0
@@ -45,6 +46,11 @@ class GenerationStats:
     def tau(self) -> float:
         """Mean acceptance length: accepted drafts + 1 per drafting cycle."""
         return sum(a + 1 for a in self.accepted) / len(self.accepted) if self.accepted else 1.0
+
+    @property
+    def mean_width(self) -> float:
+        """Mean block width of the drafting cycles (differs from block_size with "auto")."""
+        return sum(self.widths) / len(self.widths) if self.widths else 1.0
 
     @property
     def decode_tps(self) -> float:
@@ -65,7 +71,8 @@ class GenerationStats:
             "block_size": self.block_size, "prompt_tokens": self.prompt_tokens,
             "generated_tokens": self.generated_tokens, "prefill_s": self.prefill_s,
             "decode_s": self.decode_s, "decode_tps": self.decode_tps, "cycles": self.cycles,
-            "tau": self.tau, "accepted_per_cycle": list(self.accepted),
+            "tau": self.tau, "mean_width": self.mean_width,
+            "accepted_per_cycle": list(self.accepted), "widths": list(self.widths),
             "position_acceptance": self.position_acceptance,
         }
 
@@ -99,17 +106,19 @@ def prefill(target: TargetAdapter, prompt: list[int], cache: list, step: int,
 def generate_tokens(target: TargetAdapter, drafter: Drafter | None, prompt: list[int], *,
                     max_tokens: int, sampling: Sampling, block_size: int,
                     stop_ids: set[int], seed: int | None = None,
-                    prefill_step_size: int = 2048,
+                    prefill_step_size: int = 2048, policy: AdaptiveWidth | None = None,
                     stats: GenerationStats | None = None) -> Iterator[list[int]]:
     """Yield the tokens committed by prefill, then by each cycle, until a stop token (included)
-    or `max_tokens`. Greedy output equals the target's own greedy decoding token for token."""
+    or `max_tokens`. Greedy output equals the target's own greedy decoding token for token.
+
+    Block width: `block_size` every cycle, or, with a `policy`, its choice each cycle."""
     stats = stats if stats is not None else GenerationStats()
-    stats.block_size, stats.prompt_tokens = block_size, len(prompt)
+    stats.block_size, stats.prompt_tokens = "auto" if policy else block_size, len(prompt)
     if not prompt:
         raise ValueError("the prompt is empty: give at least one token")
     if max_tokens < 1:
         return
-    drafting = drafter is not None and block_size > 1
+    drafting = drafter is not None and (block_size > 1 or policy is not None)
     cache = target.make_cache()
     if drafting:
         target.check_rollback(cache)
@@ -132,7 +141,8 @@ def generate_tokens(target: TargetAdapter, drafter: Drafter | None, prompt: list
     pending = [feats] if drafting else []   # target features the drafter has not read yet
 
     while n < max_tokens and tokens[-1] not in stop_ids:
-        width = min(block_size, max_tokens - n) if drafting else 1
+        width = 1 if not drafting else min(policy.choose() if policy else block_size,
+                                           max_tokens - n)
         key, k_draft, k_accept = mx.random.split(key, 3)
         if width > 1:
             ctx = mx.concatenate(pending, axis=1) if len(pending) > 1 else pending[0]
@@ -159,6 +169,8 @@ def generate_tokens(target: TargetAdapter, drafter: Drafter | None, prompt: list
         if width > 1:
             stats.accepted.append(a)
             stats.widths.append(width)
+        if policy is not None:
+            policy.update(width, a)
         stop_at = next((i for i, t in enumerate(new) if t in stop_ids), None)
         if stop_at is not None:
             new = new[: stop_at + 1]

@@ -12,6 +12,7 @@ from mlx.utils import tree_flatten
 
 from . import runtime
 from .drafter import Drafter
+from .adaptive import AdaptiveWidth, load_or_measure_costs
 from .engine import GenerationStats, generate_tokens
 from .kernels import resolve_kernel_path
 from .loading import load_drafter, load_target, resolve
@@ -57,6 +58,8 @@ class Pipeline:
         self.default_block_size = block_size
         self.max_ctx = max_ctx
         self.info = dict(info or {})
+        self.progress = None                 # called with a line before slow one-off work
+        self._policy: AdaptiveWidth | None = None
         self.adapter = TargetAdapter(target, drafter.args.target_layer_ids if drafter else ())
 
     # ---- prompts
@@ -83,19 +86,29 @@ class Pipeline:
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return tok.encode(text, add_special_tokens=False)
 
-    def block_size(self, block_size: int | None) -> int:
-        """The runtime block width: 1 <= b <= the drafter's block size (default: the drafter's)."""
+    def block_size(self, block_size: int | str | None) -> int | str:
+        """The runtime block width: 1 <= b <= the drafter's block size (default: the drafter's),
+        or "auto": chosen each cycle by `adaptive.AdaptiveWidth`."""
         if self.drafter is None:
-            if block_size not in (None, 1):
+            if block_size not in (None, 1, "auto"):
                 raise ValueError(f"block_size={block_size} needs a drafter; this pipeline has "
                                  "none (plain decoding, block size 1)")
             return 1
         limit = self.drafter.args.block_size
         b = block_size if block_size is not None else self.default_block_size or limit
+        if b == "auto":
+            return b
         if not isinstance(b, int) or not 1 <= b <= limit:
             raise ValueError(f"block_size must be an integer in 1..{limit} (the drafter's "
-                             f"block size), got {b!r}")
+                             f"block size) or \"auto\", got {b!r}")
         return b
+
+    def width_policy(self) -> AdaptiveWidth:
+        """The adaptive policy of this pipeline: its acceptance estimates carry over from one
+        generation to the next; its costs are measured once per machine and model pair."""
+        if self._policy is None:
+            self._policy = AdaptiveWidth(load_or_measure_costs(self, self.progress))
+        return self._policy
 
     def describe(self) -> dict:
         """The effective settings: sources, block size, weight dtypes and quantization as
@@ -124,16 +137,18 @@ class Pipeline:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         ids = self.encode(prompt, chat_template, system)
-        if self.max_ctx is not None and len(ids) >= self.max_ctx and b > 1:
+        if self.max_ctx is not None and len(ids) >= self.max_ctx and b != 1:
             _notice(f"the prompt has {len(ids)} tokens, at or beyond max_ctx={self.max_ctx}: "
                     "plain target decoding")
             b = 1
+        policy = self.width_policy() if b == "auto" else None
         stop_ids = set(self.tokenizer.eos_token_ids) | {int(t) for t in stop_tokens}
         stats = GenerationStats()
         detok = self.tokenizer.detokenizer
         detok.reset()
         steps = generate_tokens(self.adapter, self.drafter, ids, max_tokens=max_tokens,
-                                sampling=sampling, block_size=b, stop_ids=stop_ids, seed=seed,
+                                sampling=sampling, block_size=1 if policy else b,
+                                stop_ids=stop_ids, seed=seed, policy=policy,
                                 prefill_step_size=self.prefill_step_size, stats=stats)
         count = 0
         for new in steps:
@@ -196,11 +211,7 @@ def _drafting_plan(draft: str | None, settings: OmlxSettings | None) -> str | No
     if why:
         _notice(f"{settings.source}: model '{settings.model_id}': {why}: plain target decoding")
         return None
-    draft = draft if draft is not None else settings.draft_model
-    if settings.verify_mode == "adaptive":
-        _notice(f"{settings.where('dflash_verify_mode')} = \"adaptive\": adaptive block sizes "
-                "are not available yet; running a fixed block size")
-    return draft
+    return draft if draft is not None else settings.draft_model
 
 
 def load(model: str, draft: str | None = None, *, settings: OmlxSettings | None = None,
@@ -252,9 +263,13 @@ def load(model: str, draft: str | None = None, *, settings: OmlxSettings | None 
             raise OmlxSettingsError(f"{s.where('dflash_block_size')} = {s.block_size} exceeds "
                                     f"the drafter's block size {drafter.args.block_size} "
                                     f"({draft})")
+    adaptive = settings is not None and settings.verify_mode == "adaptive"
     info = {"model": str(model), "draft": None if draft is None else str(draft),
-            "backend": p.backend, "verify_mode": "dflash" if drafter is not None else "off",
+            "backend": p.backend,
+            "verify_mode": ("adaptive" if adaptive else "dflash") if drafter else "off",
             "omlx_settings": settings.source if settings else None,
             "model_id": settings.model_id if settings else None}
-    return Pipeline(target, tokenizer, drafter, block_size=s.block_size, max_ctx=s.max_ctx,
-                    info=info)
+    pipe = Pipeline(target, tokenizer, drafter, max_ctx=s.max_ctx, info=info,
+                    block_size="auto" if adaptive and drafter is not None else s.block_size)
+    pipe.progress = progress
+    return pipe
