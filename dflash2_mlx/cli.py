@@ -319,6 +319,56 @@ def doctor(verbose: bool = typer.Option(False, "--verbose", help="Tracebacks")):
         row("omlx settings", f"{omlx} ({'present' if omlx.is_file() else 'absent'})")
 
 
+@app.command()
+def bench(
+    model: Optional[str] = typer.Option(None, "--model", help="Target (default: the embedded "
+                                        "default's)"),
+    draft: Optional[str] = typer.Option(None, "--draft", "--draft-model",
+                                        help="Drafter (default: the embedded default's)"),
+    prompts: int = typer.Option(8, "--prompts", min=1, max=164,
+                                help="HumanEval prompts, spread evenly over the 164"),
+    block_sizes: str = typer.Option("2,4,8,auto", "--block-sizes",
+                                    help="Comma-separated block sizes and/or 'auto'"),
+    temperatures: str = typer.Option("0,1", "--temperatures", help="Comma-separated"),
+    max_tokens: int = typer.Option(128, "--max-tokens", "-m", min=1),
+    reference: bool = typer.Option(True, "--reference/--no-reference",
+                                   help="Include dflash.model_mlx when it is importable"),
+    out: Path = typer.Option(Path("bench-results"), "--out", help="Folder for bench.json, "
+                             "bench.md and the plots"),
+    verbose: bool = typer.Option(False, "--verbose", help="Tracebacks"),
+):
+    """Plain mlx-lm vs dflash2-mlx per block size vs the reference, on HumanEval prompts."""
+    with _errors(verbose):
+        try:
+            sizes = [_block_size(b.strip()) for b in block_sizes.split(",") if b.strip()]
+        except typer.BadParameter as e:
+            raise ValueError(f"--block-sizes: {e.format_message()}") from None
+        temps = []
+        for t in temperatures.split(","):
+            try:
+                temps.append(float(t))
+            except ValueError:
+                raise ValueError(f"--temperatures: {t!r} is not a number") from None
+        if any(t < 0 for t in temps) or not temps:
+            raise ValueError("--temperatures: expected numbers >= 0, e.g. 0,1")
+        with contextlib.redirect_stdout(sys.stderr):
+            if model is None:
+                model, default_draft = _default_pair()
+                draft = draft or default_draft
+        if draft is None:
+            raise ValueError("--draft: a drafter is needed to benchmark speculative decoding")
+        from .bench import markdown, run_bench, write
+        from .train.humaneval import humaneval_prompts
+
+        problems = humaneval_prompts()
+        chosen = problems[:: max(1, len(problems) // prompts)][:prompts]
+        with contextlib.redirect_stdout(sys.stderr):
+            results = run_bench(model, draft, chosen, block_sizes=sizes, temperatures=temps,
+                                max_tokens=max_tokens, reference=reference, progress=_say)
+        write(results, out, progress=_say)
+        print(markdown(results))
+
+
 # --------------------------------------------------------------------------- train (optional)
 
 @app.command("train", add_help_option=False,

@@ -1,0 +1,45 @@
+"""The side-by-side benchmark: structure of its results and the greedy identity check."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from dflash2_mlx.bench import markdown, run_bench, summarize, Run
+
+
+def test_run_bench_on_tiny_fixtures(llama_dir, dflash2_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path))
+    results = run_bench(str(llama_dir), str(dflash2_dir), ["def add(a, b):", "Hello there"],
+                        block_sizes=(2, 4, "auto"), temperatures=(0.0, 1.0), max_tokens=16,
+                        reference=False, progress=lambda _: None)
+    greedy = results["T=0"]
+    assert greedy["greedy_identical"] and greedy["mismatches"] == []
+    names = set(greedy["systems"])
+    assert names == {"mlx-lm", "dflash2-mlx b=2", "dflash2-mlx b=4", "dflash2-mlx b=auto"}
+    for name, row in greedy["systems"].items():
+        assert row["decode_tps"] > 0 and row["requests"] == 2 and row["peak_mb"] > 0
+    assert greedy["systems"]["mlx-lm"]["speedup"] == 1.0
+    assert len(greedy["systems"]["dflash2-mlx b=4"]["position_acceptance"]) == 3
+    assert "T=1" in results and "greedy_identical" not in results["T=1"]
+    table = markdown(results)
+    assert "| dflash2-mlx b=4 |" in table and "greedy outputs identical" in table
+    json.dumps(results)
+
+
+def test_summary_pools_positions():
+    runs = [Run([1, 2, 3, 4], 0.1, 1.0, 5.0, accepted=[2, 0], widths=[4, 4]),
+            Run([1, 2], 0.3, 1.0, 7.0, accepted=[1], widths=[4])]
+    s = summarize(runs)
+    assert s["decode_tps"] == 2.0               # (3 + 1) tokens after the first / 2 s
+    assert s["position_acceptance"] == [2 / 3, 1 / 2, 0.0]
+    assert abs(s["tau"] - (2.0 + 2.0) / 2) < 1e-9 and s["peak_mb"] == 7.0
+
+
+def test_cli_bench_rejects_bad_lists(tmp_path):
+    exe = Path(sys.executable).parent / "dflash2-mlx"
+    for flag, value, text in (("--block-sizes", "2,x", "--block-sizes"),
+                              ("--temperatures", "0,hot", "--temperatures")):
+        r = subprocess.run([str(exe), "bench", "--model", "m", "--draft", "d", flag, value],
+                           capture_output=True, text=True)
+        assert r.returncode != 0 and text in r.stderr and "Traceback" not in r.stderr
