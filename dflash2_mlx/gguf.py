@@ -32,6 +32,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from .loading import mismatches
+
 ARCHITECTURE = "llama"
 GROUP_SIZE = 32  # every quantized GGUF type MLX loads (Q4_0, Q4_1, Q8_0) uses blocks of 32
 SUPPORTED_BITS = (4, 8)
@@ -239,19 +241,11 @@ def build_model(args, weights: dict[str, mx.array], origin: dict[str, str] | Non
     if plan:
         nn.quantize(model, class_predicate=lambda path, _: dict(plan[path])
                     if path in plan else False)
-    expected = dict(tree_flatten(model.parameters()))
     origin = origin or {}
-    unexpected = sorted(origin.get(k, k) for k in weights.keys() - expected.keys())
-    missing = sorted(k for k in expected.keys() - weights.keys())
-    misshaped = sorted(
-        f"'{origin.get(k, k)}' {tuple(weights[k].shape)} (expected {tuple(expected[k].shape)})"
-        for k in expected.keys() & weights.keys() if weights[k].shape != expected[k].shape)
-    problems = [f"missing tensors: {', '.join(missing)}" if missing else "",
-                f"unexpected tensors: {', '.join(unexpected)}" if unexpected else "",
-                f"mis-shaped tensors: {', '.join(misshaped)}" if misshaped else ""]
-    problems = [p for p in problems if p]
+    problems = mismatches(dict(tree_flatten(model.parameters())), weights,
+                          lambda k: f"'{origin.get(k, k)}'" if k in origin else k)
     if problems:
-        raise ValueError(f"{source}: tensors do not match the metadata: " + "; ".join(problems))
+        raise ValueError(f"{source}: tensors do not match the metadata: {problems}")
     model.load_weights(list(weights.items()), strict=True)
     model.eval()
     return model

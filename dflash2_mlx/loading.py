@@ -102,6 +102,19 @@ def read_safetensors(folder: Path) -> dict[str, mx.array]:
     return weights
 
 
+def mismatches(expected: dict, weights: dict, name=lambda k: k) -> str:
+    """Every missing, unexpected and mis-shaped tensor by name, in one line ('' when none).
+    expected/weights: name -> array; `name` maps a key to the name the user's file uses."""
+    missing = sorted(name(k) for k in expected.keys() - weights.keys())
+    unexpected = sorted(name(k) for k in weights.keys() - expected.keys())
+    misshaped = sorted(f"{name(k)} {tuple(weights[k].shape)} (expected {tuple(expected[k].shape)})"
+                       for k in expected.keys() & weights.keys()
+                       if weights[k].shape != expected[k].shape)
+    return "; ".join(f"{what} tensors: {', '.join(keys)}" for what, keys in
+                     (("missing", missing), ("unexpected", unexpected),
+                      ("mis-shaped", misshaped)) if keys)
+
+
 def load_drafter_weights(drafter: Drafter, weights: dict[str, mx.array], source: str) -> None:
     """Load by the published tensor names; every missing, unexpected or mis-shaped tensor is
     reported by name in one error."""
@@ -109,19 +122,10 @@ def load_drafter_weights(drafter: Drafter, weights: dict[str, mx.array], source:
     for name in CODEBOOKS:
         if name in weights:
             weights[name + ".weight"] = weights.pop(name)
-    expected = dict(tree_flatten(drafter.parameters()))
-    missing = sorted(k.removesuffix(".weight") if k.startswith(CODEBOOKS) else k
-                     for k in expected.keys() - weights.keys())
-    unexpected = sorted(weights.keys() - expected.keys())
-    misshaped = sorted(f"{k} {tuple(weights[k].shape)} (expected {tuple(expected[k].shape)})"
-                       for k in expected.keys() & weights.keys()
-                       if weights[k].shape != expected[k].shape)
-    problems = [f"missing tensors: {', '.join(missing)}" if missing else "",
-                f"unexpected tensors: {', '.join(unexpected)}" if unexpected else "",
-                f"mis-shaped tensors: {', '.join(misshaped)}" if misshaped else ""]
-    problems = [p for p in problems if p]
+    problems = mismatches(dict(tree_flatten(drafter.parameters())), weights,
+                          lambda k: k.removesuffix(".weight") if k.startswith(CODEBOOKS) else k)
     if problems:
-        raise CheckpointError(f"{source}: weights do not match the config: " + "; ".join(problems))
+        raise CheckpointError(f"{source}: weights do not match the config: {problems}")
     drafter.load_weights(list(weights.items()), strict=True)
 
 
