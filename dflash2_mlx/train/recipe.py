@@ -47,9 +47,9 @@ class Recipe:
     init_from_target: bool = True
     # training (see trainer.TrainConfig)
     steps: int = 1500
-    lr: float = 6e-4
+    lr: float = 1e-3
     seqs: int = 4
-    anchors: int = 96
+    anchors: int = 64
     gamma: float | None = None
     soft: float = 0.5
     ckpt_every: int = 100

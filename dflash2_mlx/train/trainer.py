@@ -38,13 +38,13 @@ from .packed import packed_hidden
 @dataclass
 class TrainConfig:
     steps: int = 2000
-    lr: float = 6e-4
+    lr: float = 1e-3
     warmup: float = 0.04            # fraction of the steps
     min_lr: float = 0.1             # final learning rate, as a fraction of lr (cosine decay)
     weight_decay: float = 0.01
     clip: float = 1.0
     seqs: int = 4                   # sequences per step
-    anchors: int = 96               # anchors per sequence (fewer when the response is shorter)
+    anchors: int = 64               # anchors per sequence (fewer when the response is shorter)
     gamma: float | None = None      # None: default_gamma(block_size)
     soft: float = 0.5               # weight of the distillation term (target's top-k)
     soft_k: int = 8                 # teacher ids used by the distillation term
