@@ -282,8 +282,8 @@ def test_demo_pair_greedy_equals_mlx_lm():
         ref = []
         for t, _ in generate_step(mx.array(ids), pipe.target):
             ref.append(int(t))
-            if int(t) in pipe.tokenizer.eos_token_ids or len(ref) == 48:
+            if int(t) in pipe.tokenizer.eos_token_ids or len(ref) == 32:
                 break
-        got = pipe.generate(prompt, max_tokens=48)
+        got = pipe.generate(prompt, max_tokens=32)
         assert got.tokens == ref
         assert got.stats.cycles > 0
