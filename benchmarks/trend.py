@@ -1,0 +1,55 @@
+"""Offline greedy tau of a training run's weight snapshots (tau against training blocks).
+
+    python benchmarks/trend.py runs/abl_b --seqs 8 --eval-store runs/eval_he/greedy \\
+        --out runs/trend_b.json [--min-step 0]
+
+Snapshots come from `dflash2-mlx train --snapshot-every N` (`<run>/snapshots/step_*.safetensors`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import dflash2_mlx  # noqa: F401  (first: OpenBLAS before MLX)
+import mlx.core as mx
+
+from dflash2_mlx import assets, loading
+from dflash2_mlx.target import TargetAdapter
+from dflash2_mlx.train import data as D
+from dflash2_mlx.train import evaluate as E
+
+sys.path.insert(0, str(Path(__file__).parent))
+from ablation import load_run  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("run", type=Path)
+    p.add_argument("--eval-store", type=Path, required=True)
+    p.add_argument("--seqs", type=int, default=8, help="an even spread of N stored sequences")
+    p.add_argument("--min-step", type=int, default=0)
+    p.add_argument("--out", type=Path, required=True)
+    a = p.parse_args(argv)
+    model, _, _ = loading.load_target(str(assets.smollm2_gguf()), mx.float32)
+    adapter = TargetAdapter(model)
+    store = D.FeatureStore(a.eval_store)
+    seqs = list(range(0, len(store), max(1, len(store) // a.seqs)))[: a.seqs]
+    points = []
+    for snap in sorted((a.run / "snapshots").glob("step_*.safetensors")):
+        step = int(snap.stem.split("_")[1])
+        if step < a.min_step:
+            continue
+        blocks = int(mx.load(str(snap), return_metadata=True)[1]["blocks"])
+        r = E.offline_eval(load_run(a.run, snap), adapter, store, seqs)
+        points.append({"step": step, "blocks": blocks, "tau_argmax": r["tau_argmax"],
+                       "tau_selector": r.get("tau_selector"), "recall1_k1": r["recall1"][0]})
+        print(points[-1], flush=True)
+        a.out.write_text(json.dumps({"eval_sequences": len(seqs), "points": points}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
