@@ -287,3 +287,20 @@ def test_demo_pair_greedy_equals_mlx_lm():
         got = pipe.generate(prompt, max_tokens=32)
         assert got.tokens == ref
         assert got.stats.cycles > 0
+
+
+def test_recipe_trains_and_exports_from_a_store(tmp_path, tiny_store, llama_dir):
+    """The Python entry point (what `dflash2-mlx train --data ...` runs): train, then export a
+    4-bit drafter that `load` reads back."""
+    import dflash2_mlx
+    from dflash2_mlx.train import train_drafter
+
+    out = train_drafter(str(tmp_path / "run"), model=str(llama_dir), data=str(tiny_store.folder),
+                        target_layer_ids=(1, 2), selector_rank=32, steps=3, anchors=8,
+                        ckpt_every=2, bits=4)
+    assert (out / "config.json").is_file()
+    assert json.loads((out / "config.json").read_text())["quantization"]["bits"] == 4
+    pipe = dflash2_mlx.load(str(llama_dir), str(out))
+    plain = dflash2_mlx.load(str(llama_dir))
+    assert pipe.generate(PROMPTS[1], max_tokens=12).tokens == \
+        plain.generate(PROMPTS[1], max_tokens=12).tokens
