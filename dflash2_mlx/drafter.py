@@ -210,10 +210,14 @@ class CandidateSelector(nn.Module):
         return cand, mx.take_along_axis(logits, cand, axis=-1)
 
     def walk(self, h: mx.array, logits: mx.array, anchor: mx.array, temperature: float,
-             uniforms: mx.array | None, kernels: KernelPath = "ops"):
-        """h [B, L, H] proposal rows, logits [B, L, V], anchor [B]
-        -> ids [B, L], cand [B, L, K], q [B, L, K] (None when greedy)."""
+             uniforms: mx.array | None, kernels: KernelPath = "ops",
+             vocab: mx.array | None = None):
+        """h [B, L, H] proposal rows, logits [B, L, V'], anchor [B]; `vocab` [V'] maps logit
+        columns to token ids when the logits cover a draft vocabulary only
+        -> ids [B, L], cand [B, L, K] (token ids), q [B, L, K] (None when greedy)."""
         cand, unary = self.candidates(logits)
+        if vocab is not None:
+            cand = vocab[cand]
         # Scores in float32: in 16-bit, pair scores of ~20 round to steps of 0.125 and ties
         # between candidates become common. The tensors are tiny ([L, K, R]).
         f32 = lambda x: x.astype(mx.float32)
@@ -242,6 +246,18 @@ class Proposal:
         return mx.put_along_axis(zeros, self.q_ids, self.q, axis=-1)
 
 
+class DraftVocab:
+    """A drafter's own output vocabulary: the token ids its head scores (sorted, uint32).
+
+    Not part of the published format: an optional `draft_vocab.json` beside the weights, for
+    drafters trained with their softmax restricted to the ids their data needs. Proposing only
+    from it keeps inference consistent with training and makes the head len(ids)/V as costly.
+    """
+
+    def __init__(self, ids):
+        self.ids = mx.array(ids, dtype=mx.uint32)
+
+
 class Drafter(nn.Module):
     """A DFlash (selector/conv absent) or DFlash 2 drafter."""
 
@@ -256,6 +272,7 @@ class Drafter(nn.Module):
         if args.has_selector:
             self.candidate_selector = CandidateSelector(args)
         self.kernels: KernelPath = "ops"
+        self.draft_vocab: DraftVocab | None = None
 
     def make_cache(self) -> list[ContextCache]:
         return [ContextCache(l.self_attn.window) for l in self.layers]
@@ -302,14 +319,18 @@ class Drafter(nn.Module):
         if self.args.input_embedding_scale != 1.0:
             x = x * self.args.input_embedding_scale
         h = self(x, feats, cache)[:, 1:]                                   # [1, w-1, H]
-        logits = self.logits(h, target.head)                               # [1, w-1, V]
+        vocab = self.draft_vocab.ids if self.draft_vocab is not None else None
+        head = target.head if vocab is None else target.head_rows(vocab)
+        logits = self.logits(h, head)                                      # [1, w-1, V']
         if self.args.has_selector:
             uniforms = None if sampling.greedy else mx.random.uniform(shape=h.shape[:2], key=key)
             ids, cand, q = self.candidate_selector.walk(h, logits, anchor[:, 0],
                                                         sampling.temperature, uniforms,
-                                                        self.kernels)
+                                                        self.kernels, vocab)
             return Proposal(ids, q, None if q is None else cand)
+        to_ids = (lambda i: i) if vocab is None else (lambda i: vocab[i])
         if sampling.greedy:
-            return Proposal(mx.argmax(logits, axis=-1))
+            return Proposal(to_ids(mx.argmax(logits, axis=-1)))
         q = sampling.probs(logits)
-        return Proposal(mx.random.categorical(mx.log(q), key=key), q)
+        q_ids = None if vocab is None else mx.broadcast_to(vocab, q.shape)
+        return Proposal(to_ids(mx.random.categorical(mx.log(q), key=key)), q, q_ids)

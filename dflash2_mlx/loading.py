@@ -16,7 +16,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
 from .config import CheckpointError, DrafterArgs
-from .drafter import Drafter
+from .drafter import Drafter, DraftVocab
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # Tensors some early drafter checkpoints carried; the drafter uses the target's instead.
@@ -129,6 +129,28 @@ def load_drafter_weights(drafter: Drafter, weights: dict[str, mx.array], source:
     drafter.load_weights(list(weights.items()), strict=True)
 
 
+DRAFT_VOCAB = "draft_vocab.json"
+
+
+def read_draft_vocab(folder: Path, args: DrafterArgs) -> DraftVocab | None:
+    """The optional draft vocabulary beside the weights (see `drafter.DraftVocab`)."""
+    path = folder / DRAFT_VOCAB
+    if not path.exists():
+        return None
+    try:
+        ids = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: malformed JSON ({e})") from e
+    if (not isinstance(ids, list) or not all(isinstance(i, int) for i in ids)
+            or ids != sorted(set(ids)) or not ids or not 0 <= ids[0] <= ids[-1] < args.vocab_size):
+        raise CheckpointError(f"{path}: expected a sorted list of distinct token ids in "
+                              f"0..{args.vocab_size - 1}")
+    if len(ids) < max(args.selector_top_k, 1):
+        raise CheckpointError(f"{path}: {len(ids)} ids, fewer than the selector's top-k "
+                              f"({args.selector_top_k})")
+    return DraftVocab(ids)
+
+
 def quantize_drafter(drafter: Drafter, bits: int, group_size: int = 64) -> None:
     """Quantize the linear layers and the selector codebooks; norms and the convolution base
     kernels (plain arrays, not layers) stay in full precision."""
@@ -171,7 +193,11 @@ def save_drafter(drafter: Drafter, folder: str | Path, dtype=mx.bfloat16) -> Pat
     with tempfile.TemporaryDirectory(dir=folder) as tmp:   # nothing half-written on failure
         mx.save_safetensors(str(Path(tmp) / "model.safetensors"), tensors)
         (Path(tmp) / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        for name in ("model.safetensors", "config.json"):
+        names = ["model.safetensors", "config.json"]
+        if drafter.draft_vocab is not None:
+            (Path(tmp) / DRAFT_VOCAB).write_text(json.dumps(drafter.draft_vocab.ids.tolist()))
+            names.append(DRAFT_VOCAB)
+        for name in names:
             (Path(tmp) / name).replace(folder / name)
     return folder
 
@@ -195,6 +221,7 @@ def load_drafter(path_or_id: str | Path, *, hidden_size: int, vocab_size: int, n
     if stored:   # a checkpoint saved quantized: give the model the same structure first
         quantize_drafter(drafter, int(stored["bits"]), int(stored["group_size"]))
     load_drafter_weights(drafter, read_safetensors(folder), str(folder))
+    drafter.draft_vocab = read_draft_vocab(folder, args)
     if dtype is not None:
         if stored and bits is None and not keep_quantized:
             from mlx_lm.utils import dequantize_model

@@ -117,6 +117,7 @@ class TargetAdapter:
         self.recurrent = tuple(i for i, c in enumerate(probe) if not c.is_trimmable())
         self._store: list = [None] * len(self.layer_ids)
         self._inputs: dict = {}
+        self._row_heads: dict = {}
         self._view = self._build_view(self._taps())
         self._embed_view = self._build_view([_StopAtFirstLayer(self.layers[0])]
                                             + list(self.layers[1:]))
@@ -175,14 +176,40 @@ class TargetAdapter:
             return captured.x
         raise RuntimeError("the target's forward pass never reached its first layer")
 
-    def head(self, h: mx.array) -> mx.array:
-        """The target's output projection: lm_head, or the tied embedding."""
+    def _head_module(self) -> nn.Module:
+        """lm_head (Model.lm_head, Model.language_model.lm_head, ...) or the tied embedding."""
         module = self.model
-        for name in (None,) + self.path:   # Model.lm_head, Model.language_model.lm_head, ...
+        for name in (None,) + self.path:
             module = module if name is None else module[name]
             if "lm_head" in module:
-                return module["lm_head"](h)
-        return self.embed_tokens.as_linear(h)
+                return module["lm_head"]
+        return self.embed_tokens
+
+    def head(self, h: mx.array) -> mx.array:
+        """The target's output projection: lm_head, or the tied embedding."""
+        module = self._head_module()
+        return module.as_linear(h) if isinstance(module, (nn.Embedding,
+                                                          nn.QuantizedEmbedding)) else module(h)
+
+    def head_rows(self, ids: mx.array):
+        """The output projection restricted to the vocabulary rows `ids` (a drafter's draft
+        vocabulary): a function [..., H] -> [..., len(ids)], built once per `ids` array."""
+        cached = self._row_heads.get(id(ids))
+        if cached is not None and cached[0] is ids:
+            return cached[1]
+        module = self._head_module()
+        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            w, s, b = module.weight[ids], module.scales[ids], module.biases[ids]
+            mx.eval(w, s, b)
+            gs, bits = module.group_size, module.bits
+            fn = lambda h: mx.quantized_matmul(h, w, s, b, transpose=True, group_size=gs,
+                                               bits=bits)
+        else:
+            w = module.weight[ids]
+            mx.eval(w)
+            fn = lambda h: h @ w.T
+        self._row_heads[id(ids)] = (ids, fn)
+        return fn
 
     def forward(self, tokens: mx.array, cache: list) -> tuple[mx.array, mx.array]:
         logits = self._view(tokens, cache=cache)

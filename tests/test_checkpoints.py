@@ -229,3 +229,20 @@ def test_runtime_block_size_bounds(llama_dir, dflash2_dir):
     for bad in (0, 17, 2.5):
         with pytest.raises(ValueError, match="block_size must be an integer in 1..16"):
             pipe.generate("hi", max_tokens=2, block_size=bad)
+
+
+def test_draft_vocab_round_trip_and_errors(dflash2_dir, tmp_path):
+    import shutil
+    folder = tmp_path / "dv"
+    shutil.copytree(dflash2_dir, folder)
+    ids = list(range(0, VOCAB, 3))
+    (folder / "draft_vocab.json").write_text(json.dumps(ids))
+    drafter = _load(folder)
+    assert drafter.draft_vocab.ids.tolist() == ids
+    from dflash2_mlx.loading import save_drafter
+    again = _load(save_drafter(drafter, tmp_path / "saved"))
+    assert again.draft_vocab.ids.tolist() == ids
+    for bad in ([5, 3], [1, 1, 2], [0, VOCAB], "x", list(range(4))):
+        (folder / "draft_vocab.json").write_text(json.dumps(bad))
+        with pytest.raises(CheckpointError, match="draft_vocab.json"):
+            _load(folder)

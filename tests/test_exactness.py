@@ -144,3 +144,26 @@ def test_partial_and_full_acceptance_stay_exact(pipelines, family):
             assert max(stats.accepted) == b - 1, "no fully accepted block"
             assert any(0 < a < b - 1 for a in stats.accepted) or b == 2, "no partial acceptance"
             assert min(stats.accepted) < b - 1
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+def test_draft_vocabulary_proposes_only_its_ids_and_stays_exact(pipelines, kind):
+    """A drafter with a draft vocabulary (`draft_vocab.json`) scores only those rows of the
+    target's head; output stays exactly the target's, greedy and sampled."""
+    from dflash2_mlx.drafter import DraftVocab
+    pipe = pipelines[("llama", kind)]
+    ids = pipe.encode(PROMPTS[0])
+    ref = mlx_lm_greedy(pipe.target, ids, MAX_TOKENS)
+    vocab = sorted(set(ref) | set(range(0, 384, 2)))
+    pipe.drafter.draft_vocab = DraftVocab(vocab)
+    try:
+        oracle_free = pipe.generate(ids, max_tokens=MAX_TOKENS, block_size=8)
+        assert oracle_free.tokens == ref
+        drafted = pipe.drafter.propose(pipe.adapter, mx.array([[ids[-1]]], dtype=mx.uint32),
+                                       None, pipe.drafter.make_cache(), 8, Sampling(1.0),
+                                       mx.random.key(0))
+        assert set(drafted.tokens.reshape(-1).tolist()) <= set(vocab)
+        sampled = pipe.generate(ids, max_tokens=20, block_size=4, temperature=1.0, seed=1)
+        assert len(sampled.tokens) == 20
+    finally:
+        pipe.drafter.draft_vocab = None

@@ -9,7 +9,7 @@ from mlx_lm.models import llama
 from mlx_lm.sample_utils import make_sampler
 
 import dflash2_mlx.engine as engine
-from dflash2_mlx.drafter import Drafter, Proposal
+from dflash2_mlx.drafter import Drafter, DraftVocab, Proposal
 from dflash2_mlx.engine import generate_tokens
 from dflash2_mlx.sampling import Sampling, rejection_accept
 from dflash2_mlx.target import TargetAdapter
@@ -55,8 +55,13 @@ def tiny():
     d2 = Drafter(drafter_args(dflash2=True, conv_group_size=8, selector_rank=8,
                               selector_top_k=8, **common))
     d1 = Drafter(drafter_args(dflash2=False, **common))
+    d2v = Drafter(drafter_args(dflash2=True, conv_group_size=8, selector_rank=8,
+                               selector_top_k=8, **common))
+    d2v.update(d2.parameters())
+    d2v.draft_vocab = DraftVocab(list(range(0, V, 2)) + [1, 3])   # ids outside never drafted
+    d2v.draft_vocab.ids = mx.sort(d2v.draft_vocab.ids)
     mx.eval(d1.parameters(), d2.parameters())
-    return model, {"dflash": d1, "dflash2": d2}
+    return model, {"dflash": d1, "dflash2": d2, "dflash2-vocab": d2v}
 
 
 def exact_joint(model, sampling: Sampling) -> dict:
@@ -119,10 +124,11 @@ def speculative_counts(model, drafter, sampling, n, block_size=3):
 
 # The oracle double (dense q near p) exercises every acceptance path under each filter; the
 # real random drafters check the q they report: DFlash's filtered softmax, DFlash 2's selector
-# distribution over its top-K candidates (sparse q).
+# distribution over its top-K candidates (sparse q), also mapped from a draft vocabulary.
 CASES = [("oracle", Sampling(1.0)), ("oracle", Sampling(0.8, top_k=5)),
          ("oracle", Sampling(1.0, top_p=0.8)), ("oracle", Sampling(1.2, top_p=0.9, top_k=6)),
-         ("dflash2", Sampling(1.0)), ("dflash", Sampling(1.0))]
+         ("dflash2", Sampling(1.0)), ("dflash", Sampling(1.0)),
+         ("dflash2-vocab", Sampling(1.0))]
 N = 2000
 
 

@@ -300,7 +300,11 @@ def test_recipe_trains_and_exports_from_a_store(tmp_path, tiny_store, llama_dir)
                         ckpt_every=2, bits=4)
     assert (out / "config.json").is_file()
     assert json.loads((out / "config.json").read_text())["quantization"]["bits"] == 4
+    # trained with the data's softmax: the export carries that vocabulary and proposes from it
+    vocab = json.loads((out / "draft_vocab.json").read_text())
+    assert vocab == np.load(tmp_path / "run" / "vocab.npy").tolist()
     pipe = dflash2_mlx.load(str(llama_dir), str(out))
+    assert pipe.drafter.draft_vocab.ids.tolist() == vocab
     plain = dflash2_mlx.load(str(llama_dir))
     assert pipe.generate(PROMPTS[1], max_tokens=12).tokens == \
         plain.generate(PROMPTS[1], max_tokens=12).tokens

@@ -13,7 +13,8 @@ from ..loading import quantize_drafter, save_drafter
 
 def export_drafter(drafter: Drafter, folder: str | Path, *, bits: int | None = None,
                    group_size: int = 64, dtype=mx.bfloat16, card: str | None = None) -> Path:
-    """Write `config.json` + `model.safetensors` (+ `MODEL_CARD.md` when `card` is given).
+    """Write `config.json` + `model.safetensors` (+ `draft_vocab.json` when the drafter was
+    trained with a restricted softmax, + `MODEL_CARD.md` when `card` is given).
 
     Unquantized: stored in `dtype` (BF16 like the published files). `bits` (4 or 8) quantizes a
     copy (linear layers and selector codebooks; norms and conv base kernels stay in full
@@ -26,6 +27,7 @@ def export_drafter(drafter: Drafter, folder: str | Path, *, bits: int | None = N
         out.load_weights(list(tree_flatten(drafter.parameters())), strict=True)
         quantize_drafter(out, bits, group_size)
         mx.eval(out.parameters())
+        out.draft_vocab = drafter.draft_vocab
     folder = save_drafter(out, folder, dtype)
     if card is not None:
         (Path(folder) / "MODEL_CARD.md").write_text(card)

@@ -28,7 +28,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..config import DrafterArgs
-from ..drafter import Drafter
+from ..drafter import Drafter, DraftVocab
 from .data import FeatureStore
 from .losses import block_loss, selector_loss, selector_scores
 from .masks import block_mask, context_mask, default_gamma, position_weights
@@ -345,6 +345,8 @@ def train(drafter: Drafter, adapter, store: FeatureStore, run: str | Path, cfg: 
         else:
             vocab = build_vocab(store, seqs, cfg.soft_k, extra_ids)
             np.save(path, vocab)
+    # The drafter proposes from the ids it was trained on (exported as draft_vocab.json).
+    drafter.draft_vocab = None if vocab is None else DraftVocab(vocab)
     head_full = head_matrix(adapter)
     head_w = head_full if vocab is None else head_full[mx.array(vocab)]
     vocab_mx = None if vocab is None else mx.array(vocab)
