@@ -3,8 +3,9 @@
 With per-position acceptance rates alpha_k = P(draft k accepted | drafts < k accepted), a cycle
 of width w commits on average E(w) = 1 + sum_{k<w} prod_{j<=k} alpha_j tokens and costs
 C(w) = draft(w) + verify(w) seconds (w = 1: a plain decoding step, no draft). The policy picks
-argmax_w E(w) / C(w). Costs are measured once per machine, model pair and precision, and cached;
-the alphas are running estimates: counts of the recent tries of each position (older tries
+argmax_w E(w) / C(w). Costs are measured once per machine, model pair and precision, and cached,
+then corrected by the cycles actually timed (a busy machine, per-cycle bookkeeping the
+calibration does not see); the alphas are running estimates: counts of the recent tries of each position (older tries
 decay), so a change of content - code to chat - shows within tens of cycles. While the policy
 decodes plainly (w = 1) nothing is learnt, so every `probe_every`-th such cycle drafts one token
 to notice when drafting pays again.
@@ -57,6 +58,16 @@ class AdaptiveWidth:
         self.prior_hits, self.prior_tries = prior * strength, strength
         self.hits, self.tries = [0.0] * n, [0.0] * n
         self.plain_run = 0                  # consecutive cycles the policy chose w = 1
+        # timed cycles: decayed count and seconds per width
+        self.timed, self.timed_s = [0.0] * cost.max_width, [0.0] * cost.max_width
+
+    def cycle_cost(self, width: int) -> float:
+        """Expected seconds of a width-`width` cycle: the mean of its timed cycles once there
+        are a few, else the calibration. Untimed widths keep the (usually lower) calibrated
+        figure on purpose: optimism gets them tried, and then timed."""
+        if self.timed[width - 1] >= 3:
+            return self.timed_s[width - 1] / self.timed[width - 1]
+        return self.cost.cycle(width)
 
     def alphas(self) -> list[float]:
         return [(h + self.prior_hits) / (t + self.prior_tries)
@@ -71,7 +82,7 @@ class AdaptiveWidth:
 
     def choose(self, limit: int | None = None) -> int:
         widths = range(1, min(limit or self.cost.max_width, self.cost.max_width) + 1)
-        best = max(widths, key=lambda w: self.expected_tokens(w) / self.cost.cycle(w))
+        best = max(widths, key=lambda w: self.expected_tokens(w) / self.cycle_cost(w))
         if best == 1 and len(widths) > 1:
             self.plain_run += 1
             if self.plain_run % self.probe_every == 0:
@@ -80,13 +91,23 @@ class AdaptiveWidth:
             self.plain_run = 0
         return best
 
-    def update(self, width: int, accepted: int) -> None:
+    def update(self, width: int, accepted: int, seconds: float | None = None) -> None:
+        """After a cycle of `width` that accepted `accepted` drafts (and took `seconds`)."""
         for k in range(1, min(accepted + 1, width - 1) + 1):   # positions tried this cycle
             self.tries[k - 1] = self.tries[k - 1] * self.decay + 1
             self.hits[k - 1] = self.hits[k - 1] * self.decay + (k <= accepted)
+        if seconds is not None:
+            # a one-off stall (first-use compilation, the OS) must not swamp the estimate
+            seconds = min(seconds, 2.0 * self.cycle_cost(width))
+            i = width - 1
+            self.timed[i] = self.timed[i] * self.decay + 1
+            self.timed_s[i] = self.timed_s[i] * self.decay + seconds
 
 
 # --------------------------------------------------------------------------- calibration
+
+CALIBRATION_VERSION = "2"     # bump when measure_costs changes: old entries are re-measured
+
 
 def cache_file() -> Path:
     base = Path(os.environ.get("DFLASH2_CACHE", Path.home() / ".cache" / "dflash2-mlx"))
@@ -95,15 +116,31 @@ def cache_file() -> Path:
 
 def calibration_key(pipeline) -> str:
     d = pipeline.describe() if hasattr(pipeline, "describe") else {}
-    parts = [platform.machine(), platform.processor(), str(mx.default_device()), mx.__version__,
+    vocab = pipeline.drafter.draft_vocab
+    parts = [CALIBRATION_VERSION, platform.machine(), platform.processor(),
+             str(mx.default_device()), mx.__version__,
              repr(sorted((k, str(v)) for k, v in d.items() if k != "block_size")),
              str(pipeline.adapter.num_layers), str(pipeline.adapter.hidden_size),
-             str(pipeline.drafter.args)]
+             str(pipeline.drafter.args), str(None if vocab is None else vocab.ids.size)]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
 
-def measure_costs(pipeline, context: int = 128, reps: int = 3) -> CycleCost:
-    """Time the drafter and the verify forward at every width after a `context`-token prompt."""
+def _monotone(xs: list[float]) -> list[float]:
+    """Least-squares nondecreasing fit (pool adjacent violators): a wider block never costs
+    less, whatever the timing noise said."""
+    blocks: list[list[float]] = []                 # [mean, count]
+    for x in xs:
+        blocks.append([x, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, n1), (m2, n2) = blocks[-2], blocks.pop()
+            blocks[-1] = [(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2]
+    return [m for m, n in blocks for _ in range(int(n))]
+
+
+def measure_costs(pipeline, context: int = 128, reps: int = 5) -> CycleCost:
+    """Time the drafter and the verify forward at every width after a `context`-token prompt.
+    Widths are timed round-robin (load that comes and goes hits them alike), medians fitted
+    nondecreasing in the width."""
     target, drafter = pipeline.adapter, pipeline.drafter
     ids = mx.array([[(17 * i) % target.vocab_size for i in range(context)]], dtype=mx.uint32)
     cache, dcache = target.make_cache(), drafter.make_cache()
@@ -111,10 +148,11 @@ def measure_costs(pipeline, context: int = 128, reps: int = 3) -> CycleCost:
     mx.eval(feats, [c.state for c in cache])
     anchor, greedy = ids[:, -1:], Sampling()
     drafter.propose(target, anchor, feats, dcache, 2, greedy, mx.random.key(0))
-    draft, verify = [], []
-    for width in range(1, drafter.args.block_size + 1):
-        d_times, v_times = [], []
-        for _ in range(reps + 1):                          # the first run warms up
+    widths = range(1, drafter.args.block_size + 1)
+    d_times: dict[int, list[float]] = {w: [] for w in widths}
+    v_times: dict[int, list[float]] = {w: [] for w in widths}
+    for rep in range(reps + 1):                            # round 0 warms up
+        for width in widths:
             t0 = time.perf_counter()
             if width > 1:
                 p = drafter.propose(target, anchor, feats[:, :0], dcache, width, greedy,
@@ -124,10 +162,11 @@ def measure_costs(pipeline, context: int = 128, reps: int = 3) -> CycleCost:
             mx.eval(target.forward(mx.repeat(anchor, width, axis=1), cache))
             t2 = time.perf_counter()
             target.rollback(cache, {}, 0, width)
-            d_times.append(t1 - t0)
-            v_times.append(t2 - t1)
-        draft.append(statistics.median(d_times[1:]) if width > 1 else 0.0)
-        verify.append(statistics.median(v_times[1:]))
+            if rep:
+                d_times[width].append(t1 - t0)
+                v_times[width].append(t2 - t1)
+    draft = [0.0] + _monotone([statistics.median(d_times[w]) for w in widths[1:]])
+    verify = _monotone([statistics.median(v_times[w]) for w in widths])
     return CycleCost(tuple(draft), tuple(verify))
 
 

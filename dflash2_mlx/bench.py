@@ -96,6 +96,10 @@ def _to_float32(params):
                     else x, params)
 
 
+def _tps(run: Run) -> float:
+    return max(len(run.tokens) - 1, 0) / run.decode_s if run.decode_s else 0.0
+
+
 def summarize(runs: list[Run]) -> dict:
     """Decode tok/s over all runs (tokens after the first / decode seconds), tau per request
     then averaged, pooled per-position acceptance."""
@@ -110,6 +114,7 @@ def summarize(runs: list[Run]) -> dict:
         pos.append(ok / tried if tried else None)
     widths = [w for r in runs for w in r.widths]
     return {"decode_tps": decode_tokens / decode_s if decode_s else 0.0,
+            "per_prompt_tps": [_tps(r) for r in runs],
             "tau": float(np.mean(taus)) if taus else 1.0,
             "mean_width": float(np.mean(widths)) if widths else 1.0,
             "position_acceptance": pos,
@@ -163,9 +168,12 @@ def run_bench(model: str, draft: str, prompts: Sequence[str], *,
                 mismatches += [f"prompt {i}: {name}" for name, o in outs.items() if o != base]
             progress(f"T={temperature:g}: prompt {i + 1}/{len(encoded)} done")
         table = {name: summarize(r) for name, r in runs.items()}
-        plain = table["mlx-lm"]["decode_tps"]
+        # speedup: the median over prompts of the paired ratio (each prompt's runs follow each
+        # other, so load that comes and goes mostly cancels; one stalled run cannot swing it)
+        plain = table["mlx-lm"]["per_prompt_tps"]
         for row in table.values():
-            row["speedup"] = row["decode_tps"] / plain if plain else 0.0
+            row["speedup"] = float(np.median([t / p for t, p in zip(row["per_prompt_tps"], plain)
+                                              if p > 0] or [0.0]))
         key = f"T={temperature:g}"
         results[key] = {"systems": table}
         if temperature == 0:
@@ -181,7 +189,8 @@ def markdown(results: dict) -> str:
             continue
         lines += [f"**{key}**" + (" (greedy outputs identical across all systems)"
                                   if part.get("greedy_identical") else ""), "",
-                  "| system | decode tok/s | speedup | tau | mean width | prefill s | peak MiB |",
+                  "| system | decode tok/s | speedup (median per prompt) | tau | mean width | "
+                  "prefill s | peak MiB |",
                   "|---|---|---|---|---|---|---|"]
         for name, r in part["systems"].items():
             lines.append(f"| {name} | {r['decode_tps']:.1f} | {r['speedup']:.2f}x | "

@@ -141,6 +141,7 @@ def generate_tokens(target: TargetAdapter, drafter: Drafter | None, prompt: list
     pending = [feats] if drafting else []   # target features the drafter has not read yet
 
     while n < max_tokens and tokens[-1] not in stop_ids:
+        cycle_tic = time.perf_counter()
         width = 1 if not drafting else min(policy.choose() if policy else block_size,
                                            max_tokens - n)
         key, k_draft, k_accept = mx.random.split(key, 3)
@@ -170,7 +171,7 @@ def generate_tokens(target: TargetAdapter, drafter: Drafter | None, prompt: list
             stats.accepted.append(a)
             stats.widths.append(width)
         if policy is not None:
-            policy.update(width, a)
+            policy.update(width, a, time.perf_counter() - cycle_tic)
         stop_at = next((i for i, t in enumerate(new) if t in stop_ids), None)
         if stop_at is not None:
             new = new[: stop_at + 1]

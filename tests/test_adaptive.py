@@ -128,3 +128,45 @@ def test_cli_accepts_auto_and_rejects_junk(llama_dir, dflash2_dir, tmp_path):
     bad = subprocess.run([str(exe), "generate", "--block-size", "big"], capture_output=True,
                          text=True, env=env)
     assert bad.returncode == 2 and "--block-size" in bad.stderr and "'auto'" in bad.stderr
+
+
+def test_monotone_fit_pools_violations():
+    from dflash2_mlx.adaptive import _monotone
+
+    assert _monotone([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    assert _monotone([0.098, 0.095, 0.109]) == pytest.approx([0.0965, 0.0965, 0.109])
+    assert _monotone([3.0, 2.0, 1.0]) == pytest.approx([2.0, 2.0, 2.0])
+
+
+def test_timed_cycles_correct_a_wrong_calibration():
+    """The calibration misses 60 ms of per-cycle work that every drafting cycle really does
+    (the engine's bookkeeping, a busy machine): at alpha 0.45 drafting then never pays, and only
+    the timed cycles can tell the policy so."""
+    real = CycleCost(draft=tuple([0.0] + [0.090] * 15), verify=COST.verify)
+    rng = random.Random(0)
+
+    def run(timed):
+        policy, tokens, seconds = AdaptiveWidth(COST), 0.0, 0.0
+        for _ in range(3000):
+            w = policy.choose()
+            a = 0
+            while a < w - 1 and rng.random() < 0.45:
+                a += 1
+            policy.update(w, a, real.cycle(w) if timed else None)
+            tokens, seconds = tokens + a + 1, seconds + real.cycle(w)
+        return tokens / seconds
+
+    best = max(sum(0.45**k for k in range(w)) / real.cycle(w) for w in range(1, 17))
+    untimed, timed = run(timed=False), run(timed=True)
+    assert untimed < 0.85 * best, untimed / best          # the calibration alone keeps drafting
+    # what remains is the probing (one draft every 8 plain cycles, here twice a plain cycle's
+    # cost): 0.94 of the best when written
+    assert timed >= 0.93 * best and timed > untimed + 0.08 * best, (timed / best, untimed / best)
+
+
+def test_a_stall_does_not_swamp_the_cost_estimate():
+    policy = AdaptiveWidth(COST)
+    for _ in range(5):
+        policy.update(4, 1, COST.cycle(4))
+    policy.update(4, 1, 50.0)                    # e.g. a first-use compilation
+    assert policy.cycle_cost(4) < 1.3 * COST.cycle(4)

@@ -274,8 +274,10 @@ def test_demo_pair_greedy_equals_mlx_lm():
     import dflash2_mlx
     from mlx_lm.generate import generate_step
 
+    pipe = dflash2_mlx.load()                  # no arguments: the embedded default pair
     target, drafter = defaults.default_pair(progress=None)
-    pipe = dflash2_mlx.load(str(target), str(drafter))
+    assert pipe.info["model"] == str(target) and pipe.info["draft"] == str(drafter)
+    assert pipe.drafter is not None and pipe.drafter.draft_vocab is not None
     for prompt in ("Write a Python function that reverses a string.",
                    "def fib(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"):
         ids = pipe.encode(prompt)
