@@ -123,6 +123,24 @@ def summarize(runs: list[Run]) -> dict:
             "tokens": sum(len(r.tokens) for r in runs), "requests": len(runs)}
 
 
+def _paired(a: list[float], b: list[float]) -> float:
+    """Median over prompts of a_i / b_i: each prompt's runs follow each other, so load that
+    comes and goes mostly cancels, and one stalled run cannot swing the figure."""
+    return float(np.median([x / y for x, y in zip(a, b) if y > 0] or [0.0]))
+
+
+def add_ratios(table: dict) -> dict:
+    """`speedup` over mlx-lm for every system, and `vs_reference` for each of ours with a
+    reference run at the same block size; both paired per prompt (`_paired`)."""
+    plain = table["mlx-lm"]["per_prompt_tps"]
+    for name, row in table.items():
+        row["speedup"] = _paired(row["per_prompt_tps"], plain)
+        ref = table.get(name.replace("dflash2-mlx", "reference"))
+        if name.startswith("dflash2-mlx") and ref is not None:
+            row["vs_reference"] = _paired(row["per_prompt_tps"], ref["per_prompt_tps"])
+    return table
+
+
 def run_bench(model: str, draft: str, prompts: Sequence[str], *,
               block_sizes: Sequence[int | str] = (2, 4, 8, "auto"),
               temperatures: Sequence[float] = (0.0, 1.0), max_tokens: int = 128,
@@ -167,13 +185,7 @@ def run_bench(model: str, draft: str, prompts: Sequence[str], *,
                 base = outs["mlx-lm"]
                 mismatches += [f"prompt {i}: {name}" for name, o in outs.items() if o != base]
             progress(f"T={temperature:g}: prompt {i + 1}/{len(encoded)} done")
-        table = {name: summarize(r) for name, r in runs.items()}
-        # speedup: the median over prompts of the paired ratio (each prompt's runs follow each
-        # other, so load that comes and goes mostly cancels; one stalled run cannot swing it)
-        plain = table["mlx-lm"]["per_prompt_tps"]
-        for row in table.values():
-            row["speedup"] = float(np.median([t / p for t, p in zip(row["per_prompt_tps"], plain)
-                                              if p > 0] or [0.0]))
+        table = add_ratios({name: summarize(r) for name, r in runs.items()})
         key = f"T={temperature:g}"
         results[key] = {"systems": table}
         if temperature == 0:
@@ -189,13 +201,16 @@ def markdown(results: dict) -> str:
             continue
         lines += [f"**{key}**" + (" (greedy outputs identical across all systems)"
                                   if part.get("greedy_identical") else ""), "",
-                  "| system | decode tok/s | speedup (median per prompt) | tau | mean width | "
+                  "| system | decode tok/s | speedup over mlx-lm | vs reference | tau | mean width | "
                   "prefill s | peak MiB |",
-                  "|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|"]
         for name, r in part["systems"].items():
-            lines.append(f"| {name} | {r['decode_tps']:.1f} | {r['speedup']:.2f}x | "
+            vs = f"{r['vs_reference']:.2f}x" if "vs_reference" in r else "-"
+            lines.append(f"| {name} | {r['decode_tps']:.1f} | {r['speedup']:.2f}x | {vs} | "
                          f"{r['tau']:.2f} | {r['mean_width']:.1f} | {r['prefill_s']:.2f} | "
                          f"{r['peak_mb']:.0f} |")
+        lines += ["", "decode tok/s: all tokens after the first over all decode seconds; "
+                  "speedup and vs reference: median over prompts of the per-prompt ratio."]
         lines.append("")
     return "\n".join(lines)
 

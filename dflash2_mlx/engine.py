@@ -8,7 +8,8 @@ One cycle, with committed tokens x_1..x_n and the anchor x_n not yet seen by the
           rows from their pre-verify state); rows 0..a of the features become the drafter's
           new context
 Block width w = 1 is plain decoding (no drafter call). Everything but one host sync per cycle
-(reading a and the tokens) stays on the device.
+(reading a and the tokens) stays on the device; the drafts are computed asynchronously while
+the verify graph is being built.
 """
 
 from __future__ import annotations
@@ -150,6 +151,8 @@ def generate_tokens(target: TargetAdapter, drafter: Drafter | None, prompt: list
             pending = []
             proposal = drafter.propose(target, anchor, ctx, dcache, width, sampling, k_draft)
             drafts = proposal.tokens.astype(mx.uint32)                    # [1, w-1]
+            # start drafting now: the device computes while Python builds the verify graph
+            mx.async_eval(drafts, *(() if proposal.q is None else (proposal.q,)))
             verify_in = mx.concatenate([anchor, drafts], axis=1)          # [1, w]
         else:
             drafts, verify_in = mx.zeros((1, 0), mx.uint32), anchor

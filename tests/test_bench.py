@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dflash2_mlx.bench import markdown, run_bench, summarize, Run
+from dflash2_mlx.bench import add_ratios, markdown, run_bench, summarize, Run
 
 
 def test_run_bench_on_tiny_fixtures(llama_dir, dflash2_dir, tmp_path, monkeypatch):
@@ -43,3 +43,15 @@ def test_cli_bench_rejects_bad_lists(tmp_path):
         r = subprocess.run([str(exe), "bench", "--model", "m", "--draft", "d", flag, value],
                            capture_output=True, text=True)
         assert r.returncode != 0 and text in r.stderr and "Traceback" not in r.stderr
+
+
+def test_ratios_are_paired_per_prompt():
+    """Prompt 2 stalled for plain decoding: paired medians are not swung by it."""
+    table = add_ratios({"mlx-lm": {"per_prompt_tps": [10.0, 1.0, 10.0]},
+                        "dflash2-mlx b=2": {"per_prompt_tps": [20.0, 20.0, 22.0]},
+                        "reference b=2": {"per_prompt_tps": [10.0, 10.0, 10.0]},
+                        "dflash2-mlx b=auto": {"per_prompt_tps": [15.0, 15.0, 15.0]}})
+    assert table["dflash2-mlx b=2"]["speedup"] == 2.2
+    assert table["dflash2-mlx b=2"]["vs_reference"] == 2.0
+    assert table["reference b=2"]["speedup"] == 1.0 and "vs_reference" not in table["reference b=2"]
+    assert "vs_reference" not in table["dflash2-mlx b=auto"]
