@@ -11,6 +11,7 @@ must be identical across all systems. Writes `bench.json` and, with matplotlib i
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,6 +124,13 @@ def summarize(runs: list[Run]) -> dict:
             "tokens": sum(len(r.tokens) for r in runs), "requests": len(runs)}
 
 
+def _stored_quantized(draft: str) -> bool:
+    from .loading import resolve
+
+    config = resolve(draft, "draft model") / "config.json"
+    return "quantization" in json.loads(config.read_text())
+
+
 def _paired(a: list[float], b: list[float]) -> float:
     """Median over prompts of a_i / b_i: each prompt's runs follow each other, so load that
     comes and goes mostly cancels, and one stalled run cannot swing the figure."""
@@ -150,6 +158,18 @@ def run_bench(model: str, draft: str, prompts: Sequence[str], *,
     import dflash2_mlx
 
     pipe = dflash2_mlx.load(model, draft, progress=progress)
+    source, tmp = draft, None
+    if reference and _stored_quantized(draft):
+        # the reference reads BF16 checkpoints only: both systems run one BF16 copy
+        tmp = tempfile.TemporaryDirectory(prefix="dflash2-bench-")
+        from mlx_lm.utils import dequantize_model
+
+        from .loading import save_drafter
+
+        save_drafter(dequantize_model(pipe.drafter), tmp.name, mx.bfloat16)
+        progress(f"{draft} is stored quantized: both systems use its BF16 copy {tmp.name}")
+        draft = tmp.name
+        pipe = dflash2_mlx.load(model, draft, progress=progress)
     ref = None
     if reference:
         try:
@@ -167,7 +187,8 @@ def run_bench(model: str, draft: str, prompts: Sequence[str], *,
         if ref is not None and b != "auto":
             systems[f"reference b={b}"] = (
                 lambda ids, t, s, b=b: ref(ids, t, max_tokens, s, b))
-    results: dict = {"setup": {"model": model, "draft": draft, "prompts": len(prompts),
+    results: dict = {"setup": {"model": model, "draft": source, "bf16_copy": tmp is not None,
+                               "prompts": len(prompts),
                                "max_tokens": max_tokens, "block_sizes": list(block_sizes),
                                "temperatures": list(temperatures), "seed": seed,
                                "drafter_block_size": pipe.drafter.args.block_size}}
