@@ -7,8 +7,9 @@ argmax_w E(w) / C(w). Costs are measured once per machine, model pair and precis
 then corrected by the cycles actually timed (a busy machine, per-cycle bookkeeping the
 calibration does not see); the alphas are running estimates: counts of the recent tries of each position (older tries
 decay), so a change of content - code to chat - shows within tens of cycles. While the policy
-decodes plainly (w = 1) nothing is learnt, so every `probe_every`-th such cycle drafts one token
-to notice when drafting pays again.
+decodes plainly (w = 1) nothing is learnt, so after `probe_every` such cycles it drafts one token
+to notice when drafting pays again (3x more rarely while drafting looks far from paying: probes
+cost a little each time).
 """
 
 from __future__ import annotations
@@ -45,15 +46,17 @@ class CycleCost:
 class AdaptiveWidth:
     """Chooses the block width of each cycle; `update` after each cycle with what was accepted.
 
-    prior: alpha assumed for a position with no evidence, worth `strength` tries; decay: weight
+    prior: alpha assumed for position 1 before any evidence (later positions: the estimate of
+    the position before), worth `strength` tries; decay: weight
     of a position's older tries each time it is tried (0.95: about 20 tries of memory). The
     defaults were tuned in simulation (tests/test_adaptive.py): within 3% of the best fixed
     width on steady content, ahead of it when content alternates.
     """
 
-    def __init__(self, cost: CycleCost, prior: float = 0.8, strength: float = 1.0,
-                 decay: float = 0.95, probe_every: int = 8):
+    def __init__(self, cost: CycleCost, prior: float = 0.8, strength: float = 2.0,
+                 decay: float = 0.95, probe_every: int = 8, far: float = 0.9, slow: int = 3):
         self.cost, self.decay, self.probe_every = cost, decay, probe_every
+        self.far, self.slow = far, slow
         n = cost.max_width - 1
         self.prior_hits, self.prior_tries = prior * strength, strength
         self.hits, self.tries = [0.0] * n, [0.0] * n
@@ -70,8 +73,14 @@ class AdaptiveWidth:
         return self.cost.cycle(width)
 
     def alphas(self) -> list[float]:
-        return [(h + self.prior_hits) / (t + self.prior_tries)
-                for h, t in zip(self.hits, self.tries)]
+        """Estimated alpha_k, k = 1..max width - 1. Position 1 starts from `prior`; a later
+        position starts from the estimate of the one before it, so positions that are rarely
+        reached (drafting goes badly) do not keep an optimistic prior that has no evidence."""
+        out, prior = [], self.prior_hits / self.prior_tries
+        for h, t in zip(self.hits, self.tries):
+            prior = (h + prior * self.prior_tries) / (t + self.prior_tries)
+            out.append(prior)
+        return out
 
     def expected_tokens(self, width: int) -> float:
         total, p = 1.0, 1.0
@@ -82,10 +91,16 @@ class AdaptiveWidth:
 
     def choose(self, limit: int | None = None) -> int:
         widths = range(1, min(limit or self.cost.max_width, self.cost.max_width) + 1)
-        best = max(widths, key=lambda w: self.expected_tokens(w) / self.cycle_cost(w))
+        rate = {w: self.expected_tokens(w) / self.cycle_cost(w) for w in widths}
+        best = max(widths, key=rate.get)
         if best == 1 and len(widths) > 1:
             self.plain_run += 1
-            if self.plain_run % self.probe_every == 0:
+            # probes cost: far from paying (drafting's best rate < `far` x plain's), probe
+            # `slow` times more rarely
+            gap = self.probe_every * (self.slow if max(rate[w] for w in widths[1:])
+                                      < self.far * rate[1] else 1)
+            if self.plain_run >= gap:
+                self.plain_run = 0
                 return 2
         else:
             self.plain_run = 0

@@ -84,9 +84,12 @@ def test_update_counts_only_tried_positions():
 
 
 def test_probes_while_decoding_plainly():
-    policy = AdaptiveWidth(COST, prior=0.01, strength=1e9)      # drafting never pays
-    choices = [policy.choose() for _ in range(64)]
-    assert choices.count(2) == 64 // policy.probe_every and set(choices) == {1, 2}
+    near = AdaptiveWidth(COST, prior=0.25, strength=1e9)        # drafting ~5% short of paying
+    choices = [near.choose() for _ in range(64)]
+    assert choices.count(2) == 64 // near.probe_every and set(choices) == {1, 2}
+    far = AdaptiveWidth(COST, prior=0.01, strength=1e9)         # drafting never pays
+    choices = [far.choose() for _ in range(96)]
+    assert choices.count(2) == 96 // (far.probe_every * far.slow) and set(choices) == {1, 2}
 
 
 @pytest.fixture
