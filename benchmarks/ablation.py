@@ -28,7 +28,7 @@ from mlx.utils import tree_flatten
 
 from dflash2_mlx import assets, loading
 from dflash2_mlx.config import DrafterArgs
-from dflash2_mlx.drafter import Drafter
+from dflash2_mlx.drafter import Drafter, DraftVocab
 from dflash2_mlx.sampling import Sampling
 from dflash2_mlx.target import TargetAdapter
 from dflash2_mlx.train import data as D
@@ -45,6 +45,8 @@ def load_run(run: Path, weights: Path | None = None) -> Drafter:
     weights = weights or latest_checkpoint(run) / "weights.safetensors"
     drafter.load_weights(list(mx.load(str(weights)).items()), strict=True)
     mx.eval(drafter.parameters())
+    if (run / "vocab.npy").is_file():       # the training softmax's ids: exported with it
+        drafter.draft_vocab = DraftVocab(np.load(run / "vocab.npy"))
     return drafter
 
 
