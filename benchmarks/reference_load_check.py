@@ -37,6 +37,8 @@ def main(argv=None) -> int:
     ours = loading.load_drafter(a.folder, hidden_size=adapter.hidden_size,
                                 vocab_size=adapter.vocab_size, num_layers=adapter.num_layers,
                                 dtype=mx.float32)
+    # the reference knows no draft vocabulary: compare the same model over the full vocabulary
+    ours.draft_vocab = None
     ref.bind(model)
     ref.update(tree_map(lambda x: x.astype(mx.float32), ref.parameters()))
     store = FeatureStore(a.eval_store)
