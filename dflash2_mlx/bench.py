@@ -124,13 +124,6 @@ def summarize(runs: list[Run]) -> dict:
             "tokens": sum(len(r.tokens) for r in runs), "requests": len(runs)}
 
 
-def _stored_quantized(draft: str) -> bool:
-    from .loading import resolve
-
-    config = resolve(draft, "draft model") / "config.json"
-    return "quantization" in json.loads(config.read_text())
-
-
 def _paired(a: list[float], b: list[float]) -> float:
     """Median over prompts of a_i / b_i: each prompt's runs follow each other, so load that
     comes and goes mostly cancels, and one stalled run cannot swing the figure."""
@@ -157,14 +150,14 @@ def run_bench(model: str, draft: str, prompts: Sequence[str], *,
     """Run every system on every prompt, alternating; return the JSON-ready results."""
     import dflash2_mlx
 
+    from .loading import resolve, save_drafter, stored_quantization
+
     pipe = dflash2_mlx.load(model, draft, progress=progress)
     source, tmp = draft, None
-    if reference and _stored_quantized(draft):
+    if reference and stored_quantization(resolve(draft, "draft model")):
         # the reference reads BF16 checkpoints only: both systems run one BF16 copy
         tmp = tempfile.TemporaryDirectory(prefix="dflash2-bench-")
         from mlx_lm.utils import dequantize_model
-
-        from .loading import save_drafter
 
         save_drafter(dequantize_model(pipe.drafter), tmp.name, mx.bfloat16)
         progress(f"{draft} is stored quantized: both systems use its BF16 copy {tmp.name}")

@@ -202,6 +202,16 @@ def save_drafter(drafter: Drafter, folder: str | Path, dtype=mx.bfloat16) -> Pat
     return folder
 
 
+def stored_quantization(folder: str | Path) -> dict | None:
+    """The "quantization" entry ({"bits", "group_size"}) of a drafter folder's config.json;
+    None when the checkpoint is unquantized, or when the config cannot be read (loading it
+    reports that clearly)."""
+    try:
+        return json.loads((Path(folder) / "config.json").read_text()).get("quantization")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def load_drafter(path_or_id: str | Path, *, hidden_size: int, vocab_size: int, num_layers: int,
                  dtype=None, bits: int | None = None, group_size: int = 64,
                  keep_quantized: bool = False) -> Drafter:
@@ -217,7 +227,7 @@ def load_drafter(path_or_id: str | Path, *, hidden_size: int, vocab_size: int, n
     args = DrafterArgs.from_file(folder)
     args.check_against_target(hidden_size, vocab_size, num_layers, str(folder / "config.json"))
     drafter = Drafter(args)
-    stored = json.loads((folder / "config.json").read_text()).get("quantization")
+    stored = stored_quantization(folder)
     if stored:   # a checkpoint saved quantized: give the model the same structure first
         quantize_drafter(drafter, int(stored["bits"]), int(stored["group_size"]))
     load_drafter_weights(drafter, read_safetensors(folder), str(folder))

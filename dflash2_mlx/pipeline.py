@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import sys
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
@@ -18,7 +16,7 @@ from .drafter import Drafter
 from .adaptive import AdaptiveWidth, load_or_measure_costs
 from .engine import GenerationStats, generate_tokens
 from .kernels import resolve_kernel_path
-from .loading import load_drafter, load_target, resolve
+from .loading import load_drafter, load_target, resolve, stored_quantization
 from .omlx import OmlxSettings, OmlxSettingsError
 from .sampling import Sampling
 from .target import TargetAdapter
@@ -176,15 +174,6 @@ class Pipeline:
         return Generation("".join(text), tokens, stats, finish)
 
 
-def _stored_quantization(folder) -> dict | None:
-    """The "quantization" entry of a drafter folder's config.json (None when absent or
-    unreadable: load_drafter reports a bad file)."""
-    try:
-        return json.loads((Path(folder) / "config.json").read_text()).get("quantization")
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
 def _float_dtypes(model: nn.Module) -> str:
     """'float32', or e.g. 'bfloat16+float32' when float parameters are mixed."""
     names = {str(v.dtype).rsplit(".", 1)[-1] for _, v in tree_flatten(model.parameters())
@@ -267,7 +256,7 @@ def load(model: str | None = None, draft: str | None = None, *,
                                        keep_quantized=p.keep_quantized)
     drafter = None
     if draft is not None:
-        stored = _stored_quantization(draft_dir)
+        stored = stored_quantization(draft_dir)
         bits = (f"{p.draft_bits}-bit, group size {p.draft_group_size}" if p.draft_bits else
                 f"stored {stored['bits']}-bit, dequantized" if stored and p.draft_dtype else
                 f"{stored['bits']}-bit as stored" if stored else "unquantized")
