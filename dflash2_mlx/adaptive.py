@@ -4,8 +4,9 @@ With per-position acceptance rates alpha_k = P(draft k accepted | drafts < k acc
 of width w commits on average E(w) = 1 + sum_{k<w} prod_{j<=k} alpha_j tokens and costs
 C(w) = draft(w) + verify(w) seconds (w = 1: a plain decoding step, no draft). The policy picks
 argmax_w E(w) / C(w). Costs are measured once per machine, model pair and precision, and cached,
-then corrected by the cycles actually timed (a busy machine, per-cycle bookkeeping the
-calibration does not see); the alphas are running estimates: counts of the recent tries of each position (older tries
+then corrected by the cycles actually timed (a busy machine, a longer context, per-cycle
+bookkeeping the calibration does not see): a width timed a few times costs what it took, one
+not yet timed its calibration scaled by what the timed cycles took over theirs; the alphas are running estimates: counts of the recent tries of each position (older tries
 decay), so a change of content - code to chat - shows within tens of cycles. While the policy
 decodes plainly (w = 1) nothing is learnt, so after `probe_every` such cycles it drafts one token
 to notice when drafting pays again (3x more rarely while drafting looks far from paying: probes
@@ -61,16 +62,20 @@ class AdaptiveWidth:
         self.prior_hits, self.prior_tries = prior * strength, strength
         self.hits, self.tries = [0.0] * n, [0.0] * n
         self.plain_run = 0                  # consecutive cycles the policy chose w = 1
-        # timed cycles: decayed count and seconds per width
+        # timed cycles: decayed count and seconds per width; decayed seconds over calibrated
+        # seconds of all timed cycles (how much slower than calibrated the machine runs now)
         self.timed, self.timed_s = [0.0] * cost.max_width, [0.0] * cost.max_width
+        self.load_s = self.load_calibrated = 0.0
 
     def cycle_cost(self, width: int) -> float:
         """Expected seconds of a width-`width` cycle: the mean of its timed cycles once there
-        are a few, else the calibration. Untimed widths keep the (usually lower) calibrated
-        figure on purpose: optimism gets them tried, and then timed."""
+        are a few, else the calibration times the load factor of all timed cycles (on a busy
+        machine the bare calibration made every untimed width look cheap, and the policy
+        wandered through them one by one)."""
         if self.timed[width - 1] >= 3:
             return self.timed_s[width - 1] / self.timed[width - 1]
-        return self.cost.cycle(width)
+        load = self.load_s / self.load_calibrated if self.load_calibrated else 1.0
+        return self.cost.cycle(width) * load
 
     def alphas(self) -> list[float]:
         """Estimated alpha_k, k = 1..max width - 1. Position 1 starts from `prior`; a later
@@ -117,6 +122,8 @@ class AdaptiveWidth:
             i = width - 1
             self.timed[i] = self.timed[i] * self.decay + 1
             self.timed_s[i] = self.timed_s[i] * self.decay + seconds
+            self.load_s = self.load_s * self.decay + seconds
+            self.load_calibrated = self.load_calibrated * self.decay + self.cost.cycle(width)
 
 
 # --------------------------------------------------------------------------- calibration

@@ -162,6 +162,49 @@ def test_feature_store_roundtrip_and_resume(tmp_path, tiny_target):
         D.FeatureStore.create(tmp_path / "s", (0, 1), adapter.hidden_size, 4, 384)
 
 
+def test_stores_read_together_as_one(tmp_path, tiny_target):
+    """More data without regenerating: two stores (different captured layers) read as one."""
+    from dflash2_mlx.target import TargetAdapter
+
+    model, _, adapter = tiny_target
+    cfg = D.GenConfig(max_new_tokens=6, batch_size=2, topk=4)
+    a = D.generate_store(adapter, PROMPTS[:2], D.FeatureStore.create(
+        tmp_path / "a", (0, 1, 2), adapter.hidden_size, 4, 384), cfg, {2})
+    b = D.generate_store(TargetAdapter(model, (2, 0)), PROMPTS[2:] + PROMPTS[:1],
+                         D.FeatureStore.create(tmp_path / "b", (2, 0), adapter.hidden_size, 4,
+                                               384), cfg, {2})
+    both = D.FeatureStore(tmp_path / "a", tmp_path / "b")
+    assert len(both) == len(a) + len(b) == 5
+    assert both.layer_ids == (0, 2)                      # the layers both stores hold
+    for i in range(5):
+        src, j = (a, i) if i < len(a) else (b, i - len(a))
+        assert both.tokens(i).tolist() == src.tokens(j).tolist()
+        np.testing.assert_array_equal(both.feats(i, (2,)), src.feats(j, (2,)))
+        np.testing.assert_array_equal(both.topk(i)[0], src.topk(j)[0])
+    # PROMPTS[0] is in both stores: its second copy is not trained on
+    assert len(D.dedupe(both)) == 4
+    with pytest.raises(ValueError, match=r"layers \[1\] were not captured"):
+        both.check_layers((0, 1))
+    D.FeatureStore.create(tmp_path / "c", (0,), adapter.hidden_size, 8, 384)
+    with pytest.raises(ValueError, match="topk=8"):
+        D.FeatureStore(tmp_path / "a", tmp_path / "c")
+    with pytest.raises(FileNotFoundError, match="not a feature store"):
+        D.FeatureStore(tmp_path / "a", tmp_path / "missing")
+
+
+def test_prompts_of_an_earlier_run_are_not_drawn_again():
+    from dflash2_mlx.train.prompts import offline_prompts
+
+    first = offline_prompts({"pydoc_topic": 10, "stdlib_task": 10}, seed=0)
+    more = offline_prompts({"pydoc_topic": 10, "stdlib_task": 10}, seed=0,
+                           exclude={p.text for p in first})
+    both = offline_prompts({"pydoc_topic": 20, "stdlib_task": 20}, seed=0)
+    assert len(first) == len(more) == 20
+    assert not {p.text for p in first} & {p.text for p in more}
+    # the same seed with larger counts draws exactly the first run's prompts and the new ones
+    assert {p.text for p in first} | {p.text for p in more} == {p.text for p in both}
+
+
 # --------------------------------------------------------------------------- training
 
 @pytest.fixture(scope="module")

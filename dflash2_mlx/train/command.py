@@ -21,13 +21,17 @@ def train_command(
     run: str = typer.Option(..., "--run", help="Run folder: every stage resumes from it."),
     model: Optional[str] = typer.Option(None, "--model", help="Target (mlx-lm folder, hub id or "
                                         ".gguf); default: the embedded SmolLM2-135M-Instruct."),
-    data: Optional[str] = typer.Option(None, "--data", help="Train on an existing feature store "
-                                       "instead of generating one in <run>/data."),
+    data: list[str] = typer.Option([], "--data", help="Train on an existing feature store "
+                                   "instead of generating one in <run>/data (repeatable: "
+                                   "several stores of the same target train as one)."),
     out: Optional[str] = typer.Option(None, "--out", help="Export folder (default <run>/drafter)."),
     stdlib_functions: int = typer.Option(400, help="Prompts: stdlib signatures + docstrings."),
     stdlib_tasks: int = typer.Option(150, help="Prompts: 'write a function that ...'."),
     pydoc_topics: int = typer.Option(40, help="Prompts: CPython documentation topics."),
     self_chat: int = typer.Option(32, help="Prompts: user turns sampled from the target."),
+    exclude_prompts: list[str] = typer.Option([], "--exclude-prompts", help="An earlier run's "
+                                              "prompts.jsonl: its prompts are not drawn again "
+                                              "(repeatable; more data without repeats)."),
     sampled_fraction: float = typer.Option(0.25, help="Share of prompts also answered at T=1."),
     max_prompt_tokens: int = typer.Option(320),
     max_new_tokens: int = typer.Option(160),
@@ -63,9 +67,10 @@ def train_command(
     from .recipe import Recipe, run_recipe
 
     recipe = Recipe(
-        run=run, model=model, data=data, out=out,
+        run=run, model=model, data=tuple(data) or None, out=out,
         counts={"stdlib_function": stdlib_functions, "stdlib_task": stdlib_tasks,
                 "pydoc_topic": pydoc_topics, "self_chat": self_chat},
+        exclude_prompts=tuple(exclude_prompts),
         sampled_fraction=sampled_fraction, max_prompt_tokens=max_prompt_tokens,
         max_new_tokens=max_new_tokens, gen_batch=gen_batch, layers=layers,
         block_size=block_size, target_layer_ids=_ints(target_layer_ids, "--target-layer-ids"),

@@ -146,18 +146,37 @@ def generate_batch(adapter, prompts: Sequence[Sequence[int]], cfg: GenConfig, st
 # --------------------------------------------------------------------------- the on-disk store
 
 class FeatureStore:
-    """A folder of shards (see the module docstring); arrays are memory-mapped on read."""
+    """A folder of shards (see the module docstring); arrays are memory-mapped on read.
 
-    def __init__(self, folder: str | Path):
-        self.folder = Path(folder)
-        self.manifest = json.loads((self.folder / MANIFEST).read_text())
-        self.layer_ids = tuple(self.manifest["layer_ids"])
+    `FeatureStore(a, b, ...)` reads several stores of one target as one (more data without
+    regenerating): sequences are numbered across them in order, the layers are those every
+    store holds, and new shards are written to the first."""
+
+    def __init__(self, folder: str | Path, *more: str | Path):
+        self.folders = [Path(f) for f in (folder, *more)]
+        self.folder = self.folders[0]
+        manifests = []
+        for f in self.folders:
+            if not (f / MANIFEST).is_file():
+                raise FileNotFoundError(f"{f}: not a feature store ({MANIFEST} missing); "
+                                        "expected a folder written by `dflash2-mlx train`")
+            manifests.append(json.loads((f / MANIFEST).read_text()))
+        self.manifest = manifests[0]
+        for f, m in zip(self.folders[1:], manifests[1:]):
+            for k in ("hidden_size", "topk", "vocab_size"):
+                if m[k] != self.manifest[k]:
+                    raise ValueError(f"{f}: {k}={m[k]} but {self.folder} has "
+                                     f"{self.manifest[k]}; stores read together must come "
+                                     "from the same target and settings")
+        self.layer_ids = tuple(l for l in self.manifest["layer_ids"]
+                               if all(l in m["layer_ids"] for m in manifests))
         self.hidden = int(self.manifest["hidden_size"])
-        self.shards = []
-        for name in self.manifest["shards"]:
-            arrays = {k: np.load(self.folder / f"{name}.{k}.npy", mmap_mode="r")
-                      for k in SHARD_FILES}
-            self.shards.append(arrays)
+        self.shards, self._shard_layers = [], []
+        for f, m in zip(self.folders, manifests):
+            for name in m["shards"]:
+                self.shards.append({k: np.load(f / f"{name}.{k}.npy", mmap_mode="r")
+                                    for k in SHARD_FILES})
+                self._shard_layers.append(tuple(m["layer_ids"]))
         self.entries = []               # (shard, row) for every sequence
         for s, arrays in enumerate(self.shards):
             self.entries += [(s, r) for r in range(len(arrays["index"]))]
@@ -212,7 +231,7 @@ class FeatureStore:
         manifest = json.loads((self.folder / MANIFEST).read_text())
         manifest["shards"].append(name)
         _write_json(self.folder / MANIFEST, manifest)
-        self.__init__(self.folder)
+        self.__init__(*self.folders)
 
     # ---- reading
     def tokens(self, i: int) -> np.ndarray:
@@ -229,10 +248,12 @@ class FeatureStore:
         s, r = self.entries[i]
         a, b = self._feat_off[s][r], self._feat_off[s][r + 1]
         f = self.shards[s]["feats"][a:b]
-        if layers is None or tuple(layers) == self.layer_ids:
+        own = self._shard_layers[s]
+        layers = self.layer_ids if layers is None else tuple(layers)
+        if layers == own:
             return f
         H = self.hidden
-        cols = [self.layer_ids.index(l) for l in layers]
+        cols = [own.index(l) for l in layers]
         return np.concatenate([f[:, c * H:(c + 1) * H] for c in cols], axis=1)
 
     def topk(self, i: int) -> tuple[np.ndarray, np.ndarray]:
@@ -244,7 +265,8 @@ class FeatureStore:
     def check_layers(self, layers: Sequence[int]) -> None:
         missing = sorted(set(layers) - set(self.layer_ids))
         if missing:
-            raise ValueError(f"{self.folder}: target layers {missing} were not captured (the "
+            where = ", ".join(str(f) for f in self.folders)
+            raise ValueError(f"{where}: target layers {missing} were not captured (the "
                              f"store holds {list(self.layer_ids)}); regenerate or pick those")
 
     def stats(self) -> dict:
@@ -307,7 +329,8 @@ def generate_store(adapter, prompt_ids: list[list[int]], store: FeatureStore, cf
 
 
 def sample_user_turns(adapter, tokenizer, n: int, cfg: GenConfig, stop_ids: set[int],
-                      min_chars: int = 20, max_chars: int = 600) -> list[str]:
+                      min_chars: int = 20, max_chars: int = 600,
+                      exclude: Iterable[str] = ()) -> list[str]:
     """User turns sampled from the target's own chat template: the rendered prefix up to
     `<|im_start|>user\\n` is continued by sampling (T = cfg.temperature or 1) until the end of
     the turn; de-duplicated, length-filtered."""
@@ -320,7 +343,7 @@ def sample_user_turns(adapter, tokenizer, n: int, cfg: GenConfig, stop_ids: set[
                      seed=cfg.seed + 7)
     import mlx.core as mx
 
-    out, seen, b = [], set(), 0
+    out, seen, b = [], set(exclude), 0
     while len(out) < n and b < 4 * (n // gcfg.batch_size + 1):
         seqs = generate_batch(adapter, [prefix] * gcfg.batch_size, gcfg, stop_ids,
                               mx.random.key(gcfg.seed * 7919 + b))
@@ -334,9 +357,9 @@ def sample_user_turns(adapter, tokenizer, n: int, cfg: GenConfig, stop_ids: set[
     return out[:n]
 
 
-def dedupe(store_folder: str | Path) -> list[int]:
+def dedupe(store: "FeatureStore | str | Path") -> list[int]:
     """Indices of the sequences to train on: the first of each identical token sequence."""
-    store = FeatureStore(store_folder)
+    store = store if isinstance(store, FeatureStore) else FeatureStore(store)
     seen, keep = set(), []
     for i in range(len(store)):
         key = store.tokens(i).tobytes()
@@ -354,11 +377,12 @@ def load_prompt_file(path: Path) -> list[dict]:
 
 def build_prompts(path: str | Path, counts: dict[str, int], adapter=None, tokenizer=None,
                   cfg: GenConfig | None = None, stop_ids: set[int] = frozenset(),
-                  seed: int = 0) -> list[dict]:
+                  seed: int = 0, exclude: Sequence[str | Path] = ()) -> list[dict]:
     """Write (once) and return the prompt list `[{"source", "text"}]` at `path` (jsonl).
 
     `counts` maps a source of `prompts.offline_prompts` to a count; "self_chat" asks for user
-    turns sampled from the target (needs `adapter`, `tokenizer`, `cfg`)."""
+    turns sampled from the target (needs `adapter`, `tokenizer`, `cfg`). `exclude`: prompt files
+    of earlier runs; their texts are not drawn again (more data, no repeats)."""
     from .prompts import offline_prompts
 
     path = Path(path)
@@ -366,9 +390,17 @@ def build_prompts(path: str | Path, counts: dict[str, int], adapter=None, tokeni
         return load_prompt_file(path)
     counts = dict(counts)
     n_chat = counts.pop("self_chat", 0)
-    rows = [{"source": p.source, "text": p.text} for p in offline_prompts(counts, seed)]
+    known = set()
+    for f in exclude:
+        if not Path(f).is_file():
+            raise FileNotFoundError(f"prompt file to exclude not found: {f} (expected a "
+                                    "prompts.jsonl written by an earlier run)")
+        known |= {r["text"] for r in load_prompt_file(Path(f))}
+    rows = [{"source": p.source, "text": p.text}
+            for p in offline_prompts(counts, seed, exclude=known)]
     if n_chat:
-        turns = sample_user_turns(adapter, tokenizer, n_chat, cfg or GenConfig(), set(stop_ids))
+        turns = sample_user_turns(adapter, tokenizer, n_chat, cfg or GenConfig(), set(stop_ids),
+                                  exclude=known)
         rows += [{"source": "self_chat", "text": t} for t in turns]
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

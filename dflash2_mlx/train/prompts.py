@@ -19,7 +19,7 @@ import sysconfig
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 # Standard-library folders that are tests, demos or GUI code rather than library code.
 SKIP_PARTS = {"test", "tests", "idle_test", "idlelib", "turtledemo", "site-packages",
@@ -141,9 +141,11 @@ def pydoc_topics(seed: int = 2, chunk_chars: int = 700) -> list[Prompt]:
     return out
 
 
-def offline_prompts(counts: dict[str, int], seed: int = 0, root=None) -> list[Prompt]:
+def offline_prompts(counts: dict[str, int], seed: int = 0, root=None,
+                    exclude: Iterable[str] = ()) -> list[Prompt]:
     """Draw `counts[source]` prompts from each offline source (fewer if the source has fewer),
-    shuffled, de-duplicated by text."""
+    shuffled, de-duplicated by text; texts in `exclude` (an earlier run's prompts) are passed
+    over, so the same seed with larger counts draws the next, new prompts of each pool."""
     sources = {"stdlib_function": lambda: stdlib_functions(root, seed),
                "stdlib_task": lambda: stdlib_tasks(root, seed + 1),
                "pydoc_topic": lambda: pydoc_topics(seed + 2)}
@@ -152,13 +154,12 @@ def offline_prompts(counts: dict[str, int], seed: int = 0, root=None) -> list[Pr
         raise ValueError(f"unknown prompt sources {unknown}; allowed: {sorted(sources)} "
                          "(self_chat prompts come from data.sample_user_turns)")
     rng = random.Random(seed)
-    out, seen = [], set()
+    out, seen = [], set(exclude)
     for name, n in counts.items():
         pool = sources[name]()
         rng.shuffle(pool)
-        for p in pool[:n]:
-            if p.text not in seen:
-                seen.add(p.text)
-                out.append(p)
+        for p in [p for p in pool if p.text not in seen][:n]:
+            seen.add(p.text)
+            out.append(p)
     rng.shuffle(out)
     return out

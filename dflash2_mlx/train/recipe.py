@@ -27,10 +27,11 @@ SMOLLM2_MASK_ID = 16     # <empty_output>, a special token SmolLM2's chat never 
 class Recipe:
     run: str
     model: str | None = None                 # target; None: the embedded SmolLM2-135M-Instruct
-    data: str | None = None                  # an existing FeatureStore instead of <run>/data
+    data: tuple | str | None = None          # existing FeatureStore(s) instead of <run>/data
     out: str | None = None                   # export folder (default <run>/drafter)
     # data
     counts: dict = field(default_factory=lambda: dict(DEFAULT_COUNTS))
+    exclude_prompts: tuple = ()              # prompts.jsonl of earlier runs: not drawn again
     sampled_fraction: float = 0.25           # prompts also answered by sampling at T = 1
     max_prompt_tokens: int = 320
     max_new_tokens: int = 160
@@ -119,13 +120,13 @@ def run_recipe(recipe: Recipe, log=print) -> Path:
 
     # ---- data
     if recipe.data:
-        store = D.FeatureStore(recipe.data)
+        store = D.FeatureStore(*([recipe.data] if isinstance(recipe.data, str) else recipe.data))
     else:
         adapter = TargetAdapter(target, tuple(capture))
         gcfg = D.GenConfig(max_new_tokens=recipe.max_new_tokens, batch_size=recipe.gen_batch,
                            seed=recipe.seed)
         rows = D.build_prompts(run / "prompts.jsonl", recipe.counts, adapter, tokenizer, gcfg,
-                               stop_ids, seed=recipe.seed)
+                               stop_ids, seed=recipe.seed, exclude=recipe.exclude_prompts)
         ids = D.encode_prompts(tokenizer, rows, recipe.max_prompt_tokens)
         log(f"prompts: {len(rows)} ({_by_source(rows)}); {len(ids)} within "
             f"{recipe.max_prompt_tokens} tokens")
@@ -138,7 +139,7 @@ def run_recipe(recipe: Recipe, log=print) -> Path:
                                batch_size=recipe.gen_batch, seed=recipe.seed + 1)
             D.generate_store(adapter, ids[::step], store, scfg, stop_ids, "s",
                              _progress("sampled"))
-    log(f"data: {store.stats()} in {store.folder}")
+    log(f"data: {store.stats()} in {', '.join(str(f) for f in store.folders)}")
     if recipe.stop_after == "data":
         return run
 
@@ -152,7 +153,7 @@ def run_recipe(recipe: Recipe, log=print) -> Path:
                       gamma=recipe.gamma, soft=recipe.soft, ckpt_every=recipe.ckpt_every,
                       snapshot_every=recipe.snapshot_every, max_minutes=recipe.max_minutes,
                       seed=recipe.seed)
-    seqs = D.dedupe(store.folder)
+    seqs = D.dedupe(store)
     train(drafter, plain, store, run, cfg, seqs, progress=_progress("train"))
     ckpt = latest_checkpoint(run)
     done = load_checkpoint(ckpt, drafter, None)["step"]

@@ -361,7 +361,7 @@ def train(drafter: Drafter, adapter, store: FeatureStore, run: str | Path, cfg: 
     else:
         opt.init(drafter.trainable_parameters())
     (run / "train_config.json").write_text(json.dumps(
-        {"train": asdict(cfg), "drafter": args.to_config(), "data": str(store.folder),
+        {"train": asdict(cfg), "drafter": args.to_config(), "data": [str(f) for f in store.folders],
          "sequences": len(batcher.seqs), "vocab": None if vocab is None else len(vocab)},
         indent=1))
     step_fn = make_step(drafter, opt, head_w, vocab_mx, cfg, windows, compile=cfg.compile)
