@@ -21,15 +21,17 @@ def train_command(
     run: str = typer.Option(..., "--run", help="Run folder: every stage resumes from it."),
     model: Optional[str] = typer.Option(None, "--model", help="Target (mlx-lm folder, hub id or "
                                         ".gguf); default: the embedded SmolLM2-135M-Instruct."),
-    data: list[str] = typer.Option([], "--data", help="Train on an existing feature store "
-                                   "instead of generating one in <run>/data (repeatable: "
-                                   "several stores of the same target train as one)."),
+    data: list[str] = typer.Option([], "--data", metavar="STORE",
+                                   help="Train on an existing feature store instead of "
+                                   "generating one in <run>/data (repeatable: several stores "
+                                   "of the same target train as one)."),
     out: Optional[str] = typer.Option(None, "--out", help="Export folder (default <run>/drafter)."),
     stdlib_functions: int = typer.Option(400, help="Prompts: stdlib signatures + docstrings."),
     stdlib_tasks: int = typer.Option(150, help="Prompts: 'write a function that ...'."),
     pydoc_topics: int = typer.Option(40, help="Prompts: CPython documentation topics."),
     self_chat: int = typer.Option(32, help="Prompts: user turns sampled from the target."),
-    exclude_prompts: list[str] = typer.Option([], "--exclude-prompts", help="An earlier run's "
+    exclude_prompts: list[str] = typer.Option([], "--exclude-prompts", metavar="FILE",
+                                              help="An earlier run's "
                                               "prompts.jsonl: its prompts are not drawn again "
                                               "(repeatable; more data without repeats)."),
     sampled_fraction: float = typer.Option(0.25, help="Share of prompts also answered at T=1."),
