@@ -6,10 +6,11 @@ C(w) = draft(w) + verify(w) seconds (w = 1: a plain decoding step, no draft). Th
 argmax_w E(w) / C(w). Costs are measured once per machine, model pair and precision, and cached,
 then corrected by the cycles actually timed (a busy machine, a longer context, per-cycle
 bookkeeping the calibration does not see): a width timed a few times costs what it took, one
-not yet timed its calibration scaled by what the timed cycles took over theirs; the alphas are running estimates: counts of the recent tries of each position (older tries
-decay), so a change of content - code to chat - shows within tens of cycles. While the policy
-decodes plainly (w = 1) nothing is learnt, so after `probe_every` such cycles it drafts one token
-to notice when drafting pays again (3x more rarely while drafting looks far from paying: probes
+not yet timed its calibration scaled by what the timed cycles took over theirs. The alphas are
+running estimates: counts of the recent tries of each position (older tries decay), so a
+change of content - code to chat - shows within tens of cycles. While the policy decodes
+plainly (w = 1) nothing is learnt, so after `probe_every` such cycles it drafts one token to
+notice when drafting pays again (3x more rarely while drafting looks far from paying: probes
 cost a little each time).
 """
 
