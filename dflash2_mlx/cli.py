@@ -130,12 +130,18 @@ def _openblas_hint() -> None:
 
 
 def _summary(stats) -> str:
-    width = f" (mean {stats.mean_width:.1f})" if stats.block_size == "auto" else ""
-    tail = (f"tau {stats.tau:.2f} over {stats.cycles} cycles, block size {stats.block_size}"
-            f"{width}"
-            if stats.cycles else "plain decoding (block size 1)")
-    return (f"{stats.generated_tokens} tokens, {stats.decode_tps:.1f} tok/s decode, {tail}, "
-            f"prefill {stats.prefill_s:.2f} s for {stats.prompt_tokens} prompt tokens")
+    """One line: tokens, speed, and what each source did (plain steps included)."""
+    parts = []
+    for source, name in (("drafter", "drafter"), ("lookup", "lookup")):
+        cycles = stats.drafting(source)
+        if cycles:
+            parts.append(f"{len(cycles)} {name} cycles (tau {stats.source_tau(source):.2f})")
+    plain = len(stats.steps) - stats.cycles
+    parts.append(f"{plain} plain steps")
+    return (f"{stats.generated_tokens} tokens, {stats.decode_tps:.1f} tok/s decode, "
+            f"tau {stats.tau:.2f}: {', '.join(parts)}, block size {stats.block_size} "
+            f"(mean width {stats.mean_width:.1f}), prefill {stats.prefill_s:.2f} s for "
+            f"{stats.prompt_tokens} prompt tokens")
 
 
 # --------------------------------------------------------------------------- generate
@@ -159,8 +165,11 @@ def generate(
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling"),
     block_size: Optional[str] = typer.Option(
         None, "--block-size", callback=_block_size, metavar="{1..B,auto}",
-        help="Draft/verify tokens per cycle, 1..the drafter's B, or 'auto' to choose each "
-        "cycle (default: the oMLX setting, else the drafter's)"),
+        help="Rows verified per cycle, 1..the widest block of the drafter (B) or the lookup "
+        "(16), or 'auto' to choose source and width each cycle (default: the oMLX setting, "
+        "else auto)"),
+    lookup: bool = typer.Option(True, "--lookup/--no-lookup",
+                                help="Also draft by lookup in the context (default: on)"),
     draft_bits: Optional[str] = typer.Option(
         None, "--draft-bits", callback=_choice(runtime.DRAFT_BITS, int),
         metavar="{4,8,16}", help="Drafter weight bits; 16 = unquantized "
@@ -213,9 +222,10 @@ def generate(
         tic = time.perf_counter()
         with contextlib.redirect_stdout(sys.stderr):
             pipe = load(model, draft, settings=settings, draft_bits=draft_bits,
-                        draft_group_size=draft_group_size, dtype=dtype, progress=_say)
+                        draft_group_size=draft_group_size, dtype=dtype, lookup=lookup,
+                        progress=_say)
         try:
-            pipe.block_size(block_size)
+            pipe.block_size(block_size, lookup)
         except ValueError as e:
             raise ValueError(f"--block-size {block_size}: {e}") from e
         if pipe.drafter is None and settings is None:
@@ -227,7 +237,7 @@ def generate(
         chunk = None
         for chunk in pipe.stream(text, max_tokens=max_tokens, temperature=temp, top_p=top_p,
                                  top_k=top_k, seed=seed, block_size=block_size,
-                                 chat_template=False if no_chat_template else None,
+                                 lookup=lookup, chat_template=False if no_chat_template else None,
                                  system=system):
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
@@ -236,7 +246,8 @@ def generate(
         _say(_summary(chunk.stats))
         if stats_json is not None:
             report = {**chunk.stats.to_dict(), "finish_reason": chunk.finish_reason,
-                      "settings": pipe.describe()}
+                      "settings": {**pipe.describe(), "block_size": chunk.stats.block_size,
+                                   "lookup": lookup}}
             stats_json.write_text(json.dumps(report, indent=2) + "\n")
 
 

@@ -60,8 +60,8 @@ INDEX_ATTRS = {                      # stack attribute -> which layers it must p
     "swa_idx": lambda l: getattr(l, "use_sliding", False),
     "ssm_idx": lambda l: getattr(l, "is_linear", False),
 }
-FORWARD, ROLLBACK, FREE, STOP = 1, 2, 3, 4
-CONTROL = 8                          # int32 words: op, cache, B, T, kept, total, replay, dtype
+FORWARD, CLONE, FREE, STOP = 1, 2, 3, 4
+CONTROL = 8                          # int32 words: op, cache, B, T, position, dtype, source, 0
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 DEFAULT_TIMEOUT = 60.0
 
@@ -402,16 +402,35 @@ def _stage_view(model, path, layers: list, embed=None) -> nn.Module:
 
 
 class StageCache(list):
-    """The caches of this rank's layers (local order), with an id the other ranks know it by."""
+    """Rank 0's caches of its own layers (local order), known to the other ranks by `id`.
+    A deep copy (`engine.DecodeState.copy`) gets a new id, and the other ranks copy theirs;
+    when it is garbage-collected they drop theirs."""
 
-    id: int = 0
-    pending: tuple | None = None      # (kept, total, replay) not yet sent to the other ranks
+    def __init__(self, caches, owner: "ShardedTarget"):
+        super().__init__(caches)
+        self.owner, self.rows = owner, 0       # rows: what the target has seen (see position)
+        self.id = owner._register(self)
+
+    @property
+    def position(self) -> int:
+        """Rows the target has seen. Attention caches tell it even after someone trimmed them
+        directly (`DecodeState.trim`); the other ranks trim theirs to it before a forward."""
+        for c in self:
+            if c.is_trimmable():
+                return c.offset
+        return self.rows
+
+    def __deepcopy__(self, memo):
+        twin = StageCache([copy.deepcopy(c, memo) for c in self], self.owner)
+        twin.rows = self.rows
+        self.owner._ops.append((CLONE, twin.id, self.id))
+        return twin
 
 
 @dataclass(frozen=True)
 class StagePlan:
     """Who runs what: `bounds[r]` = (start, end) layers of rank r; `layer_ids`: the drafter's
-    feature layers (global indices, drafter order)."""
+    feature layers (global indices, drafter order); `hidden_size`: the target's H."""
 
     rank: int
     size: int
@@ -439,20 +458,18 @@ class StagePlan:
 
 class _StageRunner:
     """This rank's layer range of the model: caches, taps (features, recurrent inputs),
-    snapshot and rollback, shared by rank 0's `ShardedTarget` and the followers' `Stage`."""
+    snapshot and rollback, shared by rank 0's `ShardedTarget` and the followers."""
 
-    def __init__(self, model: nn.Module, plan: StagePlan, link: Link):
-        self.model, self.plan, self.link = model, plan, link
+    def __init__(self, model: nn.Module, plan: StagePlan):
+        self.model, self.plan = model, plan
         self.path = find_stack_path(model)
-        self.stack = TargetAdapter._descend(model, self.path)
-        self.all_layers = self.stack["layers"]
+        self.all_layers = TargetAdapter._descend(model, self.path)["layers"]
         self.lo, self.hi = plan.start, plan.end
         self.full_cache = TargetAdapter(model).make_cache     # cache types of every layer
         probe = self.full_cache()
         self.recurrent = tuple(i for i in range(self.lo, self.hi)
                                if not probe[i].is_trimmable())
         self.own_features = sorted(i for i in set(plan.layer_ids) if self.lo <= i < self.hi)
-        self.features: dict[int, mx.array] = {}
         self.inputs: dict[int, mx.array] = {}
         self._slots: list = [None] * len(self.own_features)
 
@@ -470,24 +487,46 @@ class _StageRunner:
     def captured(self) -> list[mx.array]:
         return list(self._slots)
 
-    def make_cache(self) -> StageCache:
-        return StageCache(self.full_cache()[self.lo:self.hi])
+    def new_caches(self) -> list:
+        return self.full_cache()[self.lo:self.hi]
 
     def snapshot(self, cache: list) -> dict:
+        """Recurrent layers' state (array references: cheap), by global layer index."""
         return {i: [list(s) if isinstance(s, list) else s for s in cache[i - self.lo].state]
                 for i in self.recurrent}
 
-    def rollback(self, cache: list, snapshot: dict, kept: int, total: int) -> None:
-        """As `TargetAdapter.rollback`, for this rank's layers (global index i -> cache[i-lo])."""
+    def rollback(self, cache: list, snapshot: dict | None, kept: int, total: int,
+                 inputs: dict | None = None) -> None:
+        """As `target.Snapshot.rollback`, for this rank's layers (global i -> cache[i - lo]):
+        the last forward fed `total` rows (recurrent layers' inputs: `inputs`, by default the
+        latest recorded); keep the first `kept`."""
+        inputs = self.inputs if inputs is None else inputs
         if kept == total:
             return
         for j, c in enumerate(cache):
             i = self.lo + j
-            if i in snapshot:
+            if i in self.recurrent:
+                if snapshot is None:
+                    raise PipelineError(f"pipeline: layer {i} (recurrent) cannot go back "
+                                        f"{total - kept} rows without a snapshot")
                 c.state = snapshot[i]
-                self.all_layers[i](self.inputs[i][:, :kept], mask=None, cache=c)
+                if kept:
+                    self.all_layers[i](inputs[i][:, :kept], mask=None, cache=c)
             else:
                 c.trim(total - kept)
+
+
+class _StageSnapshot:
+    """What `ShardedTarget.snapshot` returns (the engine's `Snapshot` protocol): rolls back
+    rank 0's layers; the other ranks follow from the position sent with the next forward."""
+
+    def __init__(self, target: "ShardedTarget", cache: StageCache):
+        self.target, self.cache = target, cache
+        self.recurrent = target.runner.snapshot(cache)
+
+    def rollback(self, kept: int, total: int) -> None:
+        self.target.runner.rollback(self.cache, self.recurrent, kept, total)
+        self.cache.rows -= total - kept
 
 
 # --------------------------------------------------------------------------- rank 0
@@ -495,7 +534,7 @@ class _StageRunner:
 
 class ShardedTarget:
     """The target adapter of rank 0 in a pipeline: the interface of `target.TargetAdapter`
-    (forward -> logits and features; make_cache; snapshot / rollback; embed / head for the
+    (forward -> logits and features; make_cache; snapshot -> rollback; embed / head for the
     drafter), with layers [k0, L) run by the other ranks.
 
     `forward(tokens [B, T], cache)` -> (logits [B, T, V], features [B, T, len(layer_ids) * H]).
@@ -508,13 +547,13 @@ class ShardedTarget:
         self.local = TargetAdapter(model)         # embed, head, shapes (rank 0 holds them)
         self.model = model
         self.layer_ids = tuple(plan.layer_ids)
-        self.runner = _StageRunner(model, plan, link)
+        self.runner = _StageRunner(model, plan)
         self.recurrent = self.local.recurrent
         self.remote_features = plan.features_after(plan.size - 1)
         relay = _End(self.runner.all_layers[plan.end - 1], relay=self._round_trip)
         self._view = _stage_view(model, self.runner.path, self.runner.taps() + [relay])
-        self._next_id = 0
-        self._frees: list[int] = []
+        self._ids = 0
+        self._ops: list[tuple] = []                # CLONE / FREE for the other ranks
         self._back: mx.array | None = None
         self._cache: StageCache | None = None     # the cache of the forward under way
         self._closed = False
@@ -527,41 +566,30 @@ class ShardedTarget:
         return self.local.num_layers
 
     # ---- caches: local caches, mirrored on the other ranks under the same id
+    def _register(self, cache: StageCache) -> int:
+        self._ids += 1
+        weakref.finalize(cache, self._ops.append, (FREE, self._ids, 0))
+        return self._ids
+
     def make_cache(self) -> StageCache:
-        cache = self.runner.make_cache()
-        self._next_id += 1
-        cache.id = self._next_id
-        weakref.finalize(cache, self._frees.append, cache.id)
-        return cache
+        return StageCache(self.runner.new_caches(), self)
 
     def check_rollback(self, cache: list) -> None:
         self.local.check_rollback(self.local.make_cache())
 
-    def snapshot(self, cache: list) -> dict:
-        return self.runner.snapshot(cache)
-
-    def rollback(self, cache: StageCache, snapshot: dict, kept: int, total: int) -> None:
-        self.runner.rollback(cache, snapshot, kept, total)
-        if kept == total:
-            return
-        if cache.pending is not None:                   # two rollbacks in a row: send one
-            self._control(ROLLBACK, cache, 0, 0)
-        cache.pending = (kept, total, int(bool(snapshot)))
+    def snapshot(self, cache: StageCache) -> _StageSnapshot:
+        return _StageSnapshot(self, cache)
 
     # ---- messages
-    def _control(self, op: int, cache: StageCache | None, B: int, T: int, dtype=mx.float32):
-        kept, total, replay = (cache.pending or (0, 0, 0)) if cache is not None else (0, 0, 0)
-        if cache is not None:
-            cache.pending = None
-        word = [op, cache.id if cache is not None else 0, B, T, kept, total, replay,
-                DTYPES.index(dtype)]
+    def _send_control(self, op: int, cid: int = 0, B: int = 0, T: int = 0, position: int = 0,
+                      dtype=mx.float32, source: int = 0) -> None:
+        word = [op, cid, B, T, position, DTYPES.index(dtype), source, 0]
         self.link.send(mx.array(word, dtype=mx.int32), 1, "sending a step to rank 1")
 
-    def _free_dropped(self) -> None:
-        while self._frees:
-            cid = self._frees.pop()
-            self.link.send(mx.array([FREE, cid] + [0] * (CONTROL - 2), dtype=mx.int32), 1,
-                           "sending a step to rank 1")
+    def _flush_ops(self) -> None:
+        while self._ops:
+            op, cid, source = self._ops.pop(0)
+            self._send_control(op, cid, source=source)
 
     def _round_trip(self, x: mx.array) -> mx.array:
         """x [B, T, H] after rank 0's layers -> the hidden state after the last layer, and the
@@ -569,7 +597,8 @@ class ShardedTarget:
         back to back with the hidden state: the receivers learn its shape and dtype from it
         (both are known before x is computed)."""
         B, T, H = x.shape
-        self._control(FORWARD, self._cache, B, T, x.dtype)
+        cache = self._cache
+        self._send_control(FORWARD, cache.id, B, T, cache.position - T, x.dtype)
         self.link.send(x, 1, "sending the hidden state to rank 1")
         width = H * (1 + len(self.remote_features))
         back = self.link.recv((B, T, width), x.dtype, self.plan.size - 1,
@@ -578,8 +607,9 @@ class ShardedTarget:
         return back[..., :H]
 
     def forward(self, tokens: mx.array, cache: StageCache) -> tuple[mx.array, mx.array | None]:
-        self._free_dropped()
+        self._flush_ops()
         self._cache = cache
+        cache.rows += tokens.shape[1]
         logits = self._view(tokens, cache=list(cache) + [None])
         self._cache = None
         if not self.layer_ids:
@@ -594,11 +624,21 @@ class ShardedTarget:
         """Tell the other ranks to stop (idempotent)."""
         if self.plan.size > 1 and not self._closed:
             self._closed = True
-            self.link.send(mx.array([STOP] + [0] * (CONTROL - 1), dtype=mx.int32), 1,
-                           "stopping rank 1")
+            self._send_control(STOP)
 
 
 # --------------------------------------------------------------------------- ranks > 0
+
+
+@dataclass
+class _Mirror:
+    """A follower's copy of one of rank 0's caches."""
+
+    caches: list
+    rows: int = 0
+    last: int = 0                      # rows of the last forward
+    snapshot: dict | None = None       # recurrent state before the last forward
+    inputs: dict = field(default_factory=dict)   # recurrent layers' inputs in that forward
 
 
 class Follower:
@@ -606,13 +646,12 @@ class Follower:
 
     def __init__(self, model: nn.Module, plan: StagePlan, link: Link):
         self.plan, self.link = plan, link
-        self.runner = _StageRunner(model, plan, link)
+        self.runner = _StageRunner(model, plan)
         self.incoming = _Incoming()
         end = _End(self.runner.all_layers[plan.end - 1])
         self._view = _stage_view(model, self.runner.path, self.runner.taps() + [end],
                                  embed=self.incoming)
-        self.caches: dict[int, StageCache] = {}
-        self.snapshots: dict[int, dict] = {}
+        self.mirrors: dict[int, _Mirror] = {}
         self.forwards = 0
 
     def follow(self) -> None:
@@ -624,23 +663,38 @@ class Follower:
                                   bounded=False)
             if nxt != 0:
                 self.link.send(ctrl, nxt, f"passing a step to rank {nxt}")
-            op, cid, B, T, kept, total, replay, dt = ctrl.tolist()
+            op, cid, B, T, position, dt, source, _ = ctrl.tolist()
             if op == STOP:
                 return
             if op == FREE:
-                self.caches.pop(cid, None)
-                self.snapshots.pop(cid, None)
-                continue
-            cache = self.caches.get(cid)
-            if cache is None:
-                cache = self.caches[cid] = self.runner.make_cache()
-            if total:
-                self.runner.rollback(cache, self.snapshots.get(cid, {}) if replay else {},
-                                     kept, total)
-            if op == ROLLBACK:
-                continue
-            self.snapshots[cid] = self.runner.snapshot(cache)
-            self._forward(cache, B, T, DTYPES[dt], prev, nxt)
+                self.mirrors.pop(cid, None)
+            elif op == CLONE:
+                src = self.mirrors.get(source)
+                self.mirrors[cid] = (_Mirror(copy.deepcopy(src.caches), src.rows) if src
+                                     else _Mirror(self.runner.new_caches()))
+            elif op == FORWARD:
+                m = self.mirrors.get(cid)
+                if m is None:
+                    m = self.mirrors[cid] = _Mirror(self.runner.new_caches())
+                self._catch_up(m, position)
+                m.snapshot = self.runner.snapshot(m.caches)
+                self._forward(m.caches, B, T, DTYPES[dt], prev, nxt)
+                m.rows, m.last, m.inputs = m.rows + T, T, dict(self.runner.inputs)
+
+    def _catch_up(self, m: _Mirror, position: int) -> None:
+        """Drop the rows rank 0 dropped since the last forward (a rejected draft suffix, a
+        trimmed prefix cache): rank 0's position is the one broadcast of its decisions."""
+        if position > m.rows:
+            raise PipelineError(f"pipeline: rank {self.plan.rank} is behind rank 0 ({m.rows} "
+                                f"rows, rank 0 {position}); the ranks fell out of step")
+        drop = m.rows - position
+        if drop:
+            keep_last = m.last - drop
+            if keep_last >= 0:
+                self.runner.rollback(m.caches, m.snapshot, keep_last, m.last, m.inputs)
+            else:                                     # past the last forward: trims only
+                self.runner.rollback(m.caches, None, 0, drop)
+            m.rows, m.last, m.snapshot = position, max(keep_last, 0), None
 
     def _forward(self, cache, B, T, dtype, prev, nxt) -> None:
         H = self.plan.hidden_size
@@ -677,7 +731,7 @@ class Stage:
     link: Link
     target: ShardedTarget | None = None
     follower: Follower | None = None
-    weight_mib: list[int] = field(default_factory=list)   # weights each rank holds
+    weight_mib: list[float] = field(default_factory=list)   # weights each rank holds
 
     @property
     def rank(self) -> int:
@@ -752,13 +806,13 @@ def build(model: nn.Module, plan: StagePlan, link: Link) -> Stage:
     until every rank has loaded its own (loading may take minutes: a longer bound)."""
     check_family(model)
     kept = keep_only_stage(model, plan)
-    sizes = link.agree([kept // 2**20], "waiting for every rank to load its layers",
+    sizes = link.agree([kept // 1024], "waiting for every rank to load its layers",
                        timeout=max(10 * link.timeout, 600.0))
     if plan.leader:
         stage = Stage(plan, link, target=ShardedTarget(model, plan, link))
     else:
         stage = Stage(plan, link, follower=Follower(model, plan, link))
-    stage.weight_mib = [int(v) for v in sizes[:, 0].tolist()]
+    stage.weight_mib = [round(v / 1024, 1) for v in sizes[:, 0].tolist()]
     return stage
 
 
