@@ -37,8 +37,14 @@ app = typer.Typer(name=PROG, add_completion=False, no_args_is_help=True,
 
 # --------------------------------------------------------------------------- helpers
 
+_WHO = ""      # " (rank r)" on the ranks > 0 of a pipeline: they report only their errors
+
+
 def _say(line: str) -> None:
-    print(f"{PROG}: {line}", file=sys.stderr, flush=True)
+    if _WHO and not line.startswith("error"):
+        return
+    print(f"{PROG}: {line.replace('error:', f'error{_WHO}:', 1) if _WHO else line}",
+          file=sys.stderr, flush=True)
 
 
 def _show_notice(message, category, filename, lineno, file=None, line=None):
@@ -191,10 +197,17 @@ def generate(
                                            help="Entry in the oMLX settings (default: --model)"),
     stats_json: Optional[Path] = typer.Option(None, "--stats-json", metavar="PATH",
                                               help="Write statistics and effective settings"),
+    pipeline: bool = typer.Option(False, "--pipeline", help="Split the target's layers across "
+                                  "the ranks started by mlx.launch (rank 0 writes the output)"),
+    pipeline_split: Optional[str] = typer.Option(
+        None, "--pipeline-split", metavar="N,N,...", help="Layers per rank (default: even)"),
+    pipeline_timeout: float = typer.Option(60.0, "--pipeline-timeout", min=1.0,
+                                           help="Seconds a rank may wait for another"),
     verbose: bool = typer.Option(False, "--verbose", help="Effective settings, tracebacks"),
 ):
     """Generate text; it streams to stdout, one summary line goes to stderr."""
     with _errors(verbose):
+        group = _pipeline_group(pipeline, pipeline_split, pipeline_timeout)
         if model_id is not None and omlx_settings is None:
             raise ValueError("--model-id names an entry of the oMLX settings: add "
                              "--omlx-settings [PATH]")
@@ -223,7 +236,10 @@ def generate(
         with contextlib.redirect_stdout(sys.stderr):
             pipe = load(model, draft, settings=settings, draft_bits=draft_bits,
                         draft_group_size=draft_group_size, dtype=dtype, lookup=lookup,
-                        progress=_say)
+                        progress=_say, pipeline=group, pipeline_split=pipeline_split,
+                        pipeline_timeout=pipeline_timeout)
+        if pipe.stage is not None and not pipe.stage.leader:
+            return pipe.stage.follow()           # rank 0 writes text, summary and stats
         try:
             pipe.block_size(block_size, lookup)
         except ValueError as e:
@@ -249,6 +265,23 @@ def generate(
                       "settings": {**pipe.describe(), "block_size": chunk.stats.block_size,
                                    "lookup": lookup}}
             stats_json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def _pipeline_group(pipeline: bool, split: str | None, timeout: float):
+    """--pipeline: the launched group (bounded wait for the other ranks); ranks > 0 print
+    only their own errors, tagged with the rank."""
+    global _WHO
+    if not pipeline:
+        if split is not None:
+            raise ValueError("--pipeline-split needs --pipeline")
+        return None
+    from .distributed import init_group
+
+    group = init_group(timeout)
+    if group.rank() > 0:
+        _WHO = f" (rank {group.rank()})"
+        warnings.simplefilter("ignore")      # rank 0 reports notices once
+    return group
 
 
 # --------------------------------------------------------------------------- doctor

@@ -34,6 +34,7 @@ what comes back; others: one that stops the forward and hands the hidden state o
 
 from __future__ import annotations
 
+import atexit
 import copy
 import hashlib
 import json
@@ -251,7 +252,9 @@ class Link:
 
     group: mx.distributed.Group
     timeout: float = DEFAULT_TIMEOUT
-    sent: dict = field(default_factory=dict)      # destination rank -> [messages, bytes]
+    # (destination rank, kind) -> [messages, bytes]; kinds: "control" and "hidden" (one each
+    # per forward and boundary), "op" (a cache copied or dropped, "stop")
+    sent: dict = field(default_factory=dict)
 
     @property
     def rank(self) -> int:
@@ -278,9 +281,9 @@ class Link:
             if bounded:
                 dog.disarm()
 
-    def send(self, x: mx.array, dst: int, what: str) -> None:
+    def send(self, x: mx.array, dst: int, what: str, kind: str) -> None:
         self._run(what, lambda: mx.eval(mx.distributed.send(x, dst, group=self.group)))
-        count = self.sent.setdefault(dst, [0, 0])
+        count = self.sent.setdefault((dst, kind), [0, 0])
         count[0] += 1
         count[1] += x.nbytes
 
@@ -557,6 +560,7 @@ class ShardedTarget:
         self._back: mx.array | None = None
         self._cache: StageCache | None = None     # the cache of the forward under way
         self._closed = False
+        self.forwards = 0
 
     def __getattr__(self, name):      # embed, head, head_rows, embed_tokens, hidden_size, ...
         return getattr(self.local, name)
@@ -584,7 +588,8 @@ class ShardedTarget:
     def _send_control(self, op: int, cid: int = 0, B: int = 0, T: int = 0, position: int = 0,
                       dtype=mx.float32, source: int = 0) -> None:
         word = [op, cid, B, T, position, DTYPES.index(dtype), source, 0]
-        self.link.send(mx.array(word, dtype=mx.int32), 1, "sending a step to rank 1")
+        self.link.send(mx.array(word, dtype=mx.int32), 1, "sending a step to rank 1",
+                       "control" if op == FORWARD else "op")
 
     def _flush_ops(self) -> None:
         while self._ops:
@@ -599,7 +604,7 @@ class ShardedTarget:
         B, T, H = x.shape
         cache = self._cache
         self._send_control(FORWARD, cache.id, B, T, cache.position - T, x.dtype)
-        self.link.send(x, 1, "sending the hidden state to rank 1")
+        self.link.send(x, 1, "sending the hidden state to rank 1", "hidden")
         width = H * (1 + len(self.remote_features))
         back = self.link.recv((B, T, width), x.dtype, self.plan.size - 1,
                               f"waiting for rank {self.plan.size - 1}'s hidden state")
@@ -608,6 +613,7 @@ class ShardedTarget:
 
     def forward(self, tokens: mx.array, cache: StageCache) -> tuple[mx.array, mx.array | None]:
         self._flush_ops()
+        self.forwards += 1
         self._cache = cache
         cache.rows += tokens.shape[1]
         logits = self._view(tokens, cache=list(cache) + [None])
@@ -624,6 +630,7 @@ class ShardedTarget:
         """Tell the other ranks to stop (idempotent)."""
         if self.plan.size > 1 and not self._closed:
             self._closed = True
+            self._flush_ops()
             self._send_control(STOP)
 
 
@@ -661,9 +668,10 @@ class Follower:
             # idle: rank 0 may wait for a request as long as it likes (a server)
             ctrl = self.link.recv((CONTROL,), mx.int32, prev, "waiting for rank 0",
                                   bounded=False)
-            if nxt != 0:
-                self.link.send(ctrl, nxt, f"passing a step to rank {nxt}")
             op, cid, B, T, position, dt, source, _ = ctrl.tolist()
+            if nxt != 0:
+                self.link.send(ctrl, nxt, f"passing a step to rank {nxt}",
+                               "control" if op == FORWARD else "op")
             if op == STOP:
                 return
             if op == FREE:
@@ -711,7 +719,7 @@ class Follower:
         parts = [h] + ([x[..., H:]] if upstream else []) + self.runner.captured()
         out = mx.concatenate(parts, axis=-1) if len(parts) > 1 else h
         mx.eval(out, [c.state for c in cache])
-        self.link.send(out, nxt, f"sending the hidden state to rank {nxt}")
+        self.link.send(out, nxt, f"sending the hidden state to rank {nxt}", "hidden")
         self.forwards += 1
         if self.forwards % 64 == 0:
             mx.clear_cache()
@@ -755,8 +763,13 @@ class Stage:
         self.follower.follow()
 
     def close(self) -> None:
+        """Rank 0: tell the others to stop (also run at exit, so a script or command that
+        ends, or fails, never leaves them waiting); a broken link has nobody left to tell."""
         if self.target is not None:
-            self.target.close()
+            try:
+                self.target.close()
+            except PipelineError:
+                pass
 
     def describe(self) -> dict:
         return {"ranks": self.size, "split": [e - s for s, e in self.plan.bounds],
@@ -810,6 +823,7 @@ def build(model: nn.Module, plan: StagePlan, link: Link) -> Stage:
                        timeout=max(10 * link.timeout, 600.0))
     if plan.leader:
         stage = Stage(plan, link, target=ShardedTarget(model, plan, link))
+        atexit.register(stage.close)
     else:
         stage = Stage(plan, link, follower=Follower(model, plan, link))
     stage.weight_mib = [round(v / 1024, 1) for v in sizes[:, 0].tolist()]
