@@ -321,6 +321,8 @@ def doctor(verbose: bool = typer.Option(False, "--verbose", help="Tracebacks")):
         row("mlx", f"{mx.__version__}, backend {'Metal (GPU)' if metal else 'CPU'}"
             f"{'' if mx.metal.is_available() else ' (Metal not available)'}")
         row("mlx-lm", pkg("mlx-lm"))
+        from .distributed import availability
+        row("distributed", availability())
         if sys.platform.startswith("linux"):
             lib = runtime.find_openblas()
             state = ("active" if runtime.openblas_loaded() else

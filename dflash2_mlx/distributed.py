@@ -242,6 +242,27 @@ def init_group(timeout: float = DEFAULT_TIMEOUT, backend: str = "any") -> mx.dis
     return group
 
 
+def availability() -> str:
+    """One line for `dflash2-mlx doctor`: whether `--pipeline` can run here, over which
+    backend. Never starts a backend (that would wait for ranks that are not there)."""
+    import ctypes.util
+    import platform
+
+    if not mx.distributed.is_available():
+        return "not available (this MLX build has no distributed backend)"
+    backends = ["ring (TCP; mlx.launch --backend ring)"]
+    backends.append("mpi" + ("" if ctypes.util.find_library("mpi") else " (libmpi not found)"))
+    backends.append("jaccl" + ("" if platform.system() == "Darwin"
+                               else " (macOS with Thunderbolt 5 RDMA only)"))
+    if "MLX_RANK" in os.environ:
+        hostfile = os.environ.get("MLX_HOSTFILE")
+        where = f"launched as rank {os.environ['MLX_RANK']}" + (
+            f" (ring hostfile {hostfile})" if hostfile else "")
+    else:
+        where = "not launched (one process; run under mlx.launch for --pipeline)"
+    return f"available: {', '.join(backends)}; {where}"
+
+
 # --------------------------------------------------------------------------- messages
 
 
