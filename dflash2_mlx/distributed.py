@@ -41,6 +41,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -276,6 +277,7 @@ class Link:
     # (destination rank, kind) -> [messages, bytes]; kinds: "control" and "hidden" (one each
     # per forward and boundary), "op" (a cache copied or dropped, "stop")
     sent: dict = field(default_factory=dict)
+    seconds: dict = field(default_factory=dict)   # "send hidden", "recv hidden", ...: time
 
     @property
     def rank(self) -> int:
@@ -303,17 +305,27 @@ class Link:
                 dog.disarm()
 
     def send(self, x: mx.array, dst: int, what: str, kind: str) -> None:
+        """Evaluating the send also computes x: its time includes the stage's own layers."""
+        tic = time.perf_counter()
         self._run(what, lambda: mx.eval(mx.distributed.send(x, dst, group=self.group)))
+        self._clock(f"send {kind}", tic)
         count = self.sent.setdefault((dst, kind), [0, 0])
         count[0] += 1
         count[1] += x.nbytes
 
-    def recv(self, shape, dtype, src: int, what: str, bounded: bool = True) -> mx.array:
+    def recv(self, shape, dtype, src: int, what: str, bounded: bool = True,
+             kind: str = "hidden") -> mx.array:
         def get():
             x = mx.distributed.recv(shape, dtype, src, group=self.group)
             mx.eval(x)
             return x
-        return self._run(what, get, bounded)
+        tic = time.perf_counter()
+        out = self._run(what, get, bounded)
+        self._clock(f"recv {kind}", tic)
+        return out
+
+    def _clock(self, key: str, tic: float) -> None:
+        self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - tic
 
     def agree(self, values: list[int], what: str, timeout: float | None = None) -> mx.array:
         """Every rank's `values` (int32), gathered: [size, len(values)]."""
@@ -680,7 +692,7 @@ class Follower:
         self._view = _stage_view(model, self.runner.path, self.runner.taps() + [end],
                                  embed=self.incoming)
         self.mirrors: dict[int, _Mirror] = {}
-        self.forwards = 0
+        self.forwards, self.compute_s = 0, 0.0       # this rank's layers: forwards, seconds
 
     def follow(self) -> None:
         r, n = self.plan.rank, self.plan.size
@@ -688,7 +700,7 @@ class Follower:
         while True:
             # idle: rank 0 may wait for a request as long as it likes (a server)
             ctrl = self.link.recv((CONTROL,), mx.int32, prev, "waiting for rank 0",
-                                  bounded=False)
+                                  bounded=False, kind="control")
             op, cid, B, T, position, dt, source, _ = ctrl.tolist()
             if nxt != 0:
                 self.link.send(ctrl, nxt, f"passing a step to rank {nxt}",
@@ -730,6 +742,7 @@ class Follower:
         upstream = self.plan.features_after(self.plan.rank - 1)
         x = self.link.recv((B, T, H * (1 + len(upstream))), dtype, prev,
                            f"waiting for rank {prev}'s hidden state")
+        tic = time.perf_counter()
         self.incoming.x = x[..., :H]
         try:
             self._view(mx.zeros((B, T), dtype=mx.uint32), cache=list(cache) + [None])
@@ -740,6 +753,7 @@ class Follower:
         parts = [h] + ([x[..., H:]] if upstream else []) + self.runner.captured()
         out = mx.concatenate(parts, axis=-1) if len(parts) > 1 else h
         mx.eval(out, [c.state for c in cache])
+        self.compute_s += time.perf_counter() - tic
         self.link.send(out, nxt, f"sending the hidden state to rank {nxt}", "hidden")
         self.forwards += 1
         if self.forwards % 64 == 0:
