@@ -97,7 +97,8 @@ def rank_main(args) -> None:
                  int(1e6 * link.seconds.get("recv hidden", 0)),
                  sent.get("1/control", [0, 0])[0] + sent.get("1/hidden", [0, 0])[0],
                  sent.get("1/control", [0, 0])[1] + sent.get("1/hidden", [0, 0])[1],
-                 sent.get("0/hidden", [0, 0])[0], sent.get("0/hidden", [0, 0])[1]]
+                 sent.get("0/hidden", [0, 0])[0], sent.get("0/hidden", [0, 0])[1],
+                 int(1e6 * link.seconds.get("send control", 0))]
         return result, link.agree(mine, "exchanging the figures").tolist()
 
     state = None
@@ -118,28 +119,76 @@ def rank_main(args) -> None:
             rows[w] = {**result, "forwards": n, "rank0_layers_ms": r0[2] / 1e3 / n,
                        "rank1_layers_ms": r1[1] / 1e3 / n, "wait_ms": (r0[3] - r1[1]) / 1e3 / n,
                        "msgs_0to1": r0[4] / n, "bytes_0to1": r0[5] / n,
-                       "msgs_1to0": r1[6] / n, "bytes_1to0": r1[7] / n}
+                       "msgs_1to0": r1[6] / n, "bytes_1to0": r1[7] / n,
+                       "control_ms": r0[8] / 1e3 / n}
     if stage.leader:
         stage.target.close()
         Path(args.rank_out).write_text(json.dumps({"rows": rows,
                                                    "weight_mib": stage.weight_mib}))
 
 
+# --------------------------------------------------------------------------- cost model
+# Assumptions, all parameters (docs/distributed.md says where they come from): a Mac's memory
+# bandwidth bounds a forward of few rows (each weight byte read once per forward, stages run
+# one after another for one sequence); a verify of w rows costs VERIFY[w] x one row; link
+# latency per message and bandwidth; bf16 activations.
+LINKS = {"Thunderbolt 5, ring (TCP)": (100e-6, 6e9), "Thunderbolt 5, JACCL (RDMA)": (10e-6, 8e9),
+         "10 GbE, ring (TCP)": (150e-6, 1.1e9)}
+TARGETS = {   # weight bytes, H, layers, drafter feature layers, drafter pass seconds
+    "27B dense, 4-bit": (15e9, 5120, 64, (5, 19, 33, 47, 61), 2.5e-3),
+    "235B dense, 4-bit": (125e9, 12288, 96, (2, 25, 48, 71, 94), 5e-3),
+}
+MEMORY_BW = 800e9                   # bytes/s (M3 Ultra class)
+VERIFY = {1: 1.0, 4: 1.05, 8: 1.15, 16: 1.3}
+TAU = {4: 3.0, 8: 4.0, 16: 5.5}     # DFlash 2-class acceptance (SPEC section 3)
+
+
+def network_s(w: int, n: int, hidden: int, layers: int, feats, latency: float, bw: float,
+              act_bytes: int = 2) -> float:
+    """Seconds of one forward's messages on the ring: n hidden-state hops (rank r carries the
+    features of ranks 1..r); the control words travel ahead and hide behind compute."""
+    bounds = [(r * layers // n, (r + 1) * layers // n) for r in range(n)]
+    total = 0.0
+    for r in range(n):
+        carried = [i for i in feats if bounds[0][1] <= i < bounds[r][1]] if r else []
+        total += latency + w * hidden * act_bytes * (1 + len(carried)) / bw
+    return total
+
+
+def cost_model() -> str:
+    lines = ["| target | Macs | link | plain ms/token | network ms/forward | w=8: ms/cycle, "
+             "speedup | w=16: ms/cycle, speedup |", "|" + "---|" * 7]
+    for name, (weights, hidden, layers, feats, draft_s) in TARGETS.items():
+        compute = weights / MEMORY_BW
+        for n in (2, 4):
+            for link, (lat, bw) in LINKS.items():
+                net = lambda w: network_s(w, n, hidden, layers, feats, lat, bw)  # noqa: E731
+                plain = compute + net(1)
+                cells = []
+                for w in (8, 16):
+                    cycle = draft_s + VERIFY[w] * compute + net(w)
+                    cells.append(f"{1e3 * cycle:.1f}, {TAU[w] * plain / cycle:.2f}x")
+                lines.append(f"| {name} | {n} | {link} | {1e3 * plain:.1f} | "
+                             f"{1e3 * net(1):.2f} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines)
+
+
 def markdown(single: dict, sharded: dict, meta: dict) -> str:
     lines = ["ms/cycle: medians; the stage columns: means over the same forwards.", "",
              "| w | 1 process ms/cycle | 2 ranks ms/cycle | drafter | rank 0 layers+send | "
-             "rank 1 layers | wait+transfer | head and rest | msgs 0->1 / 1->0 per cycle | "
-             "bytes 0->1 / 1->0 per cycle |", "|" + "---|" * 10]
+             "control word | rank 1 layers | wait+transfer | head and rest | msgs 0->1 / 1->0 per cycle | "
+             "bytes 0->1 / 1->0 per cycle |", "|" + "---|" * 11]
     for w, s in single.items():
         d = sharded[str(w)] if str(w) in sharded else sharded[w]
         one = s["draft_ms"] * (w > 1) + s["verify_ms"]
         two = d["draft_ms"] * (w > 1) + d["verify_ms"]
         # the stage figures are means over the forwards: the rest is taken from the mean too
         rest = (d["verify_mean_ms"] - d["rank0_layers_ms"] - d["wait_ms"]
-                - d["rank1_layers_ms"])
+                - d["rank1_layers_ms"] - d["control_ms"])
         lines.append(
             f"| {w} | {one:.1f} | {two:.1f} | {d['draft_ms'] * (w > 1):.1f} | "
-            f"{d['rank0_layers_ms']:.1f} | {d['rank1_layers_ms']:.1f} | {d['wait_ms']:.1f} | "
+            f"{d['rank0_layers_ms']:.1f} | {d['control_ms']:.1f} | "
+            f"{d['rank1_layers_ms']:.1f} | {d['wait_ms']:.1f} | "
             f"{rest:.1f} | {d['msgs_0to1']:.0f} / {d['msgs_1to0']:.0f} | "
             f"{d['bytes_0to1']:.0f} / {d['bytes_1to0']:.0f} |")
     lines.append("")
@@ -157,21 +206,31 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=12)
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "pipeline_cycle.json")
+    ap.add_argument("--hostfile", help="run the ranks on these hosts (mlx.launch --hostfile) "
+                    "instead of two on loopback")
+    ap.add_argument("--cost-model", action="store_true",
+                    help="print the cost-model table (docs/distributed.md) and exit")
     ap.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rank-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.widths = [int(w) for w in str(args.widths).split(",")]
     if args.rank:
         return rank_main(args)
+    if args.cost_model:
+        return print(cost_model())
 
     load_before = [round(x, 1) for x in os.getloadavg()]
     single = time_cycles(dflash2_mlx.load(args.model, args.draft), args.widths, args.reps,
                          args.context)
     rank_out = args.out.with_suffix(".ranks.json")
-    cmd = [str(Path(sys.executable).parent / "mlx.launch"), "--backend", "ring", "-n", "2",
+    where = ["--hostfile", args.hostfile] if args.hostfile else ["-n", "2"]
+    cmd = [str(Path(sys.executable).parent / "mlx.launch"), "--backend", "ring", *where,
            "--env", f"PYTHONPATH={ROOT}", "--python", sys.executable, __file__, "--rank",
            "--rank-out", str(rank_out), "--widths", ",".join(map(str, args.widths)),
            "--reps", str(args.reps), "--context", str(args.context)]
+    for var in ("OPENBLAS_NUM_THREADS", "DFLASH2_CACHE"):     # the ranks run like this process
+        if var in os.environ:
+            cmd[1:1] = ["--env", f"{var}={os.environ[var]}"]
     for flag in ("model", "draft", "split"):
         if getattr(args, flag):
             cmd += [f"--{flag}", getattr(args, flag)]
