@@ -176,8 +176,8 @@ def cost_model() -> str:
 def markdown(single: dict, sharded: dict, meta: dict) -> str:
     lines = ["ms/cycle: medians; the stage columns: means over the same forwards.", "",
              "| w | 1 process ms/cycle | 2 ranks ms/cycle | drafter | rank 0 layers+send | "
-             "control word | rank 1 layers | wait+transfer | head and rest | msgs 0->1 / 1->0 per cycle | "
-             "bytes 0->1 / 1->0 per cycle |", "|" + "---|" * 11]
+             "control word | rank 1 layers | wait+transfer | head and rest | "
+             "msgs 0->1 / 1->0 per cycle | bytes 0->1 / 1->0 per cycle |", "|" + "---|" * 11]
     for w, s in single.items():
         d = sharded[str(w)] if str(w) in sharded else sharded[w]
         one = s["draft_ms"] * (w > 1) + s["verify_ms"]

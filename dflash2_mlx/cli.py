@@ -278,6 +278,9 @@ def _pipeline_group(pipeline: bool, split: str | None, timeout: float):
     from .distributed import init_group
 
     group = init_group(timeout)
+    if group.size() == 1:
+        _say("note: --pipeline: one rank (not started by mlx.launch): the whole target runs "
+             "here")
     if group.rank() > 0:
         _WHO = f" (rank {group.rank()})"
         warnings.simplefilter("ignore")      # rank 0 reports notices once

@@ -50,7 +50,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 
-from .target import STACK_PATHS, LayerTap, RollbackRotatingKVCache, TargetAdapter, find_stack_path
+from .target import LayerTap, TargetAdapter, find_stack_path
 
 # Decoder stacks whose forward we know runs a layer range correctly: masks come from
 # `cache[0]` or from the index attributes below, recomputed for the range. Keyed by the
@@ -881,4 +881,4 @@ class FollowerTarget:
 
 __all__ = ["PipelineError", "Stage", "StagePlan", "ShardedTarget", "Follower", "Link",
            "init_group", "parse_split", "plan_stages", "prepare", "build", "keep_only_stage",
-           "target_shape", "read_gguf_header", "STACK_PATHS"]
+           "target_shape", "read_gguf_header", "availability"]

@@ -69,6 +69,19 @@ def test_layer_count_read_without_weights(llama_dir):
     assert read_gguf_header(Path(gguf))["general.architecture"] == "llama"
 
 
+def test_doctor_line_says_whether_and_how(monkeypatch):
+    from dflash2_mlx.distributed import availability
+
+    monkeypatch.delenv("MLX_RANK", raising=False)
+    line = availability()
+    assert line.startswith("available: ring (TCP") and "not launched" in line
+    monkeypatch.setenv("MLX_RANK", "1")
+    monkeypatch.setenv("MLX_HOSTFILE", "/tmp/hosts.json")
+    assert "launched as rank 1 (ring hostfile /tmp/hosts.json)" in availability()
+    monkeypatch.setattr(mx.distributed, "is_available", lambda: False)
+    assert availability().startswith("not available")
+
+
 # --------------------------------------------------------------------------- two ranks
 
 
@@ -122,8 +135,7 @@ def exactness_run(tmp_path_factory, llama_dir, dflash2_dir, qwen35_dir, monkeypa
     if pair is not None:
         ids = "Write a Python function that checks whether a number is prime."
         jobs.append(("smollm2", *pair, None, [
-            dict(prompt=ids, max_tokens=16, block_size=4),
-            dict(prompt=ids, max_tokens=16, block_size=8, lookup=True)]))
+            dict(prompt=ids, max_tokens=12, block_size=6, lookup=True)]))
     plan = {"timeout": 30, "jobs": []}
     refs, start = {}, time.perf_counter()
     for name, model, draft, split, cases in jobs:
@@ -277,3 +289,21 @@ def test_cli_bad_split_refused_before_any_weight_loads(tmp_path, llama_dir, dfla
     assert len(lines) == 1 and "--pipeline-split 3,3" in lines[0], proc.stderr[-2000:]
     assert "summing to the target's 4 layers" in lines[0]
     assert "loading target" not in proc.stderr
+
+
+def test_a_rank_that_never_connects_is_an_error_within_the_timeout(tmp_path, llama_dir):
+    """Rank 0 of a two-rank hostfile whose rank 1 never starts: mx.distributed.init would wait
+    forever (holding the GIL); the watchdog ends it with one line."""
+    port = random.Random(time.time_ns()).randrange(20000, 60000, 2)
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MLX_HOSTFILE": str(hosts), "MLX_RANK": "0"}
+    tic = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "dflash2_mlx.cli", "generate", "--pipeline",
+                           "--pipeline-timeout", "3", "--model", str(llama_dir)],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert time.perf_counter() - tic < 30
+    assert proc.returncode != 0
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("dflash2-mlx: error: ")]
+    assert lines == ["dflash2-mlx: error: pipeline: could not connect to all ranks within 3 s "
+                     "(a host is down, unreachable, or was not started); stopping"], proc.stderr
