@@ -21,10 +21,11 @@ Messages per target forward of T rows (one forward per draft-verify cycle, whate
 
 f_r counts the drafter's feature layers (`target_layer_ids`) owned by ranks 1..r: each stage
 appends the features it captured to the hidden state it passes on, so they reach rank 0 in the
-stage's own message. The control message carries the shape of the hidden state that follows and
-the acceptance decided by rank 0 after the previous verify (rows kept and whether recurrent
-layers replay from their snapshot): that is the one small broadcast per cycle, forwarded hop by
-hop ahead of the hidden state, so its latency hides behind each stage's compute.
+stage's own message. The control word carries the shape of the hidden state that follows and
+rank 0's position (rows its cache held before this forward): the one small broadcast of what
+rank 0 decided after the previous verify. A rank whose cache is longer drops the rejected rows
+before it runs (attention caches trim; recurrent layers restore their snapshot and replay the
+kept rows), so acceptance, rollback and the next anchor are decided once, on rank 0.
 
 We never patch mlx-lm classes nor the model: each rank runs its layer range through a shallow
 view of the model (as `target.TargetAdapter` does), whose decoder stack holds only that range
@@ -351,21 +352,22 @@ def _config_text(path: Path | None) -> str:
     return "".join(f.read_text() for f in files if f.exists())
 
 
-def check_same_everywhere(link: Link, facts: dict[str, str]) -> None:
-    """All ranks must run the same code on the same target, drafter, split and precision:
-    compare digests of each fact across ranks; the first difference is one error line."""
+def check_same_everywhere(link: Link, facts: dict[str, tuple[str, str]]) -> None:
+    """All ranks must run the same code on the same target, drafter, split and precision.
+    facts: name -> (what is compared, what to show); digests are compared across ranks and the
+    first difference is one error line (on every rank)."""
     from . import __version__
 
-    facts = {"dflash2-mlx version": __version__, **facts}
+    facts = {"dflash2-mlx version": (__version__, __version__), **facts}
     names = list(facts)
-    table = link.agree([_digest(facts[n]) for n in names], "comparing what each rank loads")
+    table = link.agree([_digest(facts[n][0]) for n in names], "comparing what each rank loads")
     rows = table.tolist()
     for r, row in enumerate(rows[1:], start=1):
-        for name, mine, theirs in zip(names, rows[0], row):
-            if mine != theirs:
-                raise PipelineError(f"pipeline: rank {r} has a different {name} than rank 0 "
-                                    f"(rank 0: {facts[name] if link.rank == 0 else '?'}); "
-                                    "start every rank with the same --model, --draft, "
+        for name, first, theirs in zip(names, rows[0], row):
+            if first != theirs:
+                mine = f"; rank {link.rank}: {facts[name][1]}" if link.rank in (0, r) else ""
+                raise PipelineError(f"pipeline: rank {r} has a different {name} than rank 0"
+                                    f"{mine}; start every rank with the same --model, --draft, "
                                     "--pipeline-split and precision flags")
 
 
@@ -822,9 +824,11 @@ def prepare(group, target_path: Path, draft_dir: Path | None, split: str | tuple
     bounds = tuple(plan_stages(num_layers, group.size(), split))
     layer_ids = DrafterArgs.from_file(draft_dir).target_layer_ids if draft_dir else ()
     link = Link(group, timeout)
-    check_same_everywhere(link, {"target": _config_text(target_path),
-                                 "drafter": _config_text(draft_dir),
-                                 "split": bounds, "precision": precision})
+    check_same_everywhere(link, {
+        "target": (_config_text(target_path), str(target_path)),
+        "drafter": (_config_text(draft_dir), str(draft_dir)),
+        "split": (str(bounds), ",".join(str(e - s) for s, e in bounds)),
+        "precision": (precision, precision)})
     return StagePlan(group.rank(), group.size(), bounds, tuple(layer_ids), hidden), link
 
 

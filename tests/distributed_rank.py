@@ -11,6 +11,7 @@ positions, so partial acceptances (rollbacks on every rank) are certain."""
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -85,6 +86,9 @@ def main(plan_path: str) -> int:
         print(f"dflash2-mlx: error{'' if rank == 0 else f' (rank {rank})'}: {e}",
               file=sys.stderr, flush=True)
         return 1
+    except Exception as e:   # noqa: BLE001 - e.g. the oracle's check: output diverged
+        report["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"
+        raise
     finally:
         (out / f"rank{rank}.json").write_text(json.dumps(report))
     return 0
