@@ -34,6 +34,7 @@ import mlx.core as mx
 from .sampling import Sampling
 
 DRAFTER, LOOKUP, PLAIN = "drafter", "lookup", "plain"     # the sources of a cycle's drafts
+MATCH_BUCKETS = (1, 2, 3, 4, 8)     # lookup suffix lengths tracked apart: n, or the largest <= n
 
 
 @dataclass(frozen=True)
@@ -79,14 +80,16 @@ class FixedWidth:
     def __init__(self, width: int):
         self.width = width
 
-    def choose(self, available: dict[str, int]) -> tuple[str, int]:
-        """available: the widest block each source can draft this cycle (sources absent: none)."""
+    def choose(self, available: dict[str, int], match_n: int = 0) -> tuple[str, int]:
+        """available: the widest block each source can draft this cycle (sources absent: none);
+        match_n: the length of the lookup's recurring suffix (0: none)."""
         for source in (LOOKUP, DRAFTER):
             if self.width > 1 and available.get(source, 1) > 1:
                 return source, min(self.width, available[source])
         return PLAIN, 1
 
-    def update(self, source: str, width: int, accepted: int, seconds: float | None = None):
+    def update(self, source: str, width: int, accepted: int, seconds: float | None = None,
+               match_n: int = 0) -> None:
         pass
 
 
@@ -106,8 +109,10 @@ class AdaptiveWidth:
                  probe_every: int = 8, far: float = 0.9, slow: int = 3):
         self.cost, self.decay, self.probe_every = cost, decay, probe_every
         self.far, self.slow = far, slow
-        widths = widths or {DRAFTER: cost.max_width}
-        self.counts = {s: PositionCounts(w - 1, decay) for s, w in widths.items()}
+        self.widths = widths or {DRAFTER: cost.max_width}
+        # acceptance counts per source; the lookup's per length of its recurring suffix (a
+        # long match copies on for many tokens, a two-token one is often a common phrase)
+        self.counts: dict[str, PositionCounts] = {}
         self.prior_hits, self.prior_tries = prior * strength, strength
         self.plain_run = 0                  # consecutive cycles the policy chose w = 1
         # timed cycles: decayed count and seconds per (source, width); decayed seconds over
@@ -127,33 +132,44 @@ class AdaptiveWidth:
         load = self.load_s / self.load_calibrated if self.load_calibrated else 1.0
         return self.cost.cycle(width, source) * load
 
-    def alphas(self, source: str = DRAFTER) -> list[float]:
-        """Estimated alpha_k of a source. Position 1 starts from `prior`; a later position
-        starts from the estimate of the one before it, so positions that are rarely reached
-        (drafting goes badly) do not keep an optimistic prior that has no evidence."""
-        c = self.counts[source]
+    def counts_for(self, source: str, match_n: int = 0) -> PositionCounts:
+        key = source if source != LOOKUP else \
+            f"{LOOKUP}:{max([b for b in MATCH_BUCKETS if b <= match_n] or [0])}"
+        if key not in self.counts:
+            self.counts[key] = PositionCounts(self.widths[source] - 1, self.decay)
+        return self.counts[key]
+
+    def alphas(self, source: str = DRAFTER, match_n: int = 0) -> list[float]:
+        """Estimated alpha_k of a source (the lookup's: for suffix matches of length
+        `match_n`). Position 1 starts from `prior`; a later position starts from the estimate
+        of the one before it, so positions that are rarely reached (drafting goes badly) do
+        not keep an optimistic prior that has no evidence."""
+        c = self.counts_for(source, match_n)
         out, prior = [], self.prior_hits / self.prior_tries
         for h, t in zip(c.hits, c.tries):
             prior = (h + prior * self.prior_tries) / (t + self.prior_tries)
             out.append(prior)
         return out
 
-    def expected_tokens(self, width: int, source: str = DRAFTER) -> float:
+    def expected_tokens(self, width: int, source: str = DRAFTER, match_n: int = 0) -> float:
         total, p = 1.0, 1.0
-        for alpha in (self.alphas(source)[: width - 1] if width > 1 else ()):
+        for alpha in (self.alphas(source, match_n)[: width - 1] if width > 1 else ()):
             p *= alpha
             total += p
         return total
 
-    def choose(self, available: dict[str, int] | None = None) -> tuple[str, int]:
+    def choose(self, available: dict[str, int] | None = None,
+               match_n: int = 0) -> tuple[str, int]:
         """available: the widest block each source can draft this cycle (default: every source
-        at its widest) -> (source, width); (PLAIN, 1) is always a choice."""
+        at its widest); match_n: the lookup's recurring suffix length -> (source, width);
+        (PLAIN, 1) is always a choice."""
         if available is None:
-            available = {s: len(c.tries) + 1 for s, c in self.counts.items()}
+            available = dict(self.widths)
         rate = {(PLAIN, 1): 1.0 / self.cycle_cost(1)}
         for source, most in available.items():
-            for w in range(2, min(most, len(self.counts[source].tries) + 1) + 1):
-                rate[(source, w)] = self.expected_tokens(w, source) / self.cycle_cost(w, source)
+            for w in range(2, min(most, self.widths[source]) + 1):
+                rate[(source, w)] = (self.expected_tokens(w, source, match_n)
+                                     / self.cycle_cost(w, source))
         best = max(rate, key=rate.get)
         if best[1] > 1 or len(rate) == 1:
             self.plain_run = 0
@@ -167,12 +183,12 @@ class AdaptiveWidth:
             return next((s, 2) for s in (LOOKUP, DRAFTER) if (s, 2) in rate)
         return best
 
-    def update(self, source: str, width: int, accepted: int,
-               seconds: float | None = None) -> None:
+    def update(self, source: str, width: int, accepted: int, seconds: float | None = None,
+               match_n: int = 0) -> None:
         """After a cycle of `width` drafted by `source` that accepted `accepted` drafts (and
-        took `seconds`)."""
+        took `seconds`; `match_n` as given to `choose`)."""
         if width > 1:
-            self.counts[source].update(width, accepted)
+            self.counts_for(source, match_n).update(width, accepted)
         if seconds is not None:
             source = PLAIN if width == 1 else source
             # a one-off stall (first-use compilation, the OS) must not swamp the estimate

@@ -245,7 +245,8 @@ def generate(
         except ValueError as e:
             raise ValueError(f"--block-size {block_size}: {e}") from e
         if pipe.drafter is None and settings is None:
-            _say("note: no drafter (--draft): plain target decoding")
+            _say("note: no drafter (--draft): " + ("lookup drafting from the context only"
+                                                   if lookup else "plain target decoding"))
         _say(f"ready in {time.perf_counter() - tic:.1f} s")
         if verbose:
             _say("settings " + json.dumps(pipe.describe()))
