@@ -238,8 +238,11 @@ def generate(
                         draft_group_size=draft_group_size, dtype=dtype, lookup=lookup,
                         progress=_say, pipeline=group, pipeline_split=pipeline_split,
                         pipeline_timeout=pipeline_timeout)
-        if pipe.stage is not None and not pipe.stage.leader:
-            return pipe.stage.follow()           # rank 0 writes text, summary and stats
+        if group is not None:
+            from .distributed import follow_unless_leader
+
+            if follow_unless_leader(pipe):       # rank 0 writes text, summary and stats
+                return
         try:
             pipe.block_size(block_size, lookup)
         except ValueError as e:

@@ -869,6 +869,18 @@ def build(model: nn.Module, plan: StagePlan, link: Link) -> Stage:
     return stage
 
 
+def follow_unless_leader(pipe) -> bool:
+    """The hook for commands and servers (`generate --pipeline`, `serve --pipeline`): right
+    after `load(..., pipeline=group)`, a rank > 0 serves its layers until rank 0 closes the
+    pipeline and this returns True (the caller then returns without output); on rank 0, or
+    without a pipeline, it returns False at once and the caller generates or serves (rank 0
+    closes at exit, or explicitly with `pipe.stage.close()`)."""
+    if pipe.stage is None or pipe.stage.leader:
+        return False
+    pipe.stage.follow()
+    return True
+
+
 class FollowerTarget:
     """What `Pipeline.adapter` is on ranks > 0: shapes, and a clear error for generating."""
 
@@ -885,4 +897,4 @@ class FollowerTarget:
 
 __all__ = ["PipelineError", "Stage", "StagePlan", "ShardedTarget", "Follower", "Link",
            "init_group", "parse_split", "plan_stages", "prepare", "build", "keep_only_stage",
-           "target_shape", "read_gguf_header", "availability"]
+           "target_shape", "read_gguf_header", "availability", "follow_unless_leader"]
