@@ -636,6 +636,8 @@ class ShardedTarget:
         self.forwards = 0
 
     def __getattr__(self, name):      # embed, head, head_rows, embed_tokens, hidden_size, ...
+        if name == "local":           # not set yet (copying, unpickling): no recursion
+            raise AttributeError(name)
         return getattr(self.local, name)
 
     @property
@@ -926,6 +928,8 @@ class FollowerTarget:
         self.local, self.stage = TargetAdapter(model), stage
 
     def __getattr__(self, name):
+        if name in ("local", "stage"):
+            raise AttributeError(name)
         if name in ("forward", "make_cache"):
             raise ValueError(f"rank {self.stage.rank} of {self.stage.size} runs layers "
                              f"{self.stage.plan.start}..{self.stage.plan.end - 1} for rank 0: "
