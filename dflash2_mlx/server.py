@@ -195,11 +195,27 @@ class MessagesRequest(_Strict):
     metadata: Optional[dict] = None
 
 
+_UNION_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
+
+
+def _field_path(loc: tuple) -> tuple:
+    """A pydantic error location without its union-branch tags ('str', 'list[TextPart]')."""
+    return tuple(p for p in loc if not (isinstance(p, str) and (
+        p in _UNION_TAGS or "[" in p or p[:1].isupper())))
+
+
 def _validation_error(e: ValidationError) -> APIError:
-    first = e.errors()[0]
-    where = ".".join(str(p) for p in first["loc"])
-    return APIError(400, f"{where}: {first['msg']}" if where else first["msg"],
-                    param=where or None)
+    """The first bad field, named; where it failed every branch of a union, the deepest
+    complaint (an image part in `content`: "...content.0.type: Input should be 'text'")."""
+    errors = e.errors()
+    field0 = _field_path(errors[0]["loc"])
+    same = [x for x in errors if _field_path(x["loc"])[:len(field0)] == field0]
+    depth = max(len(_field_path(x["loc"])) for x in same)
+    path = next(_field_path(x["loc"]) for x in same if len(_field_path(x["loc"])) == depth)
+    deepest = [x for x in same if _field_path(x["loc"]) == path]
+    where = ".".join(str(p) for p in path)
+    msg = " or ".join(dict.fromkeys(x["msg"] for x in deepest))
+    return APIError(400, f"{where}: {msg}" if where else msg, param=where or None)
 
 
 def _reject_constant(name: str):
@@ -226,10 +242,13 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    why: str | None = None       # "client" (it left) or "stop" (a stop string ended the text)
 
-    def cancel(self) -> None:
-        """Stop at the next cycle (the client left, or a stop string ended the text)."""
-        self.cancelled.set()
+    def cancel(self, why: str = "client") -> None:
+        """Stop at the next cycle; the first reason given is kept."""
+        if not self.cancelled.is_set():
+            self.why = why
+            self.cancelled.set()
 
     def emit(self, event: dict) -> None:
         try:
@@ -260,8 +279,15 @@ class Scheduler:
         self._thread = threading.Thread(target=self._work, name="dflash2-generate", daemon=True)
         self.busy = False
         self.failed: str | None = None
+        self.served = 0
+        self.cancelled = 0           # generations ended early because the client left
 
     def start(self) -> None:
+        import mlx.core as mx
+
+        # Seen with MLX 0.32 (CPU): a process whose first MLX work ran on a worker thread
+        # aborts at exit (std::terminate); evaluating once on the starting thread avoids it.
+        mx.eval(mx.zeros(1) + 1)
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -295,6 +321,7 @@ class Scheduler:
     def _work(self) -> None:
         while (job := self._queue.get()) is not None:
             if job.cancelled.is_set():        # its client left while it waited
+                self.cancelled += 1
                 continue
             self.busy = True
             try:
@@ -303,6 +330,8 @@ class Scheduler:
                 log.exception("generation failed")
                 job.emit({"error": f"{type(e).__name__}: {e}", "status": 500})
             finally:
+                self.served += 1
+                self.cancelled += job.why == "client"
                 self.busy = False
 
     def _run(self, job: Job) -> None:
@@ -534,11 +563,12 @@ class Service:
                     tail = text.finish()
                     if tail:
                         yield tail, None
+                    job.cancel("done")
                     yield [], event
                     return
                 pieces = text.feed(event["text"])
                 if text.stopped is not None:
-                    job.cancel()
+                    job.cancel("stop")
                 if pieces:
                     yield pieces, None
         finally:
@@ -756,7 +786,8 @@ def create_app(pipe: Pipeline, config: ServerConfig, *, prompt_cache=None) -> Fa
     async def health():
         ok = scheduler.alive
         return JSONResponse({"status": "ok" if ok else "unavailable", "model": config.model_id,
-                             "busy": scheduler.busy, "waiting": scheduler.waiting},
+                             "busy": scheduler.busy, "waiting": scheduler.waiting,
+                "served": scheduler.served, "cancelled": scheduler.cancelled},
                             200 if ok else 503)
 
     @app.get("/v1/models")
