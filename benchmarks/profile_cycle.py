@@ -26,6 +26,7 @@ import dflash2_mlx  # noqa: F401  (first: OpenBLAS)
 import mlx.core as mx
 
 from dflash2_mlx.assets import smollm2_gguf
+from dflash2_mlx.adaptive import FixedWidth
 from dflash2_mlx.engine import GenerationStats, generate_tokens, prefill
 from dflash2_mlx.sampling import Sampling, greedy_accept
 
@@ -66,7 +67,7 @@ def pieces(pipe, ids, width, cycles):
 def engine_ms(pipe, ids, width, tokens):
     stats = GenerationStats()
     for _ in generate_tokens(pipe.adapter, pipe.drafter, ids, max_tokens=tokens,
-                             sampling=Sampling(), block_size=width, stop_ids=set(),
+                             sampling=Sampling(), policy=FixedWidth(width), stop_ids=set(),
                              stats=stats):
         pass
     return 1000 * stats.decode_s / stats.cycles, stats.tau

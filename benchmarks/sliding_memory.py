@@ -20,6 +20,7 @@ import dflash2_mlx  # noqa: F401  (first: OpenBLAS)
 import mlx.core as mx
 
 from dflash2_mlx.assets import smollm2_gguf
+from dflash2_mlx.adaptive import FixedWidth
 from dflash2_mlx.engine import GenerationStats, generate_tokens
 from dflash2_mlx.loading import load_drafter, save_drafter
 from dflash2_mlx.pipeline import Pipeline
@@ -56,7 +57,7 @@ def main() -> None:
         mx.reset_peak_memory()
         stats = GenerationStats()
         steps = generate_tokens(p.adapter, drafter, ids, max_tokens=16, sampling=Sampling(),
-                                block_size=8, stop_ids=set(), stats=stats)
+                                policy=FixedWidth(8), stop_ids=set(), stats=stats)
         while stats.generated_tokens < 16:     # stop at the last yield: its state is alive
             next(steps)
         mx.eval(drafter.parameters())

@@ -1,17 +1,20 @@
-"""Adaptive runtime block size: pick each cycle the width with the most expected tokens/second.
+"""Width policies: which source drafts each cycle and how many rows the target verifies.
 
-With per-position acceptance rates alpha_k = P(draft k accepted | drafts < k accepted), a cycle
-of width w commits on average E(w) = 1 + sum_{k<w} prod_{j<=k} alpha_j tokens and costs
-C(w) = draft(w) + verify(w) seconds (w = 1: a plain decoding step, no draft). The policy picks
-argmax_w E(w) / C(w). Costs are measured once per machine, model pair and precision, and cached,
-then corrected by the cycles actually timed (a busy machine, a longer context, per-cycle
-bookkeeping the calibration does not see): a width timed a few times costs what it took, one
-not yet timed its calibration scaled by what the timed cycles took over theirs. The alphas are
-running estimates: counts of the recent tries of each position (older tries decay), so a
+A cycle drafts from one source, the DFlash drafter or a lookup in the context
+(`lookup.LookupIndex`), or none (width 1: a plain decoding step). `FixedWidth` is the trivial
+policy. `AdaptiveWidth` picks each cycle the source and width with the most expected tokens
+per second: with per-position acceptance rates alpha_k = P(draft k accepted | drafts < k
+accepted) of a source, a cycle of width w commits on average E(w) = 1 + sum_{k<w} prod_{j<=k}
+alpha_j tokens and costs C(w) = draft(w) + verify(w) seconds (a lookup drafts for free). Costs
+are measured once per machine, model pair and precision, and cached, then corrected by the
+cycles actually timed (a busy machine, a longer context, per-cycle bookkeeping the calibration
+does not see): a (source, width) timed a few times costs what it took, one not yet timed its
+calibration scaled by what the timed cycles took over theirs. The alphas are running
+estimates per source: counts of the recent tries of each position (older tries decay), so a
 change of content - code to chat - shows within tens of cycles. While the policy decodes
-plainly (w = 1) nothing is learnt, so after `probe_every` such cycles it drafts one token to
-notice when drafting pays again (3x more rarely while drafting looks far from paying: probes
-cost a little each time).
+plainly nothing is learnt, so after `probe_every` such cycles it drafts one token to notice
+when drafting pays again (3x more rarely while drafting looks far from paying: probes cost a
+little each time).
 """
 
 from __future__ import annotations
@@ -29,102 +32,156 @@ import mlx.core as mx
 
 from .sampling import Sampling
 
+DRAFTER, LOOKUP, PLAIN = "drafter", "lookup", "plain"     # the sources of a cycle's drafts
+
 
 @dataclass(frozen=True)
 class CycleCost:
-    """Measured seconds per cycle piece, index w-1 for width w."""
+    """Measured seconds per cycle piece, index w-1 for width w: the drafter's pass (widths up
+    to its block size) and the target's verify (widths up to the widest any source drafts)."""
 
     draft: tuple[float, ...]
     verify: tuple[float, ...]
 
-    def cycle(self, width: int) -> float:
-        return self.verify[width - 1] + (self.draft[width - 1] if width > 1 else 0.0)
+    def cycle(self, width: int, source: str = DRAFTER) -> float:
+        draft = self.draft[width - 1] if source == DRAFTER and width > 1 else 0.0
+        return self.verify[width - 1] + draft
 
     @property
     def max_width(self) -> int:
         return len(self.verify)
 
 
-class AdaptiveWidth:
-    """Chooses the block width of each cycle; `update` after each cycle with what was accepted.
+class PositionCounts:
+    """Tries and acceptances of each draft position of one source. Position k (1-based) is
+    tried in a cycle of width > k whose drafts 1..k-1 were all accepted; each try weighs the
+    older ones by `decay` (1.0: plain counts)."""
 
+    def __init__(self, positions: int, decay: float = 1.0):
+        self.decay = decay
+        self.hits, self.tries = [0.0] * positions, [0.0] * positions
+
+    def update(self, width: int, accepted: int) -> None:
+        for k in range(1, min(accepted + 1, width - 1, len(self.tries)) + 1):
+            self.tries[k - 1] = self.tries[k - 1] * self.decay + 1
+            self.hits[k - 1] = self.hits[k - 1] * self.decay + (k <= accepted)
+
+    def rates(self) -> list[float | None]:
+        """hits / tries per position; None for a position never tried."""
+        return [h / t if t else None for h, t in zip(self.hits, self.tries)]
+
+
+class FixedWidth:
+    """The trivial policy: every cycle verifies `width` rows (fewer where a source cannot draft
+    that many), drafted by the lookup when the context has a match, else by the drafter."""
+
+    def __init__(self, width: int):
+        self.width = width
+
+    def choose(self, available: dict[str, int]) -> tuple[str, int]:
+        """available: the widest block each source can draft this cycle (sources absent: none)."""
+        for source in (LOOKUP, DRAFTER):
+            if self.width > 1 and available.get(source, 1) > 1:
+                return source, min(self.width, available[source])
+        return PLAIN, 1
+
+    def update(self, source: str, width: int, accepted: int, seconds: float | None = None):
+        pass
+
+
+class AdaptiveWidth:
+    """Chooses each cycle's source and width; `update` after each cycle with what was accepted.
+
+    widths: the widest block of each source (default: the drafter's, the calibrated width).
     prior: alpha assumed for position 1 before any evidence (later positions: the estimate of
-    the position before), worth `strength` tries; decay: weight
-    of a position's older tries each time it is tried (0.95: about 20 tries of memory). The
-    defaults were tuned in simulation (tests/test_adaptive.py): within 3% of the best fixed
-    width on steady content, ahead of it when content alternates.
+    the position before), worth `strength` tries; decay: weight of a position's older tries
+    each time it is tried (0.95: about 20 tries of memory). The defaults were tuned in
+    simulation (tests/test_adaptive.py): within 3% of the best fixed width on steady content,
+    ahead of it when content alternates.
     """
 
-    def __init__(self, cost: CycleCost, prior: float = 0.8, strength: float = 2.0,
-                 decay: float = 0.95, probe_every: int = 8, far: float = 0.9, slow: int = 3):
+    def __init__(self, cost: CycleCost, widths: dict[str, int] | None = None,
+                 prior: float = 0.8, strength: float = 2.0, decay: float = 0.95,
+                 probe_every: int = 8, far: float = 0.9, slow: int = 3):
         self.cost, self.decay, self.probe_every = cost, decay, probe_every
         self.far, self.slow = far, slow
-        n = cost.max_width - 1
+        widths = widths or {DRAFTER: cost.max_width}
+        self.counts = {s: PositionCounts(w - 1, decay) for s, w in widths.items()}
         self.prior_hits, self.prior_tries = prior * strength, strength
-        self.hits, self.tries = [0.0] * n, [0.0] * n
         self.plain_run = 0                  # consecutive cycles the policy chose w = 1
-        # timed cycles: decayed count and seconds per width; decayed seconds over calibrated
-        # seconds of all timed cycles (how much slower than calibrated the machine runs now)
-        self.timed, self.timed_s = [0.0] * cost.max_width, [0.0] * cost.max_width
+        # timed cycles: decayed count and seconds per (source, width); decayed seconds over
+        # calibrated seconds of all timed cycles (how much slower than calibrated it runs now)
+        self.timed: dict[tuple[str, int], list[float]] = {}
         self.load_s = self.load_calibrated = 0.0
 
-    def cycle_cost(self, width: int) -> float:
-        """Expected seconds of a width-`width` cycle: the mean of its timed cycles once there
-        are a few, else the calibration times the load factor of all timed cycles (on a busy
-        machine the bare calibration made every untimed width look cheap, and the policy
-        wandered through them one by one)."""
-        if self.timed[width - 1] >= 3:
-            return self.timed_s[width - 1] / self.timed[width - 1]
+    def cycle_cost(self, width: int, source: str = DRAFTER) -> float:
+        """Expected seconds of a cycle: the mean of its timed cycles once there are a few, else
+        the calibration times the load factor of all timed cycles (on a busy machine the bare
+        calibration made every untimed width look cheap, and the policy wandered through them
+        one by one)."""
+        source = PLAIN if width == 1 else source
+        count, seconds = self.timed.get((source, width), (0.0, 0.0))
+        if count >= 3:
+            return seconds / count
         load = self.load_s / self.load_calibrated if self.load_calibrated else 1.0
-        return self.cost.cycle(width) * load
+        return self.cost.cycle(width, source) * load
 
-    def alphas(self) -> list[float]:
-        """Estimated alpha_k, k = 1..max width - 1. Position 1 starts from `prior`; a later
-        position starts from the estimate of the one before it, so positions that are rarely
-        reached (drafting goes badly) do not keep an optimistic prior that has no evidence."""
+    def alphas(self, source: str = DRAFTER) -> list[float]:
+        """Estimated alpha_k of a source. Position 1 starts from `prior`; a later position
+        starts from the estimate of the one before it, so positions that are rarely reached
+        (drafting goes badly) do not keep an optimistic prior that has no evidence."""
+        c = self.counts[source]
         out, prior = [], self.prior_hits / self.prior_tries
-        for h, t in zip(self.hits, self.tries):
+        for h, t in zip(c.hits, c.tries):
             prior = (h + prior * self.prior_tries) / (t + self.prior_tries)
             out.append(prior)
         return out
 
-    def expected_tokens(self, width: int) -> float:
+    def expected_tokens(self, width: int, source: str = DRAFTER) -> float:
         total, p = 1.0, 1.0
-        for alpha in self.alphas()[: width - 1]:
+        for alpha in (self.alphas(source)[: width - 1] if width > 1 else ()):
             p *= alpha
             total += p
         return total
 
-    def choose(self, limit: int | None = None) -> int:
-        widths = range(1, min(limit or self.cost.max_width, self.cost.max_width) + 1)
-        rate = {w: self.expected_tokens(w) / self.cycle_cost(w) for w in widths}
-        best = max(widths, key=rate.get)
-        if best == 1 and len(widths) > 1:
-            self.plain_run += 1
-            # probes cost: far from paying (drafting's best rate < `far` x plain's), probe
-            # `slow` times more rarely
-            gap = self.probe_every * (self.slow if max(rate[w] for w in widths[1:])
-                                      < self.far * rate[1] else 1)
-            if self.plain_run >= gap:
-                self.plain_run = 0
-                return 2
-        else:
+    def choose(self, available: dict[str, int] | None = None) -> tuple[str, int]:
+        """available: the widest block each source can draft this cycle (default: every source
+        at its widest) -> (source, width); (PLAIN, 1) is always a choice."""
+        if available is None:
+            available = {s: len(c.tries) + 1 for s, c in self.counts.items()}
+        rate = {(PLAIN, 1): 1.0 / self.cycle_cost(1)}
+        for source, most in available.items():
+            for w in range(2, min(most, len(self.counts[source].tries) + 1) + 1):
+                rate[(source, w)] = self.expected_tokens(w, source) / self.cycle_cost(w, source)
+        best = max(rate, key=rate.get)
+        if best[1] > 1 or len(rate) == 1:
             self.plain_run = 0
+            return best
+        self.plain_run += 1
+        # probes cost: far from paying (drafting's best rate < `far` x plain's), probe `slow`
+        # times more rarely
+        far = max(r for c, r in rate.items() if c[1] > 1) < self.far * rate[(PLAIN, 1)]
+        if self.plain_run >= self.probe_every * (self.slow if far else 1):
+            self.plain_run = 0
+            return next((s, 2) for s in (LOOKUP, DRAFTER) if (s, 2) in rate)
         return best
 
-    def update(self, width: int, accepted: int, seconds: float | None = None) -> None:
-        """After a cycle of `width` that accepted `accepted` drafts (and took `seconds`)."""
-        for k in range(1, min(accepted + 1, width - 1) + 1):   # positions tried this cycle
-            self.tries[k - 1] = self.tries[k - 1] * self.decay + 1
-            self.hits[k - 1] = self.hits[k - 1] * self.decay + (k <= accepted)
+    def update(self, source: str, width: int, accepted: int,
+               seconds: float | None = None) -> None:
+        """After a cycle of `width` drafted by `source` that accepted `accepted` drafts (and
+        took `seconds`)."""
+        if width > 1:
+            self.counts[source].update(width, accepted)
         if seconds is not None:
+            source = PLAIN if width == 1 else source
             # a one-off stall (first-use compilation, the OS) must not swamp the estimate
-            seconds = min(seconds, 2.0 * self.cycle_cost(width))
-            i = width - 1
-            self.timed[i] = self.timed[i] * self.decay + 1
-            self.timed_s[i] = self.timed_s[i] * self.decay + seconds
+            seconds = min(seconds, 2.0 * self.cycle_cost(width, source))
+            count, total = self.timed.get((source, width), (0.0, 0.0))
+            self.timed[(source, width)] = [count * self.decay + 1,
+                                           total * self.decay + seconds]
             self.load_s = self.load_s * self.decay + seconds
-            self.load_calibrated = self.load_calibrated * self.decay + self.cost.cycle(width)
+            self.load_calibrated = (self.load_calibrated * self.decay
+                                    + self.cost.cycle(width, source))
 
 
 # --------------------------------------------------------------------------- calibration
@@ -139,12 +196,14 @@ def cache_file() -> Path:
 
 def calibration_key(pipeline) -> str:
     d = pipeline.describe() if hasattr(pipeline, "describe") else {}
-    vocab = pipeline.drafter.draft_vocab
+    drafter = pipeline.drafter
+    vocab = drafter.draft_vocab if drafter is not None else None
     parts = [CALIBRATION_VERSION, platform.machine(), platform.processor(),
              str(mx.default_device()), mx.__version__,
              repr(sorted((k, str(v)) for k, v in d.items() if k != "block_size")),
              str(pipeline.adapter.num_layers), str(pipeline.adapter.hidden_size),
-             str(pipeline.drafter.args), str(None if vocab is None else vocab.ids.size)]
+             str(drafter.args if drafter is not None else None),
+             str(None if vocab is None else vocab.ids.size)]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
 
@@ -160,53 +219,61 @@ def _monotone(xs: list[float]) -> list[float]:
     return [m for m, n in blocks for _ in range(int(n))]
 
 
-def measure_costs(pipeline, context: int = 128, reps: int = 5) -> CycleCost:
-    """Time the drafter and the verify forward at every width after a `context`-token prompt.
-    Widths are timed round-robin (load that comes and goes hits them alike), medians fitted
-    nondecreasing in the width."""
+def measure_costs(pipeline, max_width: int, context: int = 128, reps: int = 5) -> CycleCost:
+    """Time the drafter (widths up to its block size; none without a drafter) and the verify
+    forward at every width up to `max_width`, after a `context`-token prompt. Widths are timed
+    round-robin (load that comes and goes hits them alike), medians fitted nondecreasing in
+    the width."""
     target, drafter = pipeline.adapter, pipeline.drafter
     ids = mx.array([[(17 * i) % target.vocab_size for i in range(context)]], dtype=mx.uint32)
-    cache, dcache = target.make_cache(), drafter.make_cache()
+    cache = target.make_cache()
     _, feats = target.forward(ids, cache)
     mx.eval(feats, [c.state for c in cache])
     anchor, greedy = ids[:, -1:], Sampling()
-    drafter.propose(target, anchor, feats, dcache, 2, greedy, mx.random.key(0))
-    widths = range(1, drafter.args.block_size + 1)
+    block = drafter.args.block_size if drafter is not None else 1
+    if drafter is not None:
+        dcache = drafter.make_cache()
+        drafter.propose(target, anchor, feats, dcache, 2, greedy, mx.random.key(0))
+    widths = range(1, max(max_width, block) + 1)
     d_times: dict[int, list[float]] = {w: [] for w in widths}
     v_times: dict[int, list[float]] = {w: [] for w in widths}
     for rep in range(reps + 1):                            # round 0 warms up
         for width in widths:
             t0 = time.perf_counter()
-            if width > 1:
+            if 1 < width <= block:
                 p = drafter.propose(target, anchor, feats[:, :0], dcache, width, greedy,
                                     mx.random.key(0))
                 mx.eval(p.tokens)
             t1 = time.perf_counter()
+            snapshot = target.snapshot(cache)
             mx.eval(target.forward(mx.repeat(anchor, width, axis=1), cache))
             t2 = time.perf_counter()
-            target.rollback(cache, {}, 0, width)
+            snapshot.rollback(0, width)
             if rep:
                 d_times[width].append(t1 - t0)
                 v_times[width].append(t2 - t1)
-    draft = [0.0] + _monotone([statistics.median(d_times[w]) for w in widths[1:]])
+    draft = [0.0] + _monotone([statistics.median(d_times[w]) for w in range(2, block + 1)])
     verify = _monotone([statistics.median(v_times[w]) for w in widths])
     return CycleCost(tuple(draft), tuple(verify))
 
 
-def load_or_measure_costs(pipeline, progress=None) -> CycleCost:
-    """Costs from the per-machine cache, measured (a few seconds) on first use."""
+def load_or_measure_costs(pipeline, max_width: int, progress=None) -> CycleCost:
+    """Costs from the per-machine cache, measured (a few seconds) on first use; verify costs
+    up to `max_width` rows (or the drafter's block size, if wider)."""
     path, key = cache_file(), calibration_key(pipeline)
     try:
         table = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         table = {}
     entry = table.get(key)
-    if entry and len(entry.get("verify", ())) == pipeline.drafter.args.block_size:
+    block = pipeline.drafter.args.block_size if pipeline.drafter is not None else 1
+    if entry and len(entry.get("verify", ())) == max(max_width, block) \
+            and len(entry.get("draft", ())) == block:
         return CycleCost(tuple(entry["draft"]), tuple(entry["verify"]))
     if progress:
         progress("measuring draft and verify cost per block width (once per machine and "
                  "model pair) ...")
-    cost = measure_costs(pipeline)
+    cost = measure_costs(pipeline, max_width)
     table[key] = asdict(cost)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

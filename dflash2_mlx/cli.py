@@ -130,15 +130,21 @@ def _openblas_hint() -> None:
 
 
 def _summary(stats) -> str:
-    width = f" (mean {stats.mean_width:.1f})" if stats.block_size == "auto" else ""
-    tail = (f"tau {stats.tau:.2f} over {stats.cycles} cycles, block size {stats.block_size}"
-            f"{width}"
-            if stats.cycles else "plain decoding (block size 1)")
-    return (f"{stats.generated_tokens} tokens, {stats.decode_tps:.1f} tok/s decode, {tail}, "
-            f"prefill {stats.prefill_s:.2f} s for {stats.prompt_tokens} prompt tokens")
+    """One line: tokens, speed, and what each source did (plain steps included)."""
+    parts = []
+    for source, name in (("drafter", "drafter"), ("lookup", "lookup")):
+        cycles = stats.drafting(source)
+        if cycles:
+            parts.append(f"{len(cycles)} {name} cycles (tau {stats.source_tau(source):.2f})")
+    plain = len(stats.steps) - stats.cycles
+    parts.append(f"{plain} plain steps")
+    return (f"{stats.generated_tokens} tokens, {stats.decode_tps:.1f} tok/s decode, "
+            f"tau {stats.tau:.2f}: {', '.join(parts)}, block size {stats.block_size} "
+            f"(mean width {stats.mean_width:.1f}), prefill {stats.prefill_s:.2f} s for "
+            f"{stats.prompt_tokens} prompt tokens")
 
 
-def _load_pipeline(model, draft, omlx_settings, model_id, block_size, **precision):
+def _load_pipeline(model, draft, omlx_settings, model_id, block_size, lookup, **precision):
     """Load as `generate` and `serve` both do: the embedded default without --model, the oMLX
     entry when asked, flags over the file; check --block-size against the drafter."""
     if model_id is not None and omlx_settings is None:
@@ -164,9 +170,9 @@ def _load_pipeline(model, draft, omlx_settings, model_id, block_size, **precisio
 
     tic = time.perf_counter()
     with contextlib.redirect_stdout(sys.stderr):
-        pipe = load(model, draft, settings=settings, progress=_say, **precision)
+        pipe = load(model, draft, settings=settings, lookup=lookup, progress=_say, **precision)
     try:
-        pipe.block_size(block_size)
+        pipe.block_size(block_size, lookup)
     except ValueError as e:
         raise ValueError(f"--block-size {block_size}: {e}") from e
     if pipe.drafter is None and settings is None:
@@ -196,8 +202,11 @@ def generate(
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling"),
     block_size: Optional[str] = typer.Option(
         None, "--block-size", callback=_block_size, metavar="{1..B,auto}",
-        help="Draft/verify tokens per cycle, 1..the drafter's B, or 'auto' to choose each "
-        "cycle (default: the oMLX setting, else the drafter's)"),
+        help="Rows verified per cycle, 1..the widest block of the drafter (B) or the lookup "
+        "(16), or 'auto' to choose source and width each cycle (default: the oMLX setting, "
+        "else auto)"),
+    lookup: bool = typer.Option(True, "--lookup/--no-lookup",
+                                help="Also draft by lookup in the context (default: on)"),
     draft_bits: Optional[str] = typer.Option(
         None, "--draft-bits", callback=_choice(runtime.DRAFT_BITS, int),
         metavar="{4,8,16}", help="Drafter weight bits; 16 = unquantized "
@@ -226,7 +235,7 @@ def generate(
         text = sys.stdin.read() if prompt == "-" else prompt
         if not text:
             raise ValueError("--prompt -: standard input was empty")
-        pipe = _load_pipeline(model, draft, omlx_settings, model_id, block_size,
+        pipe = _load_pipeline(model, draft, omlx_settings, model_id, block_size, lookup,
                               draft_bits=draft_bits, draft_group_size=draft_group_size,
                               dtype=dtype)
         if verbose:
@@ -235,7 +244,7 @@ def generate(
         chunk = None
         for chunk in pipe.stream(text, max_tokens=max_tokens, temperature=temp, top_p=top_p,
                                  top_k=top_k, seed=seed, block_size=block_size,
-                                 chat_template=False if no_chat_template else None,
+                                 lookup=lookup, chat_template=False if no_chat_template else None,
                                  system=system):
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
@@ -244,7 +253,8 @@ def generate(
         _say(_summary(chunk.stats))
         if stats_json is not None:
             report = {**chunk.stats.to_dict(), "finish_reason": chunk.finish_reason,
-                      "settings": pipe.describe()}
+                      "settings": {**pipe.describe(), "block_size": chunk.stats.block_size,
+                                   "lookup": lookup}}
             stats_json.write_text(json.dumps(report, indent=2) + "\n")
 
 
@@ -391,7 +401,10 @@ def serve(
     port: int = typer.Option(8080, "--port", min=0, max=65535, help="Port; 0 = any free one"),
     block_size: Optional[str] = typer.Option(
         None, "--block-size", callback=_block_size, metavar="{1..B,auto}",
-        help="Draft/verify tokens per cycle, 1..the drafter's B, or 'auto'"),
+        help="Rows verified per cycle, 1..the widest block of the drafter or the lookup, or "
+        "'auto' (default: the oMLX setting, else auto)"),
+    lookup: bool = typer.Option(True, "--lookup/--no-lookup",
+                                help="Also draft by lookup in the context (default: on)"),
     draft_bits: Optional[str] = typer.Option(
         None, "--draft-bits", callback=_choice(runtime.DRAFT_BITS, int), metavar="{4,8,16}",
         help="Drafter weight bits; 16 = unquantized"),
@@ -439,7 +452,7 @@ def serve(
 
         logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                             format=f"{PROG}: %(levelname)s %(name)s: %(message)s")
-        pipe = _load_pipeline(model, draft, omlx_settings, model_id, block_size,
+        pipe = _load_pipeline(model, draft, omlx_settings, model_id, block_size, lookup,
                               draft_bits=draft_bits, draft_group_size=draft_group_size,
                               dtype=dtype)
         context = context_length or getattr(getattr(pipe.target, "args", None),
@@ -447,7 +460,8 @@ def serve(
         config = server.ServerConfig(
             model_id=server.model_id_for(pipe.info["model"]), max_tokens=max_tokens,
             context_length=context or 4096, max_body_bytes=max_body_bytes,
-            queue_size=queue_size, api_key=api_key, block_size=block_size)
+            queue_size=queue_size, api_key=api_key, block_size=block_size,
+            prompt_cache_size=prompt_cache_size, prompt_cache_bytes=prompt_cache_bytes)
         server.serve(pipe, config, host=host, port=port, shutdown_timeout=shutdown_timeout,
                      ready=lambda url: _say(f"serving {config.model_id} on {url}"))
         _say("stopped")

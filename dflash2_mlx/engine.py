@@ -1,188 +1,315 @@
-"""The draft-verify loop (SPEC section 1), as a generator of committed token lists.
+"""The draft-verify loop, as a generator of committed token lists.
 
 One cycle, with committed tokens x_1..x_n and the anchor x_n not yet seen by the target:
-  draft   the drafter turns [x_n, M, ..., M] (w rows) into proposals d_1..d_{w-1}
-  verify  the target runs [x_n, d_1, ..., d_{w-1}] and gives w rows of logits and features
-  accept  greedy prefix match or rejection sampling -> a accepted drafts and one bonus token
-  rollback  the target cache drops the w-1-a rejected rows (recurrent layers re-run the kept
-          rows from their pre-verify state); rows 0..a of the features become the drafter's
-          new context
-Block width w = 1 is plain decoding (no drafter call). Everything but one host sync per cycle
-(reading a and the tokens) stays on the device; the drafts are computed asynchronously while
-the verify graph is being built.
+  choose    the width policy picks the source of the drafts and the width w (w = 1: a plain
+            decoding step, no drafts)
+  draft     drafter: [x_n, M, ..., M] (w rows) -> d_1..d_{w-1} in one parallel pass;
+            lookup: the w-1 tokens that followed the latest earlier occurrence of the
+            context's longest recurring suffix
+  verify    the target runs [x_n, d_1, ..., d_{w-1}] and gives w rows of logits and features
+  accept    greedy prefix match or rejection sampling (q: the drafter's distribution, or a
+            point mass on each lookup token) -> a accepted drafts and one bonus token
+  rollback  the snapshot taken before the verify drops the w-1-a rejected rows; rows 0..a of
+            the features join the drafter's context
+Everything but one host sync per cycle (reading a and the tokens) stays on the device; the
+drafts are computed asynchronously while the verify graph is being built.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import mlx.core as mx
 
-from .adaptive import AdaptiveWidth
-from .drafter import Drafter
+from .adaptive import DRAFTER, LOOKUP, PLAIN, PositionCounts
+from .drafter import Drafter, Proposal
+from .lookup import LookupConfig, LookupIndex
 from .sampling import Sampling, greedy_accept, rejection_accept
 from .target import TargetAdapter
 
 
+@dataclass(frozen=True)
+class Cycle:
+    source: str          # DRAFTER | LOOKUP | PLAIN
+    width: int           # rows verified
+    accepted: int        # drafts accepted (0 for a plain step)
+
+
 @dataclass
 class GenerationStats:
-    """Figures of one generation. Times in seconds; tau counts the bonus token."""
+    """Figures of one generation. Times in seconds; tau counts the bonus token. A drafting
+    cycle is one whose drafts came from the drafter or the lookup; plain steps are the rest."""
 
-    block_size: int | str = 0            # the fixed width, or "auto"
+    block_size: int | str = 0            # the width setting of this generation, or "auto"
     prompt_tokens: int = 0
+    cached_tokens: int = 0               # prompt tokens whose caches were reused, not prefilled
     generated_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
-    accepted: list[int] = field(default_factory=list)     # accepted drafts per drafting cycle
-    widths: list[int] = field(default_factory=list)       # block width of each drafting cycle
+    steps: list[Cycle] = field(default_factory=list)     # every step after prefill
+
+    def drafting(self, source: str | None = None) -> list[Cycle]:
+        return [c for c in self.steps if c.source != PLAIN and source in (None, c.source)]
 
     @property
     def cycles(self) -> int:
-        return len(self.accepted)
+        return len(self.drafting())
+
+    @property
+    def accepted(self) -> list[int]:
+        return [c.accepted for c in self.drafting()]
+
+    @property
+    def widths(self) -> list[int]:
+        return [c.width for c in self.drafting()]
+
+    def source_tau(self, source: str | None = None) -> float | None:
+        """Mean accepted drafts + 1 per drafting cycle of `source` (None: any); None if none."""
+        cycles = self.drafting(source)
+        return sum(c.accepted + 1 for c in cycles) / len(cycles) if cycles else None
 
     @property
     def tau(self) -> float:
-        """Mean acceptance length: accepted drafts + 1 per drafting cycle."""
-        return sum(a + 1 for a in self.accepted) / len(self.accepted) if self.accepted else 1.0
+        """Mean acceptance length over all drafting cycles (1.0: nothing was drafted)."""
+        tau = self.source_tau()
+        return 1.0 if tau is None else tau
 
     @property
     def mean_width(self) -> float:
-        """Mean block width of the drafting cycles (differs from block_size with "auto")."""
-        return sum(self.widths) / len(self.widths) if self.widths else 1.0
+        """Mean rows verified per step, plain steps included."""
+        return sum(c.width for c in self.steps) / len(self.steps) if self.steps else 1.0
 
     @property
     def decode_tps(self) -> float:
         """Tokens per second after the first token (which prefill produces)."""
         return (self.generated_tokens - 1) / self.decode_s if self.decode_s > 0 else 0.0
 
-    @property
-    def position_acceptance(self) -> list[float]:
-        """P(draft k accepted | drafts < k accepted), k = 1..max width - 1."""
-        rates = []
-        for k in range(1, max(self.widths, default=1)):
-            tried = sum(1 for a, w in zip(self.accepted, self.widths) if w > k and a >= k - 1)
-            rates.append(sum(1 for a in self.accepted if a >= k) / tried if tried else 0.0)
-        return rates
+    def position_acceptance(self, source: str | None = None) -> list[float | None]:
+        """P(draft k accepted | drafts < k accepted), k = 1..widest - 1; None where untried."""
+        cycles = self.drafting(source)
+        counts = PositionCounts(max((c.width for c in cycles), default=1) - 1)
+        for c in cycles:
+            counts.update(c.width, c.accepted)
+        return counts.rates()
+
+    def copy(self) -> "GenerationStats":
+        return replace(self, steps=list(self.steps))
 
     def to_dict(self) -> dict:
+        cycles = self.drafting()
         return {
             "block_size": self.block_size, "prompt_tokens": self.prompt_tokens,
-            "generated_tokens": self.generated_tokens, "prefill_s": self.prefill_s,
-            "decode_s": self.decode_s, "decode_tps": self.decode_tps, "cycles": self.cycles,
-            "tau": self.tau, "mean_width": self.mean_width,
-            "accepted_per_cycle": list(self.accepted), "widths": list(self.widths),
-            "position_acceptance": self.position_acceptance,
+            "cached_tokens": self.cached_tokens, "generated_tokens": self.generated_tokens,
+            "prefill_s": self.prefill_s, "decode_s": self.decode_s,
+            "decode_tps": self.decode_tps, "steps": len(self.steps),
+            "plain_steps": len(self.steps) - len(cycles), "cycles": len(cycles),
+            "cycles_drafter": len(self.drafting(DRAFTER)),
+            "cycles_lookup": len(self.drafting(LOOKUP)),
+            "tau": self.tau, "tau_drafter": self.source_tau(DRAFTER),
+            "tau_lookup": self.source_tau(LOOKUP), "mean_width": self.mean_width,
+            "sources": [c.source for c in cycles], "widths": [c.width for c in cycles],
+            "accepted_per_cycle": [c.accepted for c in cycles],
+            "position_acceptance": self.position_acceptance(),
+            "position_acceptance_drafter": self.position_acceptance(DRAFTER),
+            "position_acceptance_lookup": self.position_acceptance(LOOKUP),
         }
 
 
-def prefill(target: TargetAdapter, prompt: list[int], cache: list, step: int,
-            keep: int | None) -> tuple[mx.array, mx.array | None, int]:
-    """Run the prompt through the target like mlx-lm does: prompt[:-1] in chunks of `step`,
-    then the last token alone (its logits give the first new token).
+@dataclass
+class DecodeState:
+    """What the target and the drafter have seen: the target's cache over `tokens`, the
+    drafter's context cache over the first rows of them, and the target features of the rest
+    (`pending`, [1, S_i, F] each), which the drafter reads at its next pass. A generation
+    advances it in place; reuse one for a prompt that starts with its tokens (prefix cache)."""
 
-    -> logits [1, V] of the last row, features [1, S, F] of the last S rows (S <= keep when
-    `keep` is set, no features when keep == 0, all rows when None), and the number of leading
-    rows whose features were dropped.
-    """
-    ids = mx.array(prompt, dtype=mx.uint32)[None]
-    chunks: list[mx.array] = []
-    bounds = [(s, min(s + step, len(prompt) - 1)) for s in range(0, len(prompt) - 1, step)]
-    for start, end in bounds + [(len(prompt) - 1, len(prompt))]:
-        logits, feats = target.forward(ids[:, start:end], cache)
-        if feats is not None and keep != 0:
-            chunks.append(feats)
-            if keep is not None:
-                chunks = [mx.concatenate(chunks, axis=1)[:, -keep:]]
-        if end < len(prompt):
-            mx.eval([c.state for c in cache], chunks)
+    cache: list
+    dcache: list | None
+    pending: list = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+
+    @classmethod
+    def new(cls, target: TargetAdapter, drafter: Drafter | None) -> "DecodeState":
+        return cls(target.make_cache(), drafter.make_cache() if drafter is not None else None)
+
+    def copy(self) -> "DecodeState":
+        """An independent copy (caches are updated in place, so entries must not share them)."""
+        return DecodeState(copy.deepcopy(self.cache), copy.deepcopy(self.dcache),
+                           list(self.pending), list(self.tokens))
+
+    @property
+    def nbytes(self) -> int:
+        arrays = [a for c in self.cache + (self.dcache or []) for a in _flat(c.state)]
+        return sum(a.nbytes for a in arrays + self.pending)
+
+    def trim(self, n: int) -> bool:
+        """Keep the first n tokens. False when some cache cannot go back that far (a recurrent
+        layer's state, a rotated sliding window, a drafter window that moved past n): the state
+        is then unusable and must be dropped."""
+        drop = len(self.tokens) - n
+        if drop <= 0:
+            return drop == 0
+        try:
+            for c in self.cache:
+                if not c.is_trimmable() or c.trim(drop) != drop:
+                    return False
+        except RuntimeError:            # a rotated sliding-window cache
+            return False
+        if self.dcache is not None:
+            read = self.dcache[0].offset           # context rows the drafter has read
+            if n >= read:
+                joined = mx.concatenate(self.pending, axis=1) if self.pending else None
+                self.pending = [joined[:, : n - read]] if n > read else []
+            else:
+                if any(n < c.start for c in self.dcache):
+                    return False
+                for c in self.dcache:
+                    c.offset = n
+                self.pending = []
+        del self.tokens[n:]
+        return True
+
+    def add_features(self, feats: mx.array | None, keep: int | None) -> None:
+        """Queue target features for the drafter; with a sliding-window drafter keep only the
+        `keep` newest rows (older ones are invisible to every block)."""
+        if feats is None or self.dcache is None:
+            return
+        self.pending.append(feats)
+        rows = sum(p.shape[1] for p in self.pending)
+        if keep is not None and rows > keep:
+            self.pending = [mx.concatenate(self.pending, axis=1)[:, rows - keep:]]
+            Drafter.skip_context(self.dcache, rows - keep)
+
+    def take_features(self) -> mx.array:
+        ctx = mx.concatenate(self.pending, axis=1) if len(self.pending) > 1 else self.pending[0]
+        self.pending = []
+        return ctx
+
+
+def _flat(state):
+    for s in state if isinstance(state, (list, tuple)) else (state,):
+        if isinstance(s, (list, tuple)):
+            yield from _flat(s)
+        elif isinstance(s, mx.array):
+            yield s
+
+
+def prefill(target: TargetAdapter, state: DecodeState, ids: list[int], step: int,
+            keep: int | None) -> mx.array:
+    """Run `ids` through the target like mlx-lm does: all but the last in chunks of `step`,
+    then the last alone (its logits give the next token) -> logits [1, V] of the last row."""
+    x = mx.array(ids, dtype=mx.uint32)[None]
+    bounds = [(s, min(s + step, len(ids) - 1)) for s in range(0, len(ids) - 1, step)]
+    for start, end in bounds + [(len(ids) - 1, len(ids))]:
+        logits, feats = target.forward(x[:, start:end], state.cache)
+        state.add_features(feats, keep)
+        if end < len(ids):
+            mx.eval([c.state for c in state.cache], state.pending)
             mx.clear_cache()
-    feats = mx.concatenate(chunks, axis=1) if chunks else None
-    dropped = len(prompt) - (feats.shape[1] if feats is not None else 0)
-    return logits[:, -1], feats, dropped
+    state.tokens.extend(ids)
+    return logits[:, -1]
+
+
+def _reuse(state: DecodeState | None, prompt: list[int], target, drafter) -> DecodeState:
+    """`state` trimmed to its longest common prefix with the prompt (leaving at least the last
+    prompt token to prefill), or a fresh state when it cannot be trimmed that far."""
+    if state is None:
+        return DecodeState.new(target, drafter)
+    common = 0
+    for a, b in zip(state.tokens, prompt[:-1]):
+        if a != b:
+            break
+        common += 1
+    return state if state.trim(common) else DecodeState.new(target, drafter)
 
 
 def generate_tokens(target: TargetAdapter, drafter: Drafter | None, prompt: list[int], *,
-                    max_tokens: int, sampling: Sampling, block_size: int,
-                    stop_ids: set[int], seed: int | None = None,
-                    prefill_step_size: int = 2048, policy: AdaptiveWidth | None = None,
-                    stats: GenerationStats | None = None) -> Iterator[list[int]]:
+                    max_tokens: int, sampling: Sampling, policy, stop_ids: set[int],
+                    lookup: LookupConfig | None = None, seed: int | None = None,
+                    prefill_step_size: int = 2048, stats: GenerationStats | None = None,
+                    state: DecodeState | None = None) -> Iterator[list[int]]:
     """Yield the tokens committed by prefill, then by each cycle, until a stop token (included)
     or `max_tokens`. Greedy output equals the target's own greedy decoding token for token.
 
-    Block width: `block_size` every cycle, or, with a `policy`, its choice each cycle."""
+    policy: `adaptive.FixedWidth` or `AdaptiveWidth`, asked each cycle for a source and width.
+    lookup: drafts from the context too (None: the drafter only). state: the caches of an
+    earlier generation to reuse for the prompt's common prefix; advanced in place."""
     stats = stats if stats is not None else GenerationStats()
-    stats.block_size, stats.prompt_tokens = "auto" if policy else block_size, len(prompt)
     if not prompt:
         raise ValueError("the prompt is empty: give at least one token")
+    stats.prompt_tokens = len(prompt)
     if max_tokens < 1:
         return
-    drafting = drafter is not None and (block_size > 1 or policy is not None)
-    cache = target.make_cache()
-    if drafting:
-        target.check_rollback(cache)
-        dcache = drafter.make_cache()
+    state = _reuse(state, prompt, target, drafter)
+    stats.cached_tokens = len(state.tokens)
+    if drafter is not None or lookup is not None:
+        target.check_rollback(state.cache)
     key = mx.random.key(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
+    keep = drafter.context_window if drafter is not None else None
 
     tic = time.perf_counter()
-    keep = drafter.context_window if drafting else 0
-    logits, feats, dropped = prefill(target, prompt, cache, prefill_step_size, keep)
-    if drafting:
-        drafter.skip_context(dcache, dropped)
+    logits = prefill(target, state, prompt[len(state.tokens):], prefill_step_size, keep)
     key, k = mx.random.split(key)
     anchor = sampling.sample(logits, k).reshape(1, 1).astype(mx.uint32)
-    tokens = anchor.reshape(-1).tolist()
-    stats.prefill_s = time.perf_counter() - tic
+    tokens = anchor.reshape(-1).tolist()                      # the generated tokens
+    index = LookupIndex(lookup, prompt + tokens) if lookup is not None else None
+    stats.prefill_s, stats.generated_tokens = time.perf_counter() - tic, 1
     tic = time.perf_counter()
-    stats.generated_tokens = 1
     yield list(tokens)
-    n = 1
-    pending = [feats] if drafting else []   # target features the drafter has not read yet
 
-    while n < max_tokens and tokens[-1] not in stop_ids:
+    while len(tokens) < max_tokens and tokens[-1] not in stop_ids:
         cycle_tic = time.perf_counter()
-        width = 1 if not drafting else min(policy.choose() if policy else block_size,
-                                           max_tokens - n)
+        room = max_tokens - len(tokens)
+        available = {DRAFTER: min(drafter.args.block_size, room)} if drafter is not None else {}
+        guess = index.propose(min(lookup.max_width, room) - 1) if index and room > 1 else None
+        if guess:
+            available[LOOKUP] = min(lookup.max_width, room)
+        source, width = policy.choose(available)
         key, k_draft, k_accept = mx.random.split(key, 3)
-        if width > 1:
-            ctx = mx.concatenate(pending, axis=1) if len(pending) > 1 else pending[0]
-            pending = []
-            proposal = drafter.propose(target, anchor, ctx, dcache, width, sampling, k_draft)
-            drafts = proposal.tokens.astype(mx.uint32)                    # [1, w-1]
-            # start drafting now: the device computes while Python builds the verify graph
-            mx.async_eval(drafts, *(() if proposal.q is None else (proposal.q,)))
-            verify_in = mx.concatenate([anchor, drafts], axis=1)          # [1, w]
+        if source == PLAIN:
+            logits, feats = target.forward(anchor, state.cache)                # [1, 1, V]
+            bonus = sampling.sample(logits[:, -1], k_accept)
+            a, kept = 0, [tokens[-1]]
         else:
-            drafts, verify_in = mx.zeros((1, 0), mx.uint32), anchor
-        snapshot = target.snapshot(cache) if width > 1 else {}
-        logits, feats = target.forward(verify_in, cache)                  # [1, w, V], [1, w, F]
-        if sampling.greedy:
-            a, bonus = greedy_accept(drafts[0], mx.argmax(logits[0], axis=-1).astype(mx.uint32))
-        else:
-            V = logits.shape[-1]
-            q = proposal.dense_q(V)[0] if width > 1 else mx.zeros((0, V))
-            a, bonus = rejection_accept(drafts[0], sampling.probs(logits[0]), q, k_accept)
-        mx.eval(a, bonus, drafts)
-        a = a.item()
-        new = drafts[0, :a].tolist() + [bonus.item()]
-        target.rollback(cache, snapshot, a + 1, width)
-        if drafting:
-            pending.append(feats[:, : a + 1])
-        if width > 1:
-            stats.accepted.append(a)
-            stats.widths.append(width)
-        if policy is not None:
-            policy.update(width, a, time.perf_counter() - cycle_tic)
+            if source == DRAFTER:
+                proposal = drafter.propose(target, anchor, state.take_features(),
+                                           state.dcache, width, sampling, k_draft)
+                # start drafting now: the device computes while Python builds the verify
+                mx.async_eval(proposal.tokens, *(() if proposal.q is None else (proposal.q,)))
+            else:
+                ids = mx.array([guess[: width - 1]], dtype=mx.uint32)           # [1, w-1]
+                proposal = Proposal(ids, mx.ones((1, width - 1, 1)), ids[..., None])  # q: 1
+            drafts = proposal.tokens.astype(mx.uint32)                          # [1, w-1]
+            snapshot = target.snapshot(state.cache)
+            logits, feats = target.forward(mx.concatenate([anchor, drafts], axis=1),
+                                           state.cache)                 # [1, w, V], [1, w, F]
+            if sampling.greedy:
+                a, bonus = greedy_accept(drafts[0],
+                                         mx.argmax(logits[0], axis=-1).astype(mx.uint32))
+            else:
+                q = proposal.dense_q(logits.shape[-1])[0]                       # [w-1, V]
+                a, bonus = rejection_accept(drafts[0], sampling.probs(logits[0]), q, k_accept)
+            mx.eval(a, bonus, drafts)
+            a = a.item()
+            snapshot.rollback(a + 1, width)
+            kept = [tokens[-1]] + drafts[0, :a].tolist()        # the rows the target keeps
+        new = kept[1:] + [bonus.item()]
+        state.tokens.extend(kept)
+        state.add_features(None if feats is None else feats[:, : a + 1], keep)
+        stats.steps.append(Cycle(source, width, a))
+        policy.update(source, width, a, time.perf_counter() - cycle_tic)
         stop_at = next((i for i, t in enumerate(new) if t in stop_ids), None)
         if stop_at is not None:
             new = new[: stop_at + 1]
         tokens.extend(new)
-        n += len(new)
-        stats.generated_tokens = n
+        if index is not None:
+            index.extend(new)
+        stats.generated_tokens = len(tokens)
         stats.decode_s = time.perf_counter() - tic
         anchor = bonus.reshape(1, 1).astype(mx.uint32)
         yield new
-        if n // 256 != (n - len(new)) // 256:
+        if len(tokens) // 256 != (len(tokens) - len(new)) // 256:
             mx.clear_cache()

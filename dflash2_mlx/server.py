@@ -31,13 +31,19 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .engine import DecodeState
 from .pipeline import Pipeline
+from .prompt_cache import PromptCache
 from .sampling import Sampling
 
 log = logging.getLogger("dflash2_mlx.server")
 
 MAX_SEED = 2**64 - 1          # mx.random.key takes an unsigned 64-bit seed
 MAX_STOPS = 16
+# the acceptance figures of a request, reported as usage["dflash2"] (GenerationStats.to_dict)
+USAGE_STATS = ("block_size", "tau", "cycles", "steps", "plain_steps", "mean_width",
+               "cycles_drafter", "tau_drafter", "cycles_lookup", "tau_lookup",
+               "cached_tokens", "prefill_s", "decode_s", "decode_tps")
 
 
 # --------------------------------------------------------------------------- settings, errors
@@ -52,7 +58,9 @@ class ServerConfig:
     max_body_bytes: int = 4 * 2**20
     queue_size: int = 16                # requests waiting for the model (not counting the one running)
     api_key: str | None = None
-    block_size: int | str | None = None
+    block_size: int | str | None = None     # None: the pipeline's default
+    prompt_cache_size: int = 8              # entries; 0: no prefix cache
+    prompt_cache_bytes: int = 2 * 2**30
 
 
 class APIError(Exception):
@@ -337,10 +345,16 @@ class Scheduler:
     def _run(self, job: Job) -> None:
         r = job.request
         s = r.sampling
+        cache = self.prompt_cache
+        state = None
+        if cache is not None:
+            state, _ = cache.fetch(r.prompt)
+            if state is None:
+                state = DecodeState.new(self.pipe.adapter, self.pipe.drafter)
         chunk = None
         steps = self.pipe.stream(r.prompt, max_tokens=r.max_tokens, temperature=s.temperature,
                                  top_p=s.top_p, top_k=s.top_k, seed=r.seed,
-                                 block_size=self.block_size)
+                                 block_size=self.block_size, state=state)
         try:
             for chunk in steps:
                 job.emit({"text": chunk.text, "tokens": list(chunk.tokens)})
@@ -348,10 +362,14 @@ class Scheduler:
                     break
         finally:
             steps.close()          # a cancelled generation frees the model here
+        if cache is not None:
+            # the state now covers the prompt and the answer (but its last token): the next
+            # turn of this conversation starts from it. An exception above skips this.
+            cache.insert(state)
         stats = chunk.stats.to_dict() if chunk is not None else {}
         finish = (chunk.finish_reason if chunk is not None else None) or "cancelled"
         job.emit({"done": finish, "stats": stats, "prompt_tokens": len(r.prompt),
-                  "cached_tokens": 0})
+                  "cached_tokens": stats.get("cached_tokens", 0)})
 
 
 # --------------------------------------------------------------------------- visible text
@@ -589,9 +607,7 @@ def _usage(event: dict) -> dict:
     return {"prompt_tokens": event["prompt_tokens"], "completion_tokens": completion,
             "total_tokens": event["prompt_tokens"] + completion,
             "prompt_tokens_details": {"cached_tokens": event["cached_tokens"]},
-            "dflash2": {k: stats.get(k) for k in (
-                "tau", "cycles", "block_size", "mean_width", "accepted_per_cycle",
-                "decode_tps", "prefill_s", "decode_s") if k in stats}}
+            "dflash2": {k: stats.get(k) for k in USAGE_STATS if k in stats}}
 
 
 def _openai_tool_calls(calls: list[dict], start: int, streaming: bool) -> list[dict]:
@@ -705,8 +721,10 @@ def model_id_for(model: str) -> str:
     return model
 
 
-def create_app(pipe: Pipeline, config: ServerConfig, *, prompt_cache=None) -> FastAPI:
+def create_app(pipe: Pipeline, config: ServerConfig) -> FastAPI:
     """The ASGI app. The scheduler's worker starts and stops with the app's lifespan."""
+    prompt_cache = (PromptCache(config.prompt_cache_size, config.prompt_cache_bytes)
+                    if config.prompt_cache_size > 0 else None)
     scheduler = Scheduler(pipe, queue_size=config.queue_size, block_size=config.block_size,
                           prompt_cache=prompt_cache)
     service = Service(pipe, config, scheduler)
@@ -787,7 +805,10 @@ def create_app(pipe: Pipeline, config: ServerConfig, *, prompt_cache=None) -> Fa
         ok = scheduler.alive
         return JSONResponse({"status": "ok" if ok else "unavailable", "model": config.model_id,
                              "busy": scheduler.busy, "waiting": scheduler.waiting,
-                "served": scheduler.served, "cancelled": scheduler.cancelled},
+                "served": scheduler.served, "cancelled": scheduler.cancelled,
+                "prompt_cache": None if prompt_cache is None else {
+                    **prompt_cache.stats.to_dict(), "entries": len(prompt_cache),
+                    "bytes": prompt_cache.nbytes}},
                             200 if ok else 503)
 
     @app.get("/v1/models")
@@ -1042,7 +1063,7 @@ async def _anthropic_events(service: Service, job: Job, text: TextStream, head: 
 # --------------------------------------------------------------------------- running it
 
 def serve(pipe: Pipeline, config: ServerConfig, *, host: str = "127.0.0.1", port: int = 8080,
-          prompt_cache=None, shutdown_timeout: float = 5.0,
+          shutdown_timeout: float = 5.0,
           ready: Callable[[str], object] | None = None) -> None:
     """Serve until SIGINT / SIGTERM. In-flight requests get `shutdown_timeout` seconds to
     finish, then are cancelled; returns normally (exit status 0)."""
@@ -1050,7 +1071,7 @@ def serve(pipe: Pipeline, config: ServerConfig, *, host: str = "127.0.0.1", port
 
     import uvicorn
 
-    app = create_app(pipe, config, prompt_cache=prompt_cache)
+    app = create_app(pipe, config)
     class Server(uvicorn.Server):
         async def startup(self, sockets=None):
             await super().startup(sockets=sockets)

@@ -101,7 +101,7 @@ class TargetAdapter:
 
     `forward(tokens [B, T], cache)` -> (logits [B, T, V], features [B, T, len(layer_ids) * H]).
 
-    Rollback after a partial acceptance (`snapshot` before the verify, `rollback` after):
+    Rollback after a partial acceptance (`snapshot()` before the verify, its `rollback` after):
     attention caches drop the rejected rows; recurrent layers (GatedDeltaNet in qwen3_5 /
     qwen3_next), whose state cannot be trimmed, get the state from before the verify back and
     re-run the installed layer over the kept rows only (their inputs are recorded by the taps).
@@ -116,7 +116,7 @@ class TargetAdapter:
         probe = self.make_cache()
         self.recurrent = tuple(i for i, c in enumerate(probe) if not c.is_trimmable())
         self._store: list = [None] * len(self.layer_ids)
-        self._inputs: dict = {}
+        self.recorded_inputs: dict = {}
         self._row_heads: dict = {}
         self._view = self._build_view(self._taps())
         self._embed_view = self._build_view([_StopAtFirstLayer(self.layers[0])]
@@ -133,7 +133,7 @@ class TargetAdapter:
         for i in sorted(set(self.layer_ids) | set(self.recurrent)):
             slot = self.layer_ids.index(i) if i in self.layer_ids else None
             layers[i] = LayerTap(self.layers[i], i, slot, self._store,
-                                 self._inputs if i in self.recurrent else None)
+                                 self.recorded_inputs if i in self.recurrent else None)
         return layers
 
     def _build_view(self, layers: list) -> nn.Module:
@@ -232,21 +232,33 @@ class TargetAdapter:
                 f"the target's cache ({', '.join(bad)}) cannot be rolled back after a partial "
                 "acceptance; this target family is not supported")
 
-    def snapshot(self, cache: list) -> dict:
-        """The recurrent layers' state before a verify (array references: cheap)."""
-        return {i: [list(s) if isinstance(s, list) else s for s in cache[i].state]
-                for i in self.recurrent}
+    def snapshot(self, cache: list) -> "Snapshot":
+        """Take before a verify; its `rollback` is the only way to drop rejected rows, so a
+        rollback can never run without the state it needs."""
+        return Snapshot(self, cache)
 
-    def rollback(self, cache: list, snapshot: dict, kept: int, total: int) -> None:
+
+class Snapshot:
+    """A target cache as it was before a verify: attention caches need only the row count;
+    recurrent layers (which cannot be trimmed) keep their state (array references: cheap)."""
+
+    def __init__(self, adapter: TargetAdapter, cache: list):
+        self.adapter, self.cache = adapter, cache
+        self.recurrent = {i: [list(s) if isinstance(s, list) else s for s in cache[i].state]
+                          for i in adapter.recurrent}
+
+    def rollback(self, kept: int, total: int) -> None:
         """Make every layer's cache what it would be had the verify fed only `kept` of its
         `total` rows."""
         if kept == total:
             return
-        for i, c in enumerate(cache):
-            if i in snapshot:
-                c.state = snapshot[i]
-                # The installed layer over the kept rows updates the state exactly; its output
-                # is never evaluated, so only the recurrent part is computed.
-                self.layers[i](self._inputs[i][:, :kept], mask=None, cache=c)
+        for i, c in enumerate(self.cache):
+            if i in self.recurrent:
+                c.state = self.recurrent[i]
+                if kept:
+                    # The installed layer over the kept rows updates the state exactly; its
+                    # output is never evaluated, so only the recurrent part is computed.
+                    self.adapter.layers[i](self.adapter.recorded_inputs[i][:, :kept], mask=None,
+                                           cache=c)
             else:
                 c.trim(total - kept)

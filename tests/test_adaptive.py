@@ -11,7 +11,8 @@ import pytest
 from mlx_lm.generate import generate_step
 
 import dflash2_mlx
-from dflash2_mlx.adaptive import AdaptiveWidth, CycleCost, load_or_measure_costs
+from dflash2_mlx.adaptive import (DRAFTER, LOOKUP, PLAIN, AdaptiveWidth, CycleCost, FixedWidth,
+                                  load_or_measure_costs)
 
 # A verify of w rows costs 100 + 5w ms, a draft 30 ms: roughly this CPU's shape.
 COST = CycleCost(draft=tuple([0.0] + [0.030] * 15), verify=tuple(0.100 + 0.005 * w
@@ -27,9 +28,10 @@ def brute_force_best(alpha: float) -> int:
 @pytest.mark.parametrize("alpha", [0.1, 0.3, 0.6, 0.8, 0.95])
 def test_choice_maximises_expected_tokens_per_second(alpha):
     policy = AdaptiveWidth(COST, prior=alpha, strength=1e9)     # alphas pinned at `alpha`
-    assert policy.choose() == brute_force_best(alpha)
-    assert policy.choose(limit=3) == min(brute_force_best(alpha), 3) or \
-        policy.choose(limit=3) <= 3
+    best = brute_force_best(alpha)
+    assert policy.choose() == (DRAFTER if best > 1 else PLAIN, best)
+    limited = max(range(1, 4), key=lambda w: sum(alpha**k for k in range(w)) / COST.cycle(w))
+    assert policy.choose({DRAFTER: 3})[1] == limited
 
 
 def simulate(policy, alphas, seed=0):
@@ -38,19 +40,20 @@ def simulate(policy, alphas, seed=0):
     rng = random.Random(seed)
     tokens = seconds = 0.0
     for alpha in alphas:
-        w = policy.choose()
+        source, w = policy.choose()
         a = 0
         while a < w - 1 and rng.random() < alpha:
             a += 1
-        policy.update(w, a)
+        policy.update(source, w, a)
         tokens += a + 1
         seconds += COST.cycle(w)
     return tokens / seconds
 
 
 def fixed_rate(width, alphas, seed=0):
-    return simulate(type("Fixed", (), {"choose": lambda self: width,
-                                       "update": lambda self, w, a: None})(), alphas, seed)
+    policy = FixedWidth(width)
+    return simulate(type("Fixed", (), {"choose": lambda self: policy.choose({DRAFTER: 16}),
+                                       "update": policy.update})(), alphas, seed)
 
 
 @pytest.mark.parametrize("alpha", [0.1, 0.2, 0.35, 0.5, 0.65, 0.8, 0.9, 0.95])
@@ -74,21 +77,24 @@ def test_alternating_content_beats_every_fixed_width():
 
 
 def test_update_counts_only_tried_positions():
-    policy = AdaptiveWidth(COST, decay=0.5)
-    policy.update(8, 2)            # positions 1, 2 accepted, 3 rejected, 4..7 never tried
-    assert policy.tries[:4] == [1, 1, 1, 0] and policy.hits[:3] == [1, 1, 0]
-    policy.update(4, 3)            # all three drafts accepted: old tries count half
-    assert policy.tries[:4] == [1.5, 1.5, 1.5, 0] and policy.hits[:3] == [1.5, 1.5, 1]
-    policy.update(1, 0)            # plain step: nothing learnt
-    assert policy.tries[:4] == [1.5, 1.5, 1.5, 0]
+    policy = AdaptiveWidth(COST, {DRAFTER: 16, LOOKUP: 16}, decay=0.5)
+    c = policy.counts[DRAFTER]
+    policy.update(DRAFTER, 8, 2)   # positions 1, 2 accepted, 3 rejected, 4..7 never tried
+    assert c.tries[:4] == [1, 1, 1, 0] and c.hits[:3] == [1, 1, 0]
+    policy.update(DRAFTER, 4, 3)   # all three drafts accepted: old tries count half
+    assert c.tries[:4] == [1.5, 1.5, 1.5, 0] and c.hits[:3] == [1.5, 1.5, 1]
+    policy.update(PLAIN, 1, 0)     # plain step: nothing learnt
+    assert c.tries[:4] == [1.5, 1.5, 1.5, 0]
+    policy.update(LOOKUP, 6, 5)    # another source: its own counts
+    assert c.tries[:4] == [1.5, 1.5, 1.5, 0] and policy.counts[LOOKUP].tries[:6] == [1] * 5 + [0]
 
 
 def test_probes_while_decoding_plainly():
     near = AdaptiveWidth(COST, prior=0.25, strength=1e9)        # drafting ~5% short of paying
-    choices = [near.choose() for _ in range(64)]
+    choices = [near.choose()[1] for _ in range(64)]
     assert choices.count(2) == 64 // near.probe_every and set(choices) == {1, 2}
     far = AdaptiveWidth(COST, prior=0.01, strength=1e9)         # drafting never pays
-    choices = [far.choose() for _ in range(96)]
+    choices = [far.choose()[1] for _ in range(96)]
     assert choices.count(2) == 96 // (far.probe_every * far.slow) and set(choices) == {1, 2}
 
 
@@ -111,13 +117,15 @@ def test_auto_is_exact_and_costs_are_cached(pipe, tmp_path):
     assert all(v > 0 for v in entry["verify"])
     # a second pipeline on the same pair reuses the measured costs
     again = dflash2_mlx.load(str(pipe.info["model"]), str(pipe.info["draft"]))
-    assert load_or_measure_costs(again).verify == tuple(entry["verify"])
+    assert load_or_measure_costs(again, 16).verify == tuple(entry["verify"])
     assert again.generate(ids, max_tokens=40, block_size="auto").tokens == ref
 
 
 def test_auto_sampling_runs(pipe):
     gen = pipe.generate("Hello", max_tokens=20, block_size="auto", temperature=1.0, seed=3)
-    assert len(gen.tokens) == 20
+    eos = set(pipe.tokenizer.eos_token_ids)
+    assert len(gen.tokens) == 20 or (gen.finish_reason == "stop" and gen.tokens[-1] in eos)
+    assert not eos & set(gen.tokens[:-1])
 
 
 def test_cli_accepts_auto_and_rejects_junk(llama_dir, dflash2_dir, tmp_path):
@@ -151,11 +159,11 @@ def test_timed_cycles_correct_a_wrong_calibration():
     def run(timed):
         policy, tokens, seconds = AdaptiveWidth(COST), 0.0, 0.0
         for _ in range(3000):
-            w = policy.choose()
+            source, w = policy.choose()
             a = 0
             while a < w - 1 and rng.random() < 0.45:
                 a += 1
-            policy.update(w, a, real.cycle(w) if timed else None)
+            policy.update(source, w, a, real.cycle(w) if timed else None)
             tokens, seconds = tokens + a + 1, seconds + real.cycle(w)
         return tokens / seconds
 
@@ -170,8 +178,8 @@ def test_timed_cycles_correct_a_wrong_calibration():
 def test_a_stall_does_not_swamp_the_cost_estimate():
     policy = AdaptiveWidth(COST)
     for _ in range(5):
-        policy.update(4, 1, COST.cycle(4))
-    policy.update(4, 1, 50.0)                    # e.g. a first-use compilation
+        policy.update(DRAFTER, 4, 1, COST.cycle(4))
+    policy.update(DRAFTER, 4, 1, 50.0)                    # e.g. a first-use compilation
     assert policy.cycle_cost(4) < 1.3 * COST.cycle(4)
 
 
@@ -180,7 +188,7 @@ def test_untimed_widths_scale_with_the_machines_load():
     its calibration; widths not yet timed must not look cheap by comparison."""
     policy = AdaptiveWidth(COST)
     for _ in range(4):
-        policy.update(2, 0, 1.6 * COST.cycle(2))
+        policy.update(DRAFTER, 2, 0, 1.6 * COST.cycle(2))
     assert policy.cycle_cost(2) == pytest.approx(1.6 * COST.cycle(2))
     assert policy.cycle_cost(8) == pytest.approx(1.6 * COST.cycle(8))     # never timed
 
@@ -199,13 +207,13 @@ def test_a_busy_machine_does_not_send_the_policy_through_every_width():
     def run(policy, seed, fixed=None):
         rng, tokens, seconds = random.Random(seed), 0.0, 0.0
         for _ in range(80):
-            w = fixed or policy.choose()
+            source, w = (DRAFTER, fixed) if fixed else policy.choose()
             a = 0
             while a < w - 1 and rng.random() < alpha[a]:
                 a += 1
             s = 1.6 * cal.cycle(w) * rng.uniform(0.85, 1.25)
             if fixed is None:
-                policy.update(w, a, s)
+                policy.update(source, w, a, s)
             tokens, seconds = tokens + a + 1, seconds + s
         return tokens / seconds
 

@@ -1,6 +1,7 @@
 """Greedy output equals mlx-lm's own greedy decoding, token for token."""
 
 import random
+from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
@@ -8,6 +9,7 @@ from mlx_lm.generate import generate_step
 
 import dflash2_mlx
 from dflash2_mlx.drafter import Proposal
+from dflash2_mlx.adaptive import FixedWidth
 from dflash2_mlx.engine import GenerationStats, generate_tokens
 from dflash2_mlx.sampling import Sampling
 from fixtures import drafter_args, write_drafter
@@ -109,6 +111,7 @@ class OracleDrafter:
         self.corrupt_p, self.rng = corrupt_p, random.Random(seed)
         self.seen = 0                    # target rows whose features reached the drafter
         self.context_window = None
+        self.args = SimpleNamespace(block_size=16)
 
     def make_cache(self):
         return []
@@ -138,7 +141,7 @@ def test_partial_and_full_acceptance_stay_exact(pipelines, family):
             oracle = OracleDrafter(len(ids), ref, pipe.adapter.vocab_size, seed=seed * 31 + b)
             stats = GenerationStats()
             out = [t for step in generate_tokens(pipe.adapter, oracle, ids, max_tokens=60,
-                                                 sampling=Sampling(), block_size=b,
+                                                 sampling=Sampling(), policy=FixedWidth(b),
                                                  stop_ids=set(), stats=stats) for t in step]
             assert out == ref, f"{family} b={b}"
             assert max(stats.accepted) == b - 1, "no fully accepted block"

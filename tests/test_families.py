@@ -8,6 +8,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.utils import _get_classes
 
 from dflash2_mlx.drafter import Drafter
+from dflash2_mlx.adaptive import FixedWidth
 from dflash2_mlx.engine import GenerationStats, generate_tokens
 from dflash2_mlx.sampling import Sampling
 from dflash2_mlx.target import TargetAdapter
@@ -67,7 +68,7 @@ def test_rollback_equals_fresh_run_on_kept_rows(target):
         adapter.forward(ids, fresh)
         snap = adapter.snapshot(cache)
         adapter.forward(block, cache)
-        adapter.rollback(cache, snap, kept, block.shape[1])
+        snap.rollback(kept, block.shape[1])
         adapter.forward(block[:, :kept], fresh)
         for c, f in zip(cache, fresh):
             a_state, f_state = c.state, f.state
@@ -94,7 +95,7 @@ def test_greedy_equals_mlx_lm_with_partial_acceptance(target, b):
         oracle = OracleDrafter(len(ids), ref, V, seed=seed + b)
         stats = GenerationStats()
         out = [t for s in generate_tokens(adapter, oracle, ids, max_tokens=40,
-                                          sampling=Sampling(), block_size=b, stop_ids=set(),
+                                          sampling=Sampling(), policy=FixedWidth(b), stop_ids=set(),
                                           stats=stats) for t in s]
         assert out == ref, (name, b)
         assert max(stats.accepted) == b - 1 and min(stats.accepted) < b - 1
@@ -107,7 +108,7 @@ def test_real_drafter_greedy_equals_mlx_lm(target):
     ids = PROMPTS[1]
     ref = mlx_lm_greedy(model, ids, 30)
     out = [t for s in generate_tokens(adapter, drafter, ids, max_tokens=30, sampling=Sampling(),
-                                      block_size=8, stop_ids=set()) for t in s]
+                                      policy=FixedWidth(8), stop_ids=set()) for t in s]
     assert out == ref, name
 
 

@@ -1,5 +1,6 @@
 """Sampling exactness: speculative sampling follows the target's own sampling distribution."""
 
+from types import SimpleNamespace
 import math
 
 import mlx.core as mx
@@ -10,6 +11,7 @@ from mlx_lm.sample_utils import make_sampler
 
 import dflash2_mlx.engine as engine
 from dflash2_mlx.drafter import Drafter, DraftVocab, Proposal
+from dflash2_mlx.adaptive import FixedWidth
 from dflash2_mlx.engine import generate_tokens
 from dflash2_mlx.sampling import Sampling, rejection_accept
 from dflash2_mlx.target import TargetAdapter
@@ -81,6 +83,7 @@ class NoisyOracle:
     the committed prefix from its own drafts and the number of feature rows it is handed."""
 
     context_window = None
+    args = SimpleNamespace(block_size=16)
 
     def __init__(self, model, sampling):
         self.model, self.sampling = model, sampling
@@ -114,7 +117,7 @@ def speculative_counts(model, drafter, sampling, n, block_size=3):
     for seed in range(n):
         stats = engine.GenerationStats()
         toks = [t for step in generate_tokens(adapter, drafter, PROMPT, max_tokens=4,
-                                              sampling=sampling, block_size=block_size,
+                                              sampling=sampling, policy=FixedWidth(block_size),
                                               stop_ids=set(), seed=seed, stats=stats)
                 for t in step][:3]
         counts[tuple(toks)] = counts.get(tuple(toks), 0) + 1
@@ -221,7 +224,7 @@ def test_sampling_is_reproducible_with_seed(tiny):
     adapter = TargetAdapter(model, drafters["dflash2"].args.target_layer_ids)
     run = lambda seed: [t for s in generate_tokens(adapter, drafters["dflash2"], PROMPT,
                                                    max_tokens=20, sampling=Sampling(1.0),
-                                                   block_size=4, stop_ids=set(), seed=seed)
+                                                   policy=FixedWidth(4), stop_ids=set(), seed=seed)
                         for t in s]
     assert run(5) == run(5)
     assert any(run(5) != run(s) for s in (6, 7, 8))

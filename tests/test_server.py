@@ -33,6 +33,7 @@ KEY = "test-key-123"
 CAP = 96                 # --max-tokens
 CONTEXT = 512            # --context-length
 BODY = 64 * 1024         # --max-body-bytes
+BLOCK = 8                # a fixed width: "auto" would time cycles, so seeded runs could differ
 T0 = {"temperature": 0}  # the anthropic client has no sampling arguments; the API has them
 
 
@@ -42,7 +43,8 @@ class Server:
     def __init__(self, *args):
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dflash2_mlx.cli", "serve", "--port", "0", *map(str, args)],
+            [sys.executable, "-m", "dflash2_mlx.cli", "serve", "--port", "0", "--block-size",
+             str(BLOCK), *map(str, args)],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
         self.log: list[str] = []
         deadline = time.time() + 120
@@ -73,7 +75,9 @@ class Server:
 
 @pytest.fixture(scope="module")
 def pipe(llama_dir, dflash2_dir):
-    return dflash2_mlx.load(str(llama_dir), str(dflash2_dir))
+    p = dflash2_mlx.load(str(llama_dir), str(dflash2_dir))
+    p.default_block_size = BLOCK          # what the servers below run with
+    return p
 
 
 @pytest.fixture(scope="module")
@@ -193,19 +197,26 @@ def test_anthropic_messages_system_stream_and_stop(pipe, an):
 # --------------------------------------------------------------------------- prefix cache
 
 def test_three_turns_reuse_the_prefix_and_match_uncached_output(pipe, oa, an):
-    msgs = [{"role": "system", "content": "You are a small assistant."}]
-    cached = []
+    from dflash2_mlx.prompt_cache import common_prefix
+
+    msgs = [{"role": "system", "content": "You are a small assistant, turn by turn."}]
+    cached, prompts = [], []
     for turn in ("def add(a, b):", "for i in range(10):", "class Stack:"):
         msgs.append({"role": "user", "content": turn})
-        want = pipe.generate(chat_ids(pipe, msgs), max_tokens=16)        # no cache at all
+        prompts.append(chat_ids(pipe, msgs))
+        want = pipe.generate(prompts[-1], max_tokens=16)        # no cache at all
         got = oa.chat.completions.create(model="llama", messages=msgs, max_tokens=16,
                                          temperature=0)
         assert got.choices[0].message.content == want.text
+        assert got.usage.model_extra["dflash2"]["cached_tokens"] == \
+            got.usage.prompt_tokens_details.cached_tokens
         cached.append(got.usage.prompt_tokens_details.cached_tokens)
         msgs.append({"role": "assistant", "content": want.text})
-    assert cached[0] == 0
-    # later turns reuse at least the previous turn's prompt
-    assert cached[1] > 10 and cached[2] > cached[1], cached
+    # later turns reuse at least the previous turn's whole prompt (its state also covers the
+    # answer); the first shares only the template's opening with earlier requests
+    for i in (1, 2):
+        assert cached[i] >= common_prefix(prompts[i - 1], prompts[i][:-1]) > cached[i - 1], \
+            cached
     # seeded sampling with a hit is the same as without
     again = oa.chat.completions.create(model="llama", messages=msgs[:-1], max_tokens=16,
                                        temperature=1.0, seed=3)

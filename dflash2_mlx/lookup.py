@@ -1,0 +1,81 @@
+"""Lookup drafting: propose what followed the most recent earlier occurrence of the context's
+longest recurring suffix (prompt lookup / copy decoding).
+
+The target copies from its context all the time (code it edits, tool output it quotes, its own
+earlier lines); a small drafter that starts its block from token embeddings cannot. The index
+needs no model and no training: one hash map per n-gram length, updated as tokens commit, so a
+proposal costs O(max_n + width) whatever the context length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MIN_N = 2        # a single recurring token is too weak a cue (measured: see docs/lookup.md)
+MAX_N = 8
+MAX_WIDTH = 16   # rows a lookup cycle may verify (proposals are width - 1 tokens)
+
+
+@dataclass(frozen=True)
+class LookupConfig:
+    """Suffix lengths tried, longest first, and the widest block a lookup cycle verifies."""
+
+    min_n: int = MIN_N
+    max_n: int = MAX_N
+    max_width: int = MAX_WIDTH
+
+    def __post_init__(self):
+        if not 1 <= self.min_n <= self.max_n:
+            raise ValueError(f"lookup n-gram lengths must satisfy 1 <= min_n <= max_n, got "
+                             f"min_n={self.min_n}, max_n={self.max_n}")
+        if self.max_width < 2:
+            raise ValueError(f"lookup max_width must be >= 2, got {self.max_width}")
+
+
+class LookupIndex:
+    """The committed tokens and, per n, each n-gram's most recent occurrence that has a token
+    after it: `last[n][gram] = i` means tokens[i - n : i] == gram and tokens[i] follows it.
+
+    An n-gram is indexed only once the token after it commits, so the current suffix never
+    matches itself.
+    """
+
+    def __init__(self, config: LookupConfig = LookupConfig(), tokens=()):
+        self.config = config
+        self.tokens: list[int] = []
+        self.last: dict[int, dict[tuple, int]] = {n: {} for n in
+                                                  range(config.min_n, config.max_n + 1)}
+        self.extend(tokens)
+
+    def extend(self, tokens) -> None:
+        """Commit `tokens`; O(max_n - min_n + 1) dictionary updates per token."""
+        seq = self.tokens
+        for t in tokens:
+            i = len(seq)                      # position of t: the n-grams ending at i - 1
+            for n, last in self.last.items():
+                if i >= n:
+                    last[tuple(seq[i - n : i])] = i
+            seq.append(int(t))
+
+    def match(self) -> tuple[int, int] | None:
+        """(n, i): the longest recurring suffix length and where its continuation starts."""
+        seq = self.tokens
+        for n in range(min(self.config.max_n, len(seq) - 1), self.config.min_n - 1, -1):
+            i = self.last[n].get(tuple(seq[-n:]))
+            if i is not None:
+                return n, i
+        return None
+
+    def propose(self, k: int) -> list[int] | None:
+        """Up to k tokens that followed the suffix's latest earlier occurrence, or None when no
+        suffix of min_n..max_n tokens recurs. A continuation that runs into the present copies
+        on from what it proposed (a period-d repetition continues), so it is always k long."""
+        found = self.match()
+        if found is None or k < 1:
+            return None
+        _, start = found
+        seq, out = self.tokens, []
+        for j in range(k):
+            src = start + j
+            out.append(seq[src] if src < len(seq) else out[src - len(seq)])
+        return out
