@@ -8,12 +8,13 @@ seconds per request, prompt tokens served from the prefix cache. Greedy texts ar
 across systems turn by turn. A single-client pass compares the server's decode speed with
 `Pipeline.generate` in this process on the same request (both without a prefix cache).
 
-    python benchmarks/serve_load.py --clients 2 --turns 3 --max-tokens 48 --out docs/bench/serve
+    python benchmarks/serve_load.py --clients 2 --turns 3 --max-tokens 32 --out docs/bench/serve
 
-Systems (--systems, comma-separated): ours (prefix cache, drafter, lookup, block size auto),
+All servers run at once and the turns are interleaved across them, so a shared machine's load
+swings hit every system alike. Systems (--systems, comma-separated): ours (prefix cache, drafter, lookup, block size auto),
 no-cache, no-drafter, no-lookup, plain (no drafter, no lookup), mlx-lm (`python -m mlx_lm
 server` on the same weights, exported once as an mlx-lm folder). Everything listens on
-127.0.0.1; counts and time are bounded (--time-limit per system).
+127.0.0.1; counts and time are bounded (--time-limit for all the conversations).
 """
 
 from __future__ import annotations
@@ -181,21 +182,17 @@ def request(url: str, model: str, messages: list[dict], max_tokens: int) -> dict
             "server": usage.get("dflash2")}
 
 
-def replay(url: str, model: str, convs: list[list[dict]], turns: int, max_tokens: int,
-           deadline: float) -> list[dict]:
+def turn(server, histories: list[list[dict]], t: int, max_tokens: int) -> list[dict]:
+    """Turn t of every conversation on one server, the clients at once; each answer goes back
+    into its history."""
     def client(i):
-        history, out = [dict(m) for m in convs[i]], []
-        for t in range(turns):
-            if time.time() > deadline:
-                break
-            history.append({"role": "user", "content": TURNS[t % len(TURNS)]})
-            r = request(url, model, history, max_tokens)
-            out.append({**r, "client": i, "turn": t})
-            history.append({"role": "assistant", "content": r["text"]})
-        return out
+        histories[i].append({"role": "user", "content": TURNS[t % len(TURNS)]})
+        r = request(server.url, server.model, histories[i], max_tokens)
+        histories[i].append({"role": "assistant", "content": r["text"]})
+        return {**r, "client": i, "turn": t}
 
-    with ThreadPoolExecutor(len(convs)) as pool:
-        return [r for rows in pool.map(client, range(len(convs))) for r in rows]
+    with ThreadPoolExecutor(len(histories)) as pool:
+        return list(pool.map(client, range(len(histories))))
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -206,6 +203,8 @@ def pct(values: list[float], q: float) -> float | None:
 
 
 def summarize(rows: list[dict]) -> dict:
+    if not rows:
+        return {"requests": 0}
     first = [r["ttft"] for r in rows if r["turn"] == 0]
     later = [r["ttft"] for r in rows if r["turn"] > 0]
     prompt = sum(r["prompt_tokens"] for r in rows)
@@ -249,13 +248,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clients", type=int, default=2)
     ap.add_argument("--turns", type=int, default=3)
-    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--system-chars", type=int, default=3000,
                     help="characters of source in each system prompt (~1k tokens at 3000)")
-    ap.add_argument("--systems", default="ours,no-cache,no-drafter,no-lookup,plain,mlx-lm")
+    ap.add_argument("--systems", default="ours,no-cache,plain,mlx-lm")
     ap.add_argument("--single-reps", type=int, default=2,
                     help="single-client server vs Pipeline.generate repetitions (0: skip)")
-    ap.add_argument("--time-limit", type=float, default=300, help="seconds per system")
+    ap.add_argument("--time-limit", type=float, default=300,
+                    help="seconds for all the conversations; no new turn starts after it")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     if not 1 <= a.clients <= 8 or not 1 <= a.turns <= len(TURNS) or a.max_tokens > 512:
@@ -264,35 +264,48 @@ def main() -> None:
     import dflash2_mlx  # noqa: F401  (OpenBLAS first)
     from dflash2_mlx.assets import resolve_cache_dir
 
-    convs = conversations(a.clients, a.system_chars)
+    systems = [s.strip() for s in a.systems.split(",") if s.strip()]
     model_dir = export_target(resolve_cache_dir() / "serve-bench" / "smollm2-mlx-lm")
-    results, texts = {}, {}
-    for system in [s.strip() for s in a.systems.split(",") if s.strip()]:
-        print(f"== {system}", file=sys.stderr, flush=True)
-        server = start(system, model_dir)
-        server.model = (str(model_dir) if system == "mlx-lm" else
-                        httpx.get(server.url + "/v1/models").json()["data"][0]["id"])
-        try:
+    # All servers up at once (idle ones cost memory only) and the turns interleaved across
+    # them, so that a shared machine's load swings hit every system alike.
+    servers, results, rows = {}, {}, {s: [] for s in systems}
+    try:
+        for system in systems:
+            print(f"starting {system}", file=sys.stderr, flush=True)
+            server = servers[system] = start(system, model_dir)
+            server.model = (str(model_dir) if system == "mlx-lm" else
+                            httpx.get(server.url + "/v1/models").json()["data"][0]["id"])
             # one-off costs (first forward passes, compilation) are not what is measured
             request(server.url, server.model, [{"role": "user", "content": "Say hi."}], 4)
-            # without a prefix cache, so the server and Pipeline.generate do the same work
             if system == "no-cache" and a.single_reps:
-                results["single-client"] = single_client(server, convs[0], a.max_tokens,
-                                                         a.single_reps)
+                # no prefix cache on either side: the server and Pipeline.generate do the same
+                results["single-client"] = single_client(server,
+                                                         conversations(1, a.system_chars)[0],
+                                                         a.max_tokens, a.single_reps)
                 print(json.dumps(results["single-client"]), file=sys.stderr, flush=True)
-            tic = time.time()
-            rows = replay(server.url, server.model, convs, a.turns, a.max_tokens,
-                          time.time() + a.time_limit)
-            results[system] = {**summarize(rows), "wall_s": time.time() - tic}
-            texts[system] = {(r["client"], r["turn"]): r["text"] for r in rows}
-            results[system]["rows"] = [{k: v for k, v in r.items() if k != "text"}
-                                       for r in rows]
-        finally:
-            results.setdefault(system, {})["exit_code"] = server.stop()
-        print(json.dumps({k: v for k, v in results[system].items() if k != "rows"}),
-              file=sys.stderr, flush=True)
+        results["load_average_before"] = os.getloadavg()
+        histories = {s: conversations(a.clients, a.system_chars) for s in systems}
+        deadline = time.time() + a.time_limit
+        for t in range(a.turns):
+            if time.time() > deadline:
+                print(f"time limit: stopped before turn {t}", file=sys.stderr)
+                break
+            order = systems[t % len(systems):] + systems[: t % len(systems)]
+            for system in order:
+                rows[system] += turn(servers[system], histories[system], t, a.max_tokens)
+                print(f"turn {t} {system}: " + json.dumps(summarize(rows[system][-a.clients:])),
+                      file=sys.stderr, flush=True)
+    finally:
+        codes = {s: server.stop() for s, server in servers.items()}
+    for system in systems:
+        results[system] = {**summarize(rows[system]), "exit_code": codes.get(system),
+                           "rows": [{k: v for k, v in r.items() if k != "text"}
+                                    for r in rows[system]]}
+    texts = {s: {(r["client"], r["turn"]): r["text"] for r in rows[s]} for s in systems}
     base = texts.get("ours") or next(iter(texts.values()), {})
     results["identical_greedy_text"] = {s: t == base for s, t in texts.items()}
+    results["load_average_after"] = os.getloadavg()
+    results["settings"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}
     print(markdown(results))
     if a.out is not None:
         a.out.mkdir(parents=True, exist_ok=True)
@@ -309,12 +322,17 @@ def markdown(results: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|---|"]
     same = results.get("identical_greedy_text", {})
     for name, r in results.items():
-        if not isinstance(r, dict) or "requests" not in r:
+        if not isinstance(r, dict) or not r.get("requests"):
             continue
         lines.append(f"| {name} | {r['requests']} | {f(r['ttft_p50'])} | {f(r['ttft_p95'])} | "
                      f"{f(r['ttft_first_turn_p50'])} | {f(r['ttft_later_turns_p50'])} | "
                      f"{f(r['decode_tps_p50'], '{:.1f}')} | {f(r['e2e_mean'])} | "
                      f"{r['cache_hit_rate']:.0%} | {'yes' if same.get(name) else 'no'} |")
+    if "load_average_before" in results:
+        lines.append("")
+        lines.append("Load average (1 min) before / after the conversations: "
+                     f"{results['load_average_before'][0]:.1f} / "
+                     f"{results['load_average_after'][0]:.1f} (2 cores).")
     if "single-client" in results:
         s = results["single-client"]
         lines.append("")
