@@ -250,7 +250,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
-    why: str | None = None       # "client" (it left) or "stop" (a stop string ended the text)
+    why: str | None = None       # "client" (it left), "stop" (a stop string), "done", "shutdown"
 
     def cancel(self, why: str = "client") -> None:
         """Stop at the next cycle; the first reason given is kept."""
@@ -286,7 +286,7 @@ class Scheduler:
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
         self._thread = threading.Thread(target=self._work, name="dflash2-generate", daemon=True)
         self.busy = False
-        self.failed: str | None = None
+        self._current: Job | None = None
         self.served = 0
         self.cancelled = 0           # generations ended early because the client left
 
@@ -299,7 +299,10 @@ class Scheduler:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Let the worker finish its cycle and end; queued jobs are told the server stopped."""
+        """Cancel the running job at its next cycle and end the worker; queued jobs are told
+        the server stopped."""
+        if (job := self._current) is not None:
+            job.cancel("shutdown")
         while True:
             try:
                 job = self._queue.get_nowait()
@@ -324,14 +327,14 @@ class Scheduler:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and self.failed is None
+        return self._thread.is_alive()
 
     def _work(self) -> None:
         while (job := self._queue.get()) is not None:
             if job.cancelled.is_set():        # its client left while it waited
                 self.cancelled += 1
                 continue
-            self.busy = True
+            self.busy, self._current = True, job
             try:
                 self._run(job)
             except Exception as e:  # noqa: BLE001 - reported to that request; the next one runs
@@ -340,7 +343,7 @@ class Scheduler:
             finally:
                 self.served += 1
                 self.cancelled += job.why == "client"
-                self.busy = False
+                self.busy, self._current = False, None
 
     def _run(self, job: Job) -> None:
         r = job.request
