@@ -16,19 +16,8 @@ import argparse
 import dflash2_mlx
 from dflash2_mlx.assets import smollm2_gguf
 from dflash2_mlx.defaults import drafter_path
+from dflash2_mlx.prompt_sets import CHAT
 from dflash2_mlx.train.humaneval import humaneval_prompts
-
-CHAT = [
-    "What are three tips for sleeping better?",
-    "Explain to a child why the sky is blue.",
-    "Write a short, friendly email inviting my team to lunch on Friday.",
-    "What is the difference between weather and climate?",
-    "Give me a packing list for a weekend hiking trip.",
-    "Summarize the plot of Romeo and Juliet in a few sentences.",
-    "How do I make a good cup of tea?",
-    "Suggest a name for a small bakery and explain why.",
-]
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -1,11 +1,13 @@
-"""Side-by-side benchmark: plain mlx-lm decoding, dflash2-mlx at each block size, and the z-lab
-reference implementation (`dflash.model_mlx`) when it is importable.
+"""Side-by-side benchmark: plain mlx-lm decoding, dflash2-mlx at each block size with the
+drafter alone and with lookup drafting beside it ("hybrid"), and the z-lab reference
+implementation (`dflash.model_mlx`) when it is importable.
 
 One run, the same machine, the systems alternating prompt by prompt (so drift in machine load
-hits them alike). On HumanEval prompts, greedy and T=1. Per system: decode tokens/s, speedup
-over plain decoding, tau, per-position acceptance, prefill time, peak memory; greedy outputs
-must be identical across all systems. Writes `bench.json` and, with matplotlib installed
-(`pip install dflash2-mlx[bench]`), `speedup.png` and `acceptance.png`.
+hits them alike). On prompt sets of `prompt_sets` (HumanEval, the copy-heavy agent set, chat),
+greedy and T=1. Per system: decode tokens/s, speedup over plain decoding, tau (all drafting
+cycles and per source), per-position acceptance per source, prefill time, peak memory; greedy
+outputs must be identical across all systems. Writes `bench.json`, `bench.md` and, with
+matplotlib installed (`pip install dflash2-mlx[bench]`), `speedup.png` and `acceptance.png`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from typing import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
+from .adaptive import DRAFTER, LOOKUP
+from .engine import Cycle, GenerationStats
+
 
 @dataclass
 class Run:
@@ -29,8 +34,7 @@ class Run:
     prefill_s: float
     decode_s: float
     peak_mb: float
-    accepted: list[int] = field(default_factory=list)
-    widths: list[int] = field(default_factory=list)
+    steps: list[Cycle] = field(default_factory=list)     # empty for plain mlx-lm
 
 
 def _plain(pipe, ids, temperature, max_tokens, seed, stop_ids) -> Run:
@@ -51,12 +55,11 @@ def _plain(pipe, ids, temperature, max_tokens, seed, stop_ids) -> Run:
     return Run(tokens, first - tic, end - first, mx.get_peak_memory() / 2**20)
 
 
-def _ours(pipe, ids, temperature, max_tokens, seed, block_size) -> Run:
+def _ours(pipe, ids, temperature, max_tokens, seed, block_size, lookup) -> Run:
     g = pipe.generate(ids, max_tokens=max_tokens, temperature=temperature, seed=seed,
-                      block_size=block_size)
+                      block_size=block_size, lookup=lookup)
     s = g.stats
-    return Run(g.tokens, s.prefill_s, s.decode_s, mx.get_peak_memory() / 2**20,
-               list(s.accepted), list(s.widths))
+    return Run(g.tokens, s.prefill_s, s.decode_s, mx.get_peak_memory() / 2**20, s.steps)
 
 
 class Reference:
@@ -76,18 +79,17 @@ class Reference:
 
     def __call__(self, ids, temperature, max_tokens, seed, block_size) -> Run:
         mx.random.seed(seed)
-        tokens, accepted, tic, first = [], [], time.perf_counter(), None
+        tokens, steps, tic, first = [], [], time.perf_counter(), None
         for resp in self.ref.stream_generate(self.target, self.draft, self.tokenizer, ids,
                                              block_size=block_size, max_tokens=max_tokens,
                                              temperature=temperature):
             if first is None:
                 first = time.perf_counter()
             elif resp.tokens:
-                accepted.append(len(resp.tokens) - 1)
+                steps.append(Cycle(DRAFTER, block_size, len(resp.tokens) - 1))
             tokens += resp.tokens
         end = time.perf_counter()
-        return Run(tokens, first - tic, end - first, mx.get_peak_memory() / 2**20, accepted,
-                   [block_size] * len(accepted))
+        return Run(tokens, first - tic, end - first, mx.get_peak_memory() / 2**20, steps)
 
 
 def _to_float32(params):
@@ -102,23 +104,22 @@ def _tps(run: Run) -> float:
 
 
 def summarize(runs: list[Run]) -> dict:
-    """Decode tok/s over all runs (tokens after the first / decode seconds), tau per request
-    then averaged, pooled per-position acceptance."""
+    """Decode tok/s over all runs (tokens after the first / decode seconds); tau, mean width
+    and per-position acceptance pooled over the runs' cycles, per source too."""
     decode_tokens = sum(max(len(r.tokens) - 1, 0) for r in runs)
     decode_s = sum(r.decode_s for r in runs)
-    taus = [np.mean([a + 1 for a in r.accepted]) for r in runs if r.accepted]
-    width = max((max(r.widths) for r in runs if r.widths), default=1)
-    pos = []
-    for k in range(1, width):
-        tried = sum(1 for r in runs for a, w in zip(r.accepted, r.widths) if w > k and a >= k - 1)
-        ok = sum(1 for r in runs for a in r.accepted if a >= k)
-        pos.append(ok / tried if tried else None)
-    widths = [w for r in runs for w in r.widths]
+    pooled = GenerationStats(steps=[c for r in runs for c in r.steps])
     return {"decode_tps": decode_tokens / decode_s if decode_s else 0.0,
             "per_prompt_tps": [_tps(r) for r in runs],
-            "tau": float(np.mean(taus)) if taus else 1.0,
-            "mean_width": float(np.mean(widths)) if widths else 1.0,
-            "position_acceptance": pos,
+            "tau": pooled.tau, "tau_drafter": pooled.source_tau(DRAFTER),
+            "tau_lookup": pooled.source_tau(LOOKUP),
+            "cycles_drafter": len(pooled.drafting(DRAFTER)),
+            "cycles_lookup": len(pooled.drafting(LOOKUP)),
+            "plain_steps": len(pooled.steps) - pooled.cycles,
+            "mean_width": pooled.mean_width,
+            "position_acceptance": pooled.position_acceptance(),
+            "position_acceptance_drafter": pooled.position_acceptance(DRAFTER),
+            "position_acceptance_lookup": pooled.position_acceptance(LOOKUP),
             "prefill_s": float(np.mean([r.prefill_s for r in runs])),
             "peak_mb": float(max(r.peak_mb for r in runs)),
             "tokens": sum(len(r.tokens) for r in runs), "requests": len(runs)}
@@ -136,18 +137,21 @@ def add_ratios(table: dict) -> dict:
     plain = table["mlx-lm"]["per_prompt_tps"]
     for name, row in table.items():
         row["speedup"] = _paired(row["per_prompt_tps"], plain)
-        ref = table.get(name.replace("dflash2-mlx", "reference"))
-        if name.startswith("dflash2-mlx") and ref is not None:
+        ref = table.get("reference " + name.split(" ", 1)[-1])
+        if name.startswith(("dflash2-mlx", "hybrid")) and ref is not None:
             row["vs_reference"] = _paired(row["per_prompt_tps"], ref["per_prompt_tps"])
     return table
 
 
-def run_bench(model: str, draft: str, prompts: Sequence[str], *,
+def run_bench(model: str, draft: str, prompt_sets: dict[str, Sequence[str]], *,
               block_sizes: Sequence[int | str] = (2, 4, 8, "auto"),
               temperatures: Sequence[float] = (0.0, 1.0), max_tokens: int = 128,
-              reference: bool = True, seed: int = 0,
+              lookup: bool = True, reference: bool = True, seed: int = 0,
               progress: Callable[[str], object] = print) -> dict:
-    """Run every system on every prompt, alternating; return the JSON-ready results."""
+    """Run every system on every prompt of each set, alternating; return JSON-ready results
+    keyed "<set> T=<t>". Systems: mlx-lm; per block size b, "dflash2-mlx b=<b>" (the drafter
+    alone, b up to its block size), "hybrid b=<b>" (drafter and lookup, with `lookup`) and
+    "reference b=<b>"."""
     import dflash2_mlx
 
     from .loading import resolve, save_drafter, stored_quantization
@@ -172,110 +176,122 @@ def run_bench(model: str, draft: str, prompts: Sequence[str], *,
     stop_ids = set(pipe.tokenizer.eos_token_ids)
     if "auto" in block_sizes:       # measure costs before timing anything
         pipe.width_policy()
+    block = pipe.drafter.args.block_size
     systems: dict[str, Callable] = {
         "mlx-lm": lambda ids, t, s: _plain(pipe, ids, t, max_tokens, s, stop_ids)}
     for b in block_sizes:
-        systems[f"dflash2-mlx b={b}"] = (
-            lambda ids, t, s, b=b: _ours(pipe, ids, t, max_tokens, s, b))
-        if ref is not None and b != "auto":
+        if b == "auto" or b <= block:
+            systems[f"dflash2-mlx b={b}"] = (
+                lambda ids, t, s, b=b: _ours(pipe, ids, t, max_tokens, s, b, False))
+        if lookup:
+            systems[f"hybrid b={b}"] = (
+                lambda ids, t, s, b=b: _ours(pipe, ids, t, max_tokens, s, b, True))
+        if ref is not None and b != "auto" and b <= block:
             systems[f"reference b={b}"] = (
                 lambda ids, t, s, b=b: ref(ids, t, max_tokens, s, b))
     results: dict = {"setup": {"model": model, "draft": source, "bf16_copy": tmp is not None,
-                               "prompts": len(prompts),
+                               "prompts": {k: len(v) for k, v in prompt_sets.items()},
                                "max_tokens": max_tokens, "block_sizes": list(block_sizes),
                                "temperatures": list(temperatures), "seed": seed,
-                               "drafter_block_size": pipe.drafter.args.block_size}}
-    encoded = [pipe.encode(p) for p in prompts]
-    for temperature in temperatures:
-        runs: dict[str, list[Run]] = {name: [] for name in systems}
-        mismatches = []
-        for i, ids in enumerate(encoded):
-            for name, run in systems.items():
-                mx.clear_cache()
-                mx.reset_peak_memory()
-                runs[name].append(run(ids, temperature, seed + i))
+                               "lookup": lookup, "drafter_block_size": block}}
+    for set_name, prompts in prompt_sets.items():
+        encoded = [pipe.encode(p) for p in prompts]
+        for temperature in temperatures:
+            runs: dict[str, list[Run]] = {name: [] for name in systems}
+            mismatches = []
+            for i, ids in enumerate(encoded):
+                for name, run in systems.items():
+                    mx.clear_cache()
+                    mx.reset_peak_memory()
+                    runs[name].append(run(ids, temperature, seed + i))
+                if temperature == 0:
+                    outs = {name: r[-1].tokens for name, r in runs.items()}
+                    base = outs["mlx-lm"]
+                    mismatches += [f"prompt {i}: {n}" for n, o in outs.items() if o != base]
+                progress(f"{set_name} T={temperature:g}: prompt {i + 1}/{len(encoded)} done")
+            table = add_ratios({name: summarize(r) for name, r in runs.items()})
+            key = f"{set_name} T={temperature:g}"
+            results[key] = {"systems": table}
             if temperature == 0:
-                outs = {name: r[-1].tokens for name, r in runs.items()}
-                base = outs["mlx-lm"]
-                mismatches += [f"prompt {i}: {name}" for name, o in outs.items() if o != base]
-            progress(f"T={temperature:g}: prompt {i + 1}/{len(encoded)} done")
-        table = add_ratios({name: summarize(r) for name, r in runs.items()})
-        key = f"T={temperature:g}"
-        results[key] = {"systems": table}
-        if temperature == 0:
-            results[key]["greedy_identical"] = not mismatches
-            results[key]["mismatches"] = mismatches
+                results[key]["greedy_identical"] = not mismatches
+                results[key]["mismatches"] = mismatches
     return results
 
 
+def _parts(results: dict):
+    return [(k, v) for k, v in results.items() if k != "setup"]
+
+
 def markdown(results: dict) -> str:
+    def fmt(x, spec=".2f"):
+        return "-" if x is None else format(x, spec)
+
     lines = []
-    for key, part in results.items():
-        if not key.startswith("T="):
-            continue
+    for key, part in _parts(results):
         lines += [f"**{key}**" + (" (greedy outputs identical across all systems)"
                                   if part.get("greedy_identical") else ""), "",
-                  "| system | decode tok/s | speedup over mlx-lm | vs reference | tau | mean width | "
+                  "| system | decode tok/s | speedup over mlx-lm | vs reference | tau | "
+                  "tau drafter | tau lookup | cycles drafter / lookup / plain | mean width | "
                   "prefill s | peak MiB |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for name, r in part["systems"].items():
             vs = f"{r['vs_reference']:.2f}x" if "vs_reference" in r else "-"
             lines.append(f"| {name} | {r['decode_tps']:.1f} | {r['speedup']:.2f}x | {vs} | "
-                         f"{r['tau']:.2f} | {r['mean_width']:.1f} | {r['prefill_s']:.2f} | "
-                         f"{r['peak_mb']:.0f} |")
+                         f"{r['tau']:.2f} | {fmt(r['tau_drafter'])} | {fmt(r['tau_lookup'])} | "
+                         f"{r['cycles_drafter']} / {r['cycles_lookup']} / {r['plain_steps']} | "
+                         f"{r['mean_width']:.1f} | {r['prefill_s']:.2f} | {r['peak_mb']:.0f} |")
         lines += ["", "decode tok/s: all tokens after the first over all decode seconds; "
-                  "speedup and vs reference: median over prompts of the per-prompt ratio."]
-        lines.append("")
+                  "speedup and vs reference: median over prompts of the per-prompt ratio; tau: "
+                  "accepted drafts + 1 per drafting cycle, pooled over prompts.", ""]
     return "\n".join(lines)
 
 
 def plot(results: dict, out: Path) -> list[Path]:
-    """speedup.png (speedup against block size) and acceptance.png (per-position acceptance);
-    needs matplotlib (optional)."""
+    """speedup.png (each system's speedup, one panel per prompt set and temperature) and
+    acceptance.png (per-position acceptance of each source: the widest fixed hybrid system's
+    drafter and lookup cycles, and the drafter alone); needs matplotlib (optional)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    parts = _parts(results)
     written = []
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for key, part in results.items():
-        if not key.startswith("T="):
-            continue
-        for prefix, style in (("dflash2-mlx", "o-"), ("reference", "s--")):
-            pts = sorted((int(n.split("=")[-1]), r["speedup"])
-                         for n, r in part["systems"].items()
-                         if n.startswith(prefix) and not n.endswith("auto"))
-            if pts:
-                ax.plot(*zip(*pts), style, label=f"{prefix} {key}")
-        auto = part["systems"].get("dflash2-mlx b=auto")
-        if auto:
-            ax.axhline(auto["speedup"], linestyle=":", color="gray")
-            ax.annotate(f"auto {key}", xy=(0.01, auto["speedup"]), fontsize=8,
-                        xycoords=("axes fraction", "data"))
-    ax.axhline(1.0, color="black", linewidth=0.5)
-    ax.set_xlabel("block size")
-    ax.set_ylabel("decode speedup over mlx-lm")
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(len(parts), 1, figsize=(8, 2.6 * len(parts)), squeeze=False)
+    for ax, (key, part) in zip(axes[:, 0], parts):
+        names = list(part["systems"])
+        ax.bar(range(len(names)), [part["systems"][n]["speedup"] for n in names],
+               color=["gray" if n == "mlx-lm" else "tab:orange" if n.startswith("reference")
+                      else "tab:green" if n.startswith("hybrid") else "tab:blue"
+                      for n in names])
+        ax.axhline(1.0, color="black", linewidth=0.5)
+        ax.set_xticks(range(len(names)), names, fontsize=7, rotation=20)
+        ax.set_ylabel("speedup")
+        ax.set_title(key, fontsize=9)
     fig.tight_layout()
     written.append(out / "speedup.png")
     fig.savefig(written[-1], dpi=120)
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for key, part in results.items():
-        if not key.startswith("T="):
-            continue
-        best = max((n for n in part["systems"] if n.startswith("dflash2-mlx b=")
-                    and not n.endswith("auto")), key=lambda n: int(n.split("=")[-1]),
-                   default=None)
-        if best:
-            pos = part["systems"][best]["position_acceptance"]
-            ax.plot(range(1, len(pos) + 1), pos, "o-", label=f"{best} {key}")
-    ax.set_xlabel("draft position k")
-    ax.set_ylabel("P(draft k accepted | drafts < k accepted)")
-    ax.set_ylim(0, 1)
-    ax.legend(fontsize=8)
+    def widest(part, prefix):
+        fixed = [n for n in part["systems"] if n.startswith(prefix) and not n.endswith("auto")]
+        return max(fixed, key=lambda n: int(n.split("=")[-1]), default=None)
+
+    fig, axes = plt.subplots(len(parts), 1, figsize=(6, 2.6 * len(parts)), squeeze=False)
+    for ax, (key, part) in zip(axes[:, 0], parts):
+        for name, field_, style in ((widest(part, "hybrid"), "position_acceptance_lookup", "o-"),
+                                    (widest(part, "hybrid"), "position_acceptance_drafter", "s-"),
+                                    (widest(part, "dflash2-mlx"), "position_acceptance_drafter",
+                                     "^--")):
+            pos = part["systems"][name][field_] if name else []
+            if any(p is not None for p in pos):
+                ax.plot(range(1, len(pos) + 1), [float("nan") if p is None else p for p in pos],
+                        style, label=f"{name}: {field_.rsplit('_', 1)[-1]}")
+        ax.set_ylim(0, 1)
+        ax.set_ylabel("P(k | < k)")
+        ax.set_title(key, fontsize=9)
+        ax.legend(fontsize=7)
+    axes[-1, 0].set_xlabel("draft position k")
     fig.tight_layout()
     written.append(out / "acceptance.png")
     fig.savefig(written[-1], dpi=120)

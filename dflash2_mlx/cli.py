@@ -344,9 +344,15 @@ def bench(
     draft: Optional[str] = typer.Option(None, "--draft", "--draft-model",
                                         help="Drafter (default: the embedded default's)"),
     prompts: int = typer.Option(8, "--prompts", min=1, max=164,
-                                help="HumanEval prompts, spread evenly over the 164"),
-    block_sizes: str = typer.Option("2,4,8,auto", "--block-sizes",
-                                    help="Comma-separated block sizes and/or 'auto'"),
+                                help="Prompts per set (HumanEval: spread over the 164)"),
+    prompt_sets: str = typer.Option("humaneval,agent", "--prompt-sets",
+                                    help="Comma-separated: humaneval, agent (copy-heavy "
+                                    "edits and log questions), chat"),
+    block_sizes: str = typer.Option("2,4,8,16,auto", "--block-sizes",
+                                    help="Comma-separated block sizes and/or 'auto'; "
+                                    "sizes beyond the drafter's run the hybrid only"),
+    lookup: bool = typer.Option(True, "--lookup/--no-lookup",
+                                help="Also run each block size with lookup drafting (hybrid)"),
     temperatures: str = typer.Option("0,1", "--temperatures", help="Comma-separated"),
     max_tokens: int = typer.Option(128, "--max-tokens", "-m", min=1),
     reference: bool = typer.Option(True, "--reference/--no-reference",
@@ -355,7 +361,7 @@ def bench(
                              "bench.md and the plots"),
     verbose: bool = typer.Option(False, "--verbose", help="Tracebacks"),
 ):
-    """Plain mlx-lm vs dflash2-mlx per block size vs the reference, on HumanEval prompts."""
+    """Plain mlx-lm vs dflash2-mlx per block size (drafter alone and hybrid) vs the reference."""
     with _errors(verbose):
         try:
             sizes = [_block_size(b.strip()) for b in block_sizes.split(",") if b.strip()]
@@ -376,13 +382,18 @@ def bench(
         if draft is None:
             raise ValueError("--draft: a drafter is needed to benchmark speculative decoding")
         from .bench import markdown, run_bench, write
-        from .train.humaneval import humaneval_prompts
+        from .prompt_sets import PROMPT_SETS
 
-        problems = humaneval_prompts()
-        chosen = problems[:: max(1, len(problems) // prompts)][:prompts]
+        names = [n.strip() for n in prompt_sets.split(",") if n.strip()]
+        unknown = [n for n in names if n not in PROMPT_SETS]
+        if unknown or not names:
+            raise ValueError(f"--prompt-sets: {', '.join(unknown) or 'nothing'} is not one of "
+                             f"{', '.join(PROMPT_SETS)}")
         with contextlib.redirect_stdout(sys.stderr):
+            chosen = {n: PROMPT_SETS[n](prompts) for n in names}
             results = run_bench(model, draft, chosen, block_sizes=sizes, temperatures=temps,
-                                max_tokens=max_tokens, reference=reference, progress=_say)
+                                max_tokens=max_tokens, lookup=lookup, reference=reference,
+                                progress=_say)
         write(results, out, progress=_say)
         print(markdown(results))
 

@@ -6,34 +6,50 @@ import sys
 from pathlib import Path
 
 from dflash2_mlx.bench import add_ratios, markdown, run_bench, summarize, Run
+from dflash2_mlx.engine import Cycle
+from fixtures import drafter_args, write_drafter
 
 
-def test_run_bench_on_tiny_fixtures(llama_dir, dflash2_dir, tmp_path, monkeypatch):
+def test_run_bench_on_tiny_fixtures(llama_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path))
-    results = run_bench(str(llama_dir), str(dflash2_dir), ["def add(a, b):", "Hello there"],
-                        block_sizes=(2, 4, "auto"), temperatures=(0.0, 1.0), max_tokens=16,
-                        reference=False, progress=lambda _: None)
-    greedy = results["T=0"]
+    drafter = write_drafter(tmp_path / "b4", drafter_args(dflash2=True, block_size=4), seed=2)
+    sets = {"code": ["def add(a, b):", "def add(a, b):\n    return a + b\ndef add(a, b):"],
+            "chat": ["Hello there"]}
+    results = run_bench(str(llama_dir), str(drafter), sets, block_sizes=(2, 4, 8, "auto"),
+                        temperatures=(0.0, 1.0), max_tokens=16, reference=False,
+                        progress=lambda _: None)
+    greedy = results["code T=0"]
     assert greedy["greedy_identical"] and greedy["mismatches"] == []
     names = set(greedy["systems"])
-    assert names == {"mlx-lm", "dflash2-mlx b=2", "dflash2-mlx b=4", "dflash2-mlx b=auto"}
+    # 8 is beyond the drafter's block size 4: the hybrid only (its lookup cycles reach it)
+    assert names == {"mlx-lm", "dflash2-mlx b=2", "dflash2-mlx b=4", "dflash2-mlx b=auto",
+                     "hybrid b=2", "hybrid b=4", "hybrid b=8", "hybrid b=auto"}
+    assert max(greedy["systems"]["hybrid b=8"]["position_acceptance_lookup"] and [8]) == 8
     for name, row in greedy["systems"].items():
         assert row["decode_tps"] > 0 and row["requests"] == 2 and row["peak_mb"] > 0
     assert greedy["systems"]["mlx-lm"]["speedup"] == 1.0
-    assert len(greedy["systems"]["dflash2-mlx b=4"]["position_acceptance"]) == 3
-    assert "T=1" in results and "greedy_identical" not in results["T=1"]
+    alone, hybrid = greedy["systems"]["dflash2-mlx b=4"], greedy["systems"]["hybrid b=4"]
+    assert len(alone["position_acceptance"]) == 3 and alone["cycles_lookup"] == 0
+    assert alone["tau_lookup"] is None and hybrid["cycles_lookup"] > 0
+    assert {"code T=1", "chat T=0", "chat T=1"} <= set(results)
+    assert "greedy_identical" not in results["code T=1"]
     table = markdown(results)
-    assert "| dflash2-mlx b=4 |" in table and "greedy outputs identical" in table
+    assert "| hybrid b=4 |" in table and "greedy outputs identical" in table
+    assert "**chat T=0**" in table
     json.dumps(results)
 
 
 def test_summary_pools_positions():
-    runs = [Run([1, 2, 3, 4], 0.1, 1.0, 5.0, accepted=[2, 0], widths=[4, 4]),
-            Run([1, 2], 0.3, 1.0, 7.0, accepted=[1], widths=[4])]
+    runs = [Run([1, 2, 3, 4], 0.1, 1.0, 5.0, [Cycle("drafter", 4, 2), Cycle("drafter", 4, 0)]),
+            Run([1, 2], 0.3, 1.0, 7.0, [Cycle("drafter", 4, 1), Cycle("lookup", 6, 5),
+                                         Cycle("plain", 1, 0), Cycle("lookup", 8, 1)])]
     s = summarize(runs)
     assert s["decode_tps"] == 2.0               # (3 + 1) tokens after the first / 2 s
-    assert s["position_acceptance"] == [2 / 3, 1 / 2, 0.0]
-    assert abs(s["tau"] - (2.0 + 2.0) / 2) < 1e-9 and s["peak_mb"] == 7.0
+    assert s["position_acceptance_drafter"] == [2 / 3, 1 / 2, 0.0]
+    assert s["position_acceptance_lookup"] == [1.0, 0.5, 1.0, 1.0, 1.0, None, None]  # 6, 7 untried
+    assert s["tau_drafter"] == 2.0 and s["tau_lookup"] == 4.0
+    assert abs(s["tau"] - (3 + 1 + 2 + 6 + 2) / 5) < 1e-9 and s["peak_mb"] == 7.0
+    assert s["plain_steps"] == 1 and abs(s["mean_width"] - 27 / 6) < 1e-9
 
 
 def test_cli_bench_rejects_bad_lists(tmp_path):

@@ -7,8 +7,11 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import _get_classes
 
+from types import SimpleNamespace
+
+from dflash2_mlx.adaptive import DRAFTER, LOOKUP, AdaptiveWidth, FixedWidth, measure_costs
 from dflash2_mlx.drafter import Drafter
-from dflash2_mlx.adaptive import FixedWidth
+from dflash2_mlx.lookup import LookupConfig
 from dflash2_mlx.engine import GenerationStats, generate_tokens
 from dflash2_mlx.sampling import Sampling
 from dflash2_mlx.target import TargetAdapter
@@ -110,6 +113,33 @@ def test_real_drafter_greedy_equals_mlx_lm(target):
     out = [t for s in generate_tokens(adapter, drafter, ids, max_tokens=30, sampling=Sampling(),
                                       policy=FixedWidth(8), stop_ids=set()) for t in s]
     assert out == ref, name
+
+
+@pytest.mark.parametrize("with_drafter", [True, False])
+def test_auto_and_lookup_equal_mlx_lm(target, with_drafter):
+    """`auto` and lookup drafting on every family: the cost calibration (which once asked for a
+    rollback without a snapshot and crashed on hybrid targets), then the adaptive policy and a
+    fixed width of 16 (twice the drafter's block size) with lookup on; lookup alone too."""
+    name, model = target
+    drafter = Drafter(drafter_args(block_size=8, layer_ids=(1, 3))) if with_drafter else None
+    adapter = TargetAdapter(model, drafter.args.target_layer_ids if drafter else ())
+    cost = measure_costs(SimpleNamespace(adapter=adapter, drafter=drafter), 16, context=16,
+                         reps=1)
+    assert len(cost.verify) == 16 and len(cost.draft) == (8 if drafter else 1)
+    widths = {LOOKUP: 16, **({DRAFTER: 8} if drafter else {})}
+    prompts = PROMPTS + [PROMPTS[0] + mlx_lm_greedy(model, PROMPTS[0], 20) + PROMPTS[0]]
+    lookup_cycles = 0
+    for ids in prompts:
+        ref = mlx_lm_greedy(model, ids, 40)
+        for policy in (AdaptiveWidth(cost, widths), FixedWidth(16)):
+            stats = GenerationStats()
+            out = [t for s in generate_tokens(adapter, drafter, ids, max_tokens=40,
+                                              sampling=Sampling(), policy=policy,
+                                              stop_ids=set(), lookup=LookupConfig(),
+                                              stats=stats) for t in s]
+            assert out == ref, (name, type(policy).__name__, ids)
+            lookup_cycles += len(stats.drafting(LOOKUP))
+    assert lookup_cycles > 0, f"{name}: the lookup never drafted"
 
 
 def test_gemma_block_embedding_uses_the_targets_scale():

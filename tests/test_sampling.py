@@ -13,6 +13,7 @@ import dflash2_mlx.engine as engine
 from dflash2_mlx.drafter import Drafter, DraftVocab, Proposal
 from dflash2_mlx.adaptive import FixedWidth
 from dflash2_mlx.engine import generate_tokens
+from dflash2_mlx.lookup import LookupConfig
 from dflash2_mlx.sampling import Sampling, rejection_accept
 from dflash2_mlx.target import TargetAdapter
 from fixtures import drafter_args
@@ -66,9 +67,9 @@ def tiny():
     return model, {"dflash": d1, "dflash2": d2, "dflash2-vocab": d2v}
 
 
-def exact_joint(model, sampling: Sampling) -> dict:
+def exact_joint(model, sampling: Sampling, prompt=PROMPT) -> dict:
     """P(t1, t2, t3) of target-only sampling, by enumeration."""
-    seqs = mx.array([PROMPT + [a, b] for a in range(V) for b in range(V)])
+    seqs = mx.array([prompt + [a, b] for a in range(V) for b in range(V)])
     probs = np.array(sampling.probs(model(seqs)[:, -3:]))         # [V*V, 3, V]
     p1 = probs[0, 0]
     p2 = probs[::V, 1]                                            # row a*V: prefix (a, *)
@@ -110,18 +111,26 @@ class NoisyOracle:
         return Proposal(mx.array([tokens], dtype=mx.uint32), mx.stack(qs)[None])
 
 
-def speculative_counts(model, drafter, sampling, n, block_size=3):
-    adapter = TargetAdapter(model, (0,) if drafter == "oracle" else drafter.args.target_layer_ids)
+def speculative_counts(model, drafter, sampling, n, block_size=3, prompt=PROMPT, lookup=None,
+                       sources=None):
+    """Counts of the first three tokens over n seeded runs, and the accepted counts of the
+    drafting cycles (of `sources`, when a list is given to collect them)."""
+    layers = () if drafter is None else (0,) if drafter == "oracle" else \
+        drafter.args.target_layer_ids
+    adapter = TargetAdapter(model, layers)
     drafter = NoisyOracle(model, sampling) if drafter == "oracle" else drafter
     counts, accepted = {}, []
     for seed in range(n):
         stats = engine.GenerationStats()
-        toks = [t for step in generate_tokens(adapter, drafter, PROMPT, max_tokens=4,
+        toks = [t for step in generate_tokens(adapter, drafter, prompt, max_tokens=4,
                                               sampling=sampling, policy=FixedWidth(block_size),
-                                              stop_ids=set(), seed=seed, stats=stats)
+                                              stop_ids=set(), seed=seed, stats=stats,
+                                              lookup=lookup)
                 for t in step][:3]
         counts[tuple(toks)] = counts.get(tuple(toks), 0) + 1
         accepted += stats.accepted
+        if sources is not None:
+            sources += [c.source for c in stats.drafting()]
     return counts, accepted
 
 
@@ -148,6 +157,48 @@ def test_joint_distribution_matches_target(tiny, kind, sampling):
         assert 2 in set(accepted), "no fully accepted block"
     stat, df = chi2(counts, expected, N)
     assert stat < chi2_threshold(df), f"chi2={stat:.1f} df={df}"
+
+
+# A prompt with repeats, and lookup suffixes of one token: most cycles find a match, so the
+# point-mass q of lookup tokens meets every acceptance path.
+LOOKUP_PROMPT = [3, 7, 1, 12, 3, 7, 5, 1, 12, 9, 3]
+
+
+@pytest.mark.parametrize("kind", ["dflash2", None], ids=["with-drafter", "lookup-alone"])
+def test_joint_distribution_with_lookup(tiny, kind):
+    model, drafters = tiny
+    sampling = Sampling(1.0)
+    expected = exact_joint(model, sampling, LOOKUP_PROMPT)
+    sources = []
+    counts, accepted = speculative_counts(model, drafters.get(kind), sampling, N,
+                                          prompt=LOOKUP_PROMPT, lookup=LookupConfig(1, 4),
+                                          sources=sources)
+    looked = [a for a, s in zip(accepted, sources) if s == "lookup"]
+    assert {0, 1, 2} <= set(looked), "lookup cycles must see rejection, partial and full"
+    if kind is not None:
+        assert "drafter" in sources, "the drafter must draft where the lookup finds nothing"
+    stat, df = chi2(counts, expected, N)
+    assert stat < chi2_threshold(df), f"chi2={stat:.1f} df={df}"
+
+
+def test_chi2_has_power_with_lookup(tiny, monkeypatch):
+    """Lookup tokens are a point mass, not draws from the target: an engine that accepted them
+    as if they were (q = p, so always accepted) is caught at the same N.
+
+    Measured when written (N=2000): correct chi2 59 (df 58, threshold 97), trusting 971. A
+    subtler bug, the bonus after a rejection drawn from p instead of p without the rejected
+    token, gives 94: below this N's power (its effect is P(reject) x p(token))."""
+    def trusting(drafts, p, q, key):
+        return rejection_accept(drafts, p, p[:-1], key)
+
+    monkeypatch.setattr(engine, "rejection_accept", trusting)
+    model, _ = tiny
+    sampling = Sampling(1.0)
+    expected = exact_joint(model, sampling, LOOKUP_PROMPT)
+    counts, _ = speculative_counts(model, None, sampling, N, prompt=LOOKUP_PROMPT,
+                                   lookup=LookupConfig(1, 4))
+    stat, df = chi2(counts, expected, N)
+    assert stat > chi2_threshold(df), f"broken sampler not detected: chi2={stat:.1f} df={df}"
 
 
 def test_chi2_has_power(tiny, monkeypatch):
