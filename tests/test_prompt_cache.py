@@ -102,3 +102,46 @@ def test_untrimmable_states_serve_exact_prefixes_only():
     assert cache.stats.recomputed == 1
     assert cache.fetch([1, 2, 7, 7]) == (None, 0)
     assert cache.stats.recomputed == 3
+
+
+def test_hybrid_target_reuses_exact_prefixes_and_recomputes_branches(caplog):
+    """qwen3_5 (GatedDeltaNet layers): the recurrent state cannot be trimmed, so a branch off
+    an entry is recomputed (and logged); a prompt that extends an entry reuses it exactly."""
+    import logging
+
+    import mlx.core as mx
+    from mlx_lm.utils import _get_classes
+
+    from dflash2_mlx.adaptive import FixedWidth
+    from dflash2_mlx.engine import generate_tokens
+    from dflash2_mlx.lookup import LookupConfig
+    from dflash2_mlx.sampling import Sampling
+    from dflash2_mlx.target import TargetAdapter
+    from test_families import CONFIGS
+
+    cfg = CONFIGS["qwen3_5"]
+    model_class, args_class = _get_classes(cfg)
+    mx.random.seed(7)
+    model = model_class(args_class.from_dict(cfg))
+    adapter = TargetAdapter(model)
+    adapter.embed_tokens.weight = adapter.embed_tokens.weight * 4
+    mx.eval(model.parameters())
+
+    def gen(prompt, state=None):
+        out = generate_tokens(adapter, None, prompt, max_tokens=10, sampling=Sampling(),
+                              policy=FixedWidth(4), lookup=LookupConfig(), stop_ids=set(),
+                              state=state)
+        return [t for new in out for t in new]
+
+    prompt = [5, 17, 99, 3, 250, 7, 42, 11, 5, 17, 99]
+    state = DecodeState.new(adapter, None)
+    answer = gen(prompt, state)
+    cache = PromptCache()
+    cache.insert(state)
+    longer = prompt + answer + [9, 8]
+    hit, n = cache.fetch(longer)
+    assert n == len(prompt) + len(answer) - 1
+    assert gen(longer, hit) == gen(longer)
+    with caplog.at_level(logging.DEBUG, logger="dflash2_mlx.prompt_cache"):
+        assert cache.fetch(prompt[:6] + [1, 2, 3]) == (None, 0)
+    assert cache.stats.recomputed == 1 and "cannot be trimmed" in caplog.text
