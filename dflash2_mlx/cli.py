@@ -37,8 +37,14 @@ app = typer.Typer(name=PROG, add_completion=False, no_args_is_help=True,
 
 # --------------------------------------------------------------------------- helpers
 
+_WHO = ""      # " (rank r)" on the ranks > 0 of a pipeline: they report only their errors
+
+
 def _say(line: str) -> None:
-    print(f"{PROG}: {line}", file=sys.stderr, flush=True)
+    if _WHO and not line.startswith("error"):
+        return
+    print(f"{PROG}: {line.replace('error:', f'error{_WHO}:', 1) if _WHO else line}",
+          file=sys.stderr, flush=True)
 
 
 def _show_notice(message, category, filename, lineno, file=None, line=None):
@@ -144,9 +150,10 @@ def _summary(stats) -> str:
             f"{stats.prompt_tokens} prompt tokens")
 
 
-def _load_pipeline(model, draft, omlx_settings, model_id, block_size, lookup, **precision):
+def _load_pipeline(model, draft, omlx_settings, model_id, block_size, lookup, **options):
     """Load as `generate` and `serve` both do: the embedded default without --model, the oMLX
-    entry when asked, flags over the file; check --block-size against the drafter."""
+    entry when asked, flags over the file; check --block-size against the drafter. A follower
+    rank of a pipeline-sharded target serves rank 0 until it is done, then gets None."""
     if model_id is not None and omlx_settings is None:
         raise ValueError("--model-id names an entry of the oMLX settings: add "
                          "--omlx-settings [PATH]")
@@ -170,7 +177,12 @@ def _load_pipeline(model, draft, omlx_settings, model_id, block_size, lookup, **
 
     tic = time.perf_counter()
     with contextlib.redirect_stdout(sys.stderr):
-        pipe = load(model, draft, settings=settings, lookup=lookup, progress=_say, **precision)
+        pipe = load(model, draft, settings=settings, lookup=lookup, progress=_say, **options)
+    if pipe.stage is not None:
+        from .distributed import follow_unless_leader
+
+        if follow_unless_leader(pipe):       # rank 0 writes text, summary and stats
+            return None
     try:
         pipe.block_size(block_size, lookup)
     except ValueError as e:
@@ -229,16 +241,26 @@ def generate(
                                            help="Entry in the oMLX settings (default: --model)"),
     stats_json: Optional[Path] = typer.Option(None, "--stats-json", metavar="PATH",
                                               help="Write statistics and effective settings"),
+    pipeline: bool = typer.Option(False, "--pipeline", help="Split the target's layers across "
+                                  "the ranks started by mlx.launch (rank 0 writes the output)"),
+    pipeline_split: Optional[str] = typer.Option(
+        None, "--pipeline-split", metavar="N,N,...", help="Layers per rank (default: even)"),
+    pipeline_timeout: float = typer.Option(60.0, "--pipeline-timeout", min=1.0,
+                                           help="Seconds a rank may wait for another"),
     verbose: bool = typer.Option(False, "--verbose", help="Effective settings, tracebacks"),
 ):
     """Generate text; it streams to stdout, one summary line goes to stderr."""
     with _errors(verbose):
+        group = _pipeline_group(pipeline, pipeline_split, pipeline_timeout)
         text = sys.stdin.read() if prompt == "-" else prompt
         if not text:
             raise ValueError("--prompt -: standard input was empty")
         pipe = _load_pipeline(model, draft, omlx_settings, model_id, block_size, lookup,
                               draft_bits=draft_bits, draft_group_size=draft_group_size,
-                              dtype=dtype)
+                              dtype=dtype, pipeline=group, pipeline_split=pipeline_split,
+                              pipeline_timeout=pipeline_timeout)
+        if pipe is None:                     # a follower rank: it served rank 0 and is done
+            return
         if verbose:
             _say("settings " + json.dumps(pipe.describe()))
 
@@ -257,6 +279,26 @@ def generate(
                       "settings": {**pipe.describe(), "block_size": chunk.stats.block_size,
                                    "lookup": lookup}}
             stats_json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def _pipeline_group(pipeline: bool, split: str | None, timeout: float):
+    """--pipeline: the launched group (bounded wait for the other ranks); ranks > 0 print
+    only their own errors, tagged with the rank."""
+    global _WHO
+    if not pipeline:
+        if split is not None:
+            raise ValueError("--pipeline-split needs --pipeline")
+        return None
+    from .distributed import init_group
+
+    group = init_group(timeout)
+    if group.size() == 1:
+        _say("note: --pipeline: one rank (not started by mlx.launch): the whole target runs "
+             "here")
+    if group.rank() > 0:
+        _WHO = f" (rank {group.rank()})"
+        warnings.simplefilter("ignore")      # rank 0 reports notices once
+    return group
 
 
 # --------------------------------------------------------------------------- doctor
@@ -296,6 +338,8 @@ def doctor(verbose: bool = typer.Option(False, "--verbose", help="Tracebacks")):
         row("mlx", f"{mx.__version__}, backend {'Metal (GPU)' if metal else 'CPU'}"
             f"{'' if mx.metal.is_available() else ' (Metal not available)'}")
         row("mlx-lm", pkg("mlx-lm"))
+        from .distributed import availability
+        row("distributed", availability())
         if sys.platform.startswith("linux"):
             lib = runtime.find_openblas()
             state = ("active" if runtime.openblas_loaded() else

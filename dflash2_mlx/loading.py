@@ -56,11 +56,13 @@ def is_quantized(model: nn.Module) -> bool:
                for _, m in model.named_modules())
 
 
-def load_target(path_or_id: str | Path, dtype=None, keep_quantized: bool = False):
+def load_target(path_or_id: str | Path, dtype=None, keep_quantized: bool = False,
+                lazy: bool = False):
     """-> (mlx-lm model, mlx-lm TokenizerWrapper, resolved path).
 
     `dtype` casts the float weights; unless `keep_quantized`, quantized layers are dequantized
     first (the CPU backend runs fp32 matmuls through BLAS, quantized ones much slower).
+    `lazy`: leave the weights unread (a pipeline rank then loads only its own).
     """
     text = str(path_or_id)
     if text.endswith(".gguf"):
@@ -77,7 +79,7 @@ def load_target(path_or_id: str | Path, dtype=None, keep_quantized: bool = False
         if path.is_file():
             raise ValueError(f"target model '{path}': expected an mlx-lm model folder or a "
                              ".gguf file")
-        model, tokenizer = mlx_lm_load(str(path))
+        model, tokenizer = mlx_lm_load(str(path), lazy=lazy)
     if dtype is not None:
         if not keep_quantized and is_quantized(model):
             from mlx_lm.utils import dequantize_model
@@ -85,7 +87,8 @@ def load_target(path_or_id: str | Path, dtype=None, keep_quantized: bool = False
             model = dequantize_model(model)
         cast_floats(model, dtype)
     model.eval()
-    mx.eval(model.parameters())
+    if not lazy:
+        mx.eval(model.parameters())
     return model, tokenizer, path
 
 

