@@ -1,5 +1,5 @@
-"""The `dflash2-mlx` command: `generate`, `doctor`, and `train` when the training package is
-installed.
+"""The `dflash2-mlx` command: `generate`, `serve`, `doctor`, `bench`, and `train` when the
+training package is installed.
 
 A thin layer over the Python API (`dflash2_mlx.load`, `Pipeline.stream`): parse flags, load,
 stream, print. MLX and mlx-lm are imported inside the commands, so `--help`, flag errors and
@@ -150,6 +150,50 @@ def _summary(stats) -> str:
             f"{stats.prompt_tokens} prompt tokens")
 
 
+def _load_pipeline(model, draft, omlx_settings, model_id, block_size, lookup, **options):
+    """Load as `generate` and `serve` both do: the embedded default without --model, the oMLX
+    entry when asked, flags over the file; check --block-size against the drafter. A follower
+    rank of a pipeline-sharded target serves rank 0 until it is done, then gets None."""
+    if model_id is not None and omlx_settings is None:
+        raise ValueError("--model-id names an entry of the oMLX settings: add "
+                         "--omlx-settings [PATH]")
+    settings = None
+    default_draft = None
+    with contextlib.redirect_stdout(sys.stderr):       # downloads may print progress
+        if model is None:
+            model, default_draft = _default_pair()
+    if omlx_settings is not None:
+        from .omlx import load_omlx_settings
+
+        settings = load_omlx_settings(omlx_settings or None, model_id=model_id or model)
+        if default_draft and settings.draft_model is None:
+            settings = dataclasses.replace(settings, draft_model=default_draft)
+        settings.check(draft)        # fail before loading anything
+    elif draft is None:
+        draft = default_draft
+    _openblas_hint()
+
+    from .pipeline import load
+
+    tic = time.perf_counter()
+    with contextlib.redirect_stdout(sys.stderr):
+        pipe = load(model, draft, settings=settings, lookup=lookup, progress=_say, **options)
+    if pipe.stage is not None:
+        from .distributed import follow_unless_leader
+
+        if follow_unless_leader(pipe):       # rank 0 writes text, summary and stats
+            return None
+    try:
+        pipe.block_size(block_size, lookup)
+    except ValueError as e:
+        raise ValueError(f"--block-size {block_size}: {e}") from e
+    if pipe.drafter is None and settings is None:
+        _say("note: no drafter (--draft): " + ("lookup drafting from the context only"
+                                               if lookup else "plain target decoding"))
+    _say(f"ready in {time.perf_counter() - tic:.1f} s")
+    return pipe
+
+
 # --------------------------------------------------------------------------- generate
 
 @app.command()
@@ -208,49 +252,15 @@ def generate(
     """Generate text; it streams to stdout, one summary line goes to stderr."""
     with _errors(verbose):
         group = _pipeline_group(pipeline, pipeline_split, pipeline_timeout)
-        if model_id is not None and omlx_settings is None:
-            raise ValueError("--model-id names an entry of the oMLX settings: add "
-                             "--omlx-settings [PATH]")
-        settings = None
-        default_draft = None
-        with contextlib.redirect_stdout(sys.stderr):       # downloads may print progress
-            if model is None:
-                model, default_draft = _default_pair()
-        if omlx_settings is not None:
-            from .omlx import load_omlx_settings
-
-            settings = load_omlx_settings(omlx_settings or None, model_id=model_id or model)
-            if default_draft and settings.draft_model is None:
-                settings = dataclasses.replace(settings, draft_model=default_draft)
-            settings.check(draft)        # fail before loading anything
-        elif draft is None:
-            draft = default_draft
         text = sys.stdin.read() if prompt == "-" else prompt
         if not text:
             raise ValueError("--prompt -: standard input was empty")
-        _openblas_hint()
-
-        from .pipeline import load
-
-        tic = time.perf_counter()
-        with contextlib.redirect_stdout(sys.stderr):
-            pipe = load(model, draft, settings=settings, draft_bits=draft_bits,
-                        draft_group_size=draft_group_size, dtype=dtype, lookup=lookup,
-                        progress=_say, pipeline=group, pipeline_split=pipeline_split,
-                        pipeline_timeout=pipeline_timeout)
-        if group is not None:
-            from .distributed import follow_unless_leader
-
-            if follow_unless_leader(pipe):       # rank 0 writes text, summary and stats
-                return
-        try:
-            pipe.block_size(block_size, lookup)
-        except ValueError as e:
-            raise ValueError(f"--block-size {block_size}: {e}") from e
-        if pipe.drafter is None and settings is None:
-            _say("note: no drafter (--draft): " + ("lookup drafting from the context only"
-                                                   if lookup else "plain target decoding"))
-        _say(f"ready in {time.perf_counter() - tic:.1f} s")
+        pipe = _load_pipeline(model, draft, omlx_settings, model_id, block_size, lookup,
+                              draft_bits=draft_bits, draft_group_size=draft_group_size,
+                              dtype=dtype, pipeline=group, pipeline_split=pipeline_split,
+                              pipeline_timeout=pipeline_timeout)
+        if pipe is None:                     # a follower rank: it served rank 0 and is done
+            return
         if verbose:
             _say("settings " + json.dumps(pipe.describe()))
 
@@ -431,6 +441,86 @@ def bench(
                                 progress=_say)
         write(results, out, progress=_say)
         print(markdown(results))
+
+
+# --------------------------------------------------------------------------- serve
+
+@app.command()
+def serve(
+    model: Optional[str] = typer.Option(
+        None, "--model", help="Target: mlx-lm model folder, hub id or .gguf file "
+        "(default: the embedded default)"),
+    draft: Optional[str] = typer.Option(
+        None, "--draft", "--draft-model", help="DFlash / DFlash 2 drafter folder or hub id "
+        "(default: the oMLX setting, else the embedded default's)"),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on"),
+    port: int = typer.Option(8080, "--port", min=0, max=65535, help="Port; 0 = any free one"),
+    block_size: Optional[str] = typer.Option(
+        None, "--block-size", callback=_block_size, metavar="{1..B,auto}",
+        help="Rows verified per cycle, 1..the widest block of the drafter or the lookup, or "
+        "'auto' (default: the oMLX setting, else auto)"),
+    lookup: bool = typer.Option(True, "--lookup/--no-lookup",
+                                help="Also draft by lookup in the context (default: on)"),
+    draft_bits: Optional[str] = typer.Option(
+        None, "--draft-bits", callback=_choice(runtime.DRAFT_BITS, int), metavar="{4,8,16}",
+        help="Drafter weight bits; 16 = unquantized"),
+    draft_group_size: Optional[str] = typer.Option(
+        None, "--draft-group-size", metavar="{32,64,128}",
+        callback=_choice(runtime.DRAFT_GROUP_SIZES, int), help="Quantization group size"),
+    dtype: Optional[str] = typer.Option(
+        None, "--dtype", callback=_choice(runtime.DTYPES), metavar="{float32,float16,bfloat16}",
+        help="Float weight dtype"),
+    omlx_settings: Optional[str] = typer.Option(
+        None, "--omlx-settings", metavar="[PATH]", help="Read oMLX's model_settings.json"),
+    model_id: Optional[str] = typer.Option(None, "--model-id",
+                                           help="Entry in the oMLX settings (default: --model)"),
+    api_key: Optional[str] = typer.Option(
+        None, "--api-key", envvar="DFLASH2_API_KEY", help="Require this key (Authorization: "
+        "Bearer KEY or x-api-key: KEY); also read from $DFLASH2_API_KEY"),
+    max_tokens: int = typer.Option(4096, "--max-tokens", min=1,
+                                   help="Most tokens one request may generate"),
+    context_length: Optional[int] = typer.Option(
+        None, "--context-length", min=2, help="Prompt + completion tokens (default: the "
+        "target's max_position_embeddings)"),
+    max_body_bytes: int = typer.Option(4 * 2**20, "--max-body-bytes", min=1024,
+                                       help="Largest request body"),
+    queue_size: int = typer.Option(16, "--queue-size", min=1,
+                                   help="Requests that may wait for the model; more get 429"),
+    prompt_cache_size: int = typer.Option(8, "--prompt-cache-size", min=0,
+                                          help="Prefix-cache entries; 0 turns the cache off"),
+    prompt_cache_bytes: int = typer.Option(2 * 2**30, "--prompt-cache-bytes", min=0,
+                                           help="Most bytes the prefix cache holds"),
+    shutdown_timeout: float = typer.Option(
+        5.0, "--shutdown-timeout", min=0.0, help="Seconds in-flight requests get to finish "
+        "on Ctrl-C / SIGTERM before they are cancelled"),
+    verbose: bool = typer.Option(False, "--verbose", help="Debug logs, tracebacks"),
+):
+    """Serve OpenAI- and Anthropic-compatible HTTP APIs (needs the `serve` extra)."""
+    with _errors(verbose):
+        try:
+            from . import server
+        except ImportError as e:
+            if e.name not in ("fastapi", "uvicorn", "starlette", "pydantic"):
+                raise
+            raise ValueError(f"serve needs the serve extra ({e.name} is missing): pip install "
+                             "'dflash2-mlx[serve]'") from None
+        import logging
+
+        logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                            format=f"{PROG}: %(levelname)s %(name)s: %(message)s")
+        pipe = _load_pipeline(model, draft, omlx_settings, model_id, block_size, lookup,
+                              draft_bits=draft_bits, draft_group_size=draft_group_size,
+                              dtype=dtype)
+        context = context_length or getattr(getattr(pipe.target, "args", None),
+                                           "max_position_embeddings", None)
+        config = server.ServerConfig(
+            model_id=server.model_id_for(pipe.info["model"]), max_tokens=max_tokens,
+            context_length=context or 4096, max_body_bytes=max_body_bytes,
+            queue_size=queue_size, api_key=api_key, block_size=block_size,
+            prompt_cache_size=prompt_cache_size, prompt_cache_bytes=prompt_cache_bytes)
+        server.serve(pipe, config, host=host, port=port, shutdown_timeout=shutdown_timeout,
+                     ready=lambda url: _say(f"serving {config.model_id} on {url}"))
+        _say("stopped")
 
 
 # --------------------------------------------------------------------------- train (optional)

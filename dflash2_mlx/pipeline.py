@@ -251,7 +251,10 @@ def _drafting_plan(draft: str | None, settings: OmlxSettings | None) -> str | No
                 f"given explicitly ({draft}): using it")
         return draft
     if why:
-        _notice(f"{settings.source}: model '{settings.model_id}': {why}: plain target decoding")
+        # "off" turns speculation off; a disabled DFlash only drops the drafter (the lookup,
+        # exact and free, follows `lookup`)
+        what = "plain target decoding" if settings.verify_mode == "off" else "no drafter"
+        _notice(f"{settings.source}: model '{settings.model_id}': {why}: {what}")
         return None
     return draft if draft is not None else settings.draft_model
 
@@ -340,7 +343,7 @@ def load(model: str | None = None, draft: str | None = None, *,
             "omlx_settings": settings.source if settings else None,
             "model_id": settings.model_id if settings else None}
     pipe = Pipeline(target, tokenizer, drafter, max_ctx=s.max_ctx, info=info,
-                    lookup=check_lookup(lookup),
+                    lookup=check_lookup(lookup) and s.verify_mode != "off",
                     block_size=_settings_block_size(settings, drafter))
     pipe.progress = progress
     if plan is not None:

@@ -1,0 +1,541 @@
+"""`dflash2-mlx serve` as a real subprocess on loopback, driven by the real `openai` and
+`anthropic` clients, on the tiny fixtures; outputs compared with `Pipeline.generate`.
+
+The main server starts once per module (port 0: it prints the port it got); the tool-call and
+shutdown tests start their own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+anthropic = pytest.importorskip("anthropic")
+httpx = pytest.importorskip("httpx")
+
+import dflash2_mlx  # noqa: E402
+from fixtures import CHAT_TEMPLATE, write_target  # noqa: E402
+
+KEY = "test-key-123"
+CAP = 96                 # --max-tokens
+CONTEXT = 512            # --context-length
+BODY = 64 * 1024         # --max-body-bytes
+BLOCK = 8                # a fixed width: "auto" would time cycles, so seeded runs could differ
+T0 = {"temperature": 0}  # the anthropic client has no sampling arguments; the API has them
+
+
+class Server:
+    """A `dflash2-mlx serve` subprocess; `url` once it printed its address."""
+
+    def __init__(self, *args):
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dflash2_mlx.cli", "serve", "--port", "0", "--block-size",
+             str(BLOCK), *map(str, args)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        self.log: list[str] = []
+        deadline = time.time() + 120
+        self.url = None
+        while self.url is None:
+            line = self.proc.stderr.readline()
+            if not line:
+                raise RuntimeError("the server exited before it was ready:\n" + "".join(self.log))
+            self.log.append(line)
+            if m := re.search(r"serving \S+ on (http://\S+)", line):
+                self.url = m.group(1)
+            if time.time() > deadline:
+                raise RuntimeError("the server did not get ready:\n" + "".join(self.log))
+        self._drain = threading.Thread(target=lambda: self.log.extend(self.proc.stderr),
+                                       daemon=True)
+        self._drain.start()
+
+    def stop(self, sig=signal.SIGTERM, timeout=30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        rc = self.proc.wait(timeout)
+        self._drain.join(5)
+        return rc
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=10).json()
+
+
+@pytest.fixture(scope="module")
+def pipe(llama_dir, dflash2_dir):
+    p = dflash2_mlx.load(str(llama_dir), str(dflash2_dir))
+    p.default_block_size = BLOCK          # what the servers below run with
+    return p
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir, dflash2_dir):
+    s = Server("--model", llama_dir, "--draft", dflash2_dir, "--api-key", KEY,
+               "--max-tokens", CAP, "--context-length", CONTEXT, "--max-body-bytes", BODY,
+               "--queue-size", 8)
+    yield s
+    assert s.stop() == 0, "".join(s.log)
+    assert "Traceback" not in "".join(s.log), "".join(s.log)
+
+
+@pytest.fixture(scope="module")
+def oa(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def an(server):
+    return anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0, timeout=60)
+
+
+def chat_ids(pipe, messages, tools=None) -> list[int]:
+    """The prompt the server renders for these messages (what Pipeline.encode does for one)."""
+    text = pipe.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                              add_generation_prompt=True)
+    return pipe.tokenizer.encode(text, add_special_tokens=False)
+
+
+# --------------------------------------------------------------------------- OpenAI
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 1.0, "seed": 7}],
+                         ids=["greedy", "seeded-T1"])
+def test_chat_equals_pipeline_generate(pipe, oa, sampling):
+    prompt = "def add(a, b):"
+    want = pipe.generate(prompt, max_tokens=24, **sampling)
+    msgs = [{"role": "user", "content": prompt}]
+    got = oa.chat.completions.create(model="llama", messages=msgs, max_tokens=24, **sampling)
+    assert got.choices[0].message.content == want.text
+    assert got.choices[0].finish_reason == ("stop" if want.finish_reason == "stop" else "length")
+    assert got.usage.prompt_tokens == len(pipe.encode(prompt))
+    assert got.usage.completion_tokens == len(want.tokens)
+    ext = got.usage.model_extra["dflash2"]
+    assert ext["cycles"] == want.stats.cycles and ext["tau"] == pytest.approx(want.stats.tau)
+
+    stream = oa.chat.completions.create(model="llama", messages=msgs, max_tokens=24,
+                                        stream=True, stream_options={"include_usage": True},
+                                        **sampling)
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == \
+        got.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.tokens)
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completions_and_models(pipe, oa):
+    want = pipe.generate("def add(a, b):", max_tokens=12, chat_template=False)
+    got = oa.completions.create(model="llama", prompt="def add(a, b):", max_tokens=12,
+                                temperature=0)
+    assert got.choices[0].text == want.text
+    streamed = "".join(c.choices[0].text for c in oa.completions.create(
+        model="llama", prompt="def add(a, b):", max_tokens=12, temperature=0, stream=True))
+    assert streamed == want.text
+    assert [m.id for m in oa.models.list()] == ["llama"]
+
+
+def test_stop_strings_across_token_boundaries(pipe, oa):
+    msgs = [{"role": "user", "content": "for i in range(10):"}]
+    full = pipe.generate(chat_ids(pipe, msgs), max_tokens=40).text
+    # a stop string that straddles two chunks (tokens) of the stream, not at the very start
+    pieces = [c.text for c in pipe.stream(chat_ids(pipe, msgs), max_tokens=40)]
+    bounds = [sum(map(len, pieces[:i])) for i in range(1, len(pieces))]
+    stop = next(full[b - 1: b + 1] for b in bounds
+                if b >= 1 and len(full[b - 1: b + 1]) == 2 and full.index(full[b - 1: b + 1]) == b - 1)
+    want = full[: full.index(stop)]
+    got = oa.chat.completions.create(model="llama", messages=msgs, max_tokens=40,
+                                     temperature=0, stop=[stop, "never-there"])
+    assert got.choices[0].message.content == want
+    assert got.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].delta.content or "" for c in oa.chat.completions.create(
+        model="llama", messages=msgs, max_tokens=40, temperature=0, stop=stop, stream=True)
+        if c.choices)
+    assert streamed == want
+
+
+# --------------------------------------------------------------------------- Anthropic
+
+def test_anthropic_messages_system_stream_and_stop(pipe, an):
+    msgs = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "def add(a, b):"}]
+    want = pipe.generate(chat_ids(pipe, msgs), max_tokens=20)
+    got = an.messages.create(model="llama", max_tokens=20, extra_body=T0, system="Be brief.",
+                             messages=[{"role": "user", "content": "def add(a, b):"}])
+    assert got.content[0].type == "text" and got.content[0].text == want.text
+    assert got.stop_reason == ("end_turn" if want.finish_reason == "stop" else "max_tokens")
+    assert got.usage.output_tokens == len(want.tokens)
+    assert got.usage.input_tokens + got.usage.cache_read_input_tokens == len(chat_ids(pipe, msgs))
+
+    with an.messages.stream(model="llama", max_tokens=20, extra_body=T0, system="Be brief.",
+                            messages=[{"role": "user", "content": "def add(a, b):"}]) as s:
+        kinds = [e.type for e in s]
+        final = s.get_final_message()
+    assert final.content[0].text == want.text
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert "content_block_delta" in kinds and "message_delta" in kinds
+
+    stop = want.text[3:5]
+    cut = an.messages.create(model="llama", max_tokens=20, extra_body=T0, system="Be brief.",
+                             stop_sequences=[stop],
+                             messages=[{"role": "user", "content": "def add(a, b):"}])
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
+    assert cut.content[0].text == want.text[: want.text.index(stop)]
+
+
+# --------------------------------------------------------------------------- prefix cache
+
+def test_three_turns_reuse_the_prefix_and_match_uncached_output(pipe, oa, an):
+    from dflash2_mlx.prompt_cache import common_prefix
+
+    msgs = [{"role": "system", "content": "You are a small assistant, turn by turn."}]
+    cached, prompts = [], []
+    for turn in ("def add(a, b):", "for i in range(10):", "class Stack:"):
+        msgs.append({"role": "user", "content": turn})
+        prompts.append(chat_ids(pipe, msgs))
+        want = pipe.generate(prompts[-1], max_tokens=16)        # no cache at all
+        got = oa.chat.completions.create(model="llama", messages=msgs, max_tokens=16,
+                                         temperature=0)
+        assert got.choices[0].message.content == want.text
+        assert got.usage.model_extra["dflash2"]["cached_tokens"] == \
+            got.usage.prompt_tokens_details.cached_tokens
+        cached.append(got.usage.prompt_tokens_details.cached_tokens)
+        msgs.append({"role": "assistant", "content": want.text})
+    # later turns reuse at least the previous turn's whole prompt (its state also covers the
+    # answer); the first shares only the template's opening with earlier requests
+    for i in (1, 2):
+        assert cached[i] >= common_prefix(prompts[i - 1], prompts[i][:-1]) > cached[i - 1], \
+            cached
+    # seeded sampling with a hit is the same as without
+    again = oa.chat.completions.create(model="llama", messages=msgs[:-1], max_tokens=16,
+                                       temperature=1.0, seed=3)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    want = pipe.generate(chat_ids(pipe, msgs[:-1]), max_tokens=16, temperature=1.0, seed=3)
+    assert again.choices[0].message.content == want.text
+    # Anthropic reports the same reuse as cache_read_input_tokens
+    sys_msg, rest = msgs[0]["content"], msgs[1:-1]
+    a = an.messages.create(model="llama", max_tokens=8, extra_body=T0, system=sys_msg,
+                           messages=rest)
+    assert a.usage.cache_read_input_tokens > 0
+
+
+# --------------------------------------------------------------------------- concurrency
+
+def test_eight_concurrent_clients_three_requests_each(pipe, oa):
+    prompts = [[f"client {i} turn {j}: def f{i}{j}(x):" for j in range(3)] for i in range(8)]
+    want = {p: pipe.generate(p, max_tokens=12).text for row in prompts for p in row}
+
+    def client(row):
+        out = []
+        for p in row:
+            r = oa.chat.completions.create(model="llama", max_tokens=12, temperature=0,
+                                           messages=[{"role": "user", "content": p}])
+            out.append((p, r.choices[0].message.content))
+        return out
+
+    with ThreadPoolExecutor(8) as pool:
+        results = [x for row in pool.map(client, prompts) for x in row]
+    assert len(results) == 24
+    assert all(got == want[p] for p, got in results)
+
+
+def test_full_queue_answers_429_and_the_server_recovers(server, oa):
+    body = {"model": "llama", "max_tokens": CAP, "temperature": 0,
+            "messages": [{"role": "user", "content": "count:"}]}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with ThreadPoolExecutor(14) as pool:
+        codes = list(pool.map(lambda _: httpx.post(server.url + "/v1/chat/completions",
+                                                   json=body, headers=headers,
+                                                   timeout=120).status_code, range(14)))
+    assert 429 in codes and 200 in codes and set(codes) <= {200, 429}, codes
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
+    assert r.status_code == 200
+
+
+def test_disconnect_mid_stream_cancels_then_next_request_works(server, pipe, oa):
+    before = server.health()["cancelled"]
+    body = {"model": "llama", "max_tokens": CAP, "temperature": 0, "stream": True,
+            "messages": [{"role": "user", "content": "The quick brown fox"}]}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(3)]         # role chunk, then generated text
+        assert got[0].startswith("data: ")
+    deadline = time.time() + 20
+    while (h := server.health())["cancelled"] == before or h["busy"]:
+        assert time.time() < deadline, h
+        time.sleep(0.05)
+    r = oa.chat.completions.create(model="llama", max_tokens=10, temperature=0,
+                                   messages=[{"role": "user", "content": "def add(a, b):"}])
+    assert r.choices[0].message.content == pipe.generate("def add(a, b):", max_tokens=10).text
+
+
+# --------------------------------------------------------------------------- bad input
+
+def _post(server, path, body=None, raw=None, key=KEY, headers=None):
+    h = {"content-type": "application/json", **(headers or {})}
+    if key is not None:
+        h["x-api-key" if path == "/v1/messages" else "Authorization"] = \
+            key if path == "/v1/messages" else f"Bearer {key}"
+    data = raw if raw is not None else json.dumps(body).encode()
+    return httpx.post(server.url + path, content=data, headers=h, timeout=30)
+
+
+CHAT = "/v1/chat/completions"
+MSG = "/v1/messages"
+OK_CHAT = {"model": "llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+OK_MSG = {"model": "llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+LONG = "the quick brown fox " * 200                       # far beyond CONTEXT tokens
+
+BAD = [
+    # (name, path, body or raw bytes, status, words the message must contain, param)
+    ("malformed json", CHAT, b'{"model": "llama", ', 400, "not valid JSON", None),
+    ("malformed json anthropic", MSG, b"{nope", 400, "not valid JSON", None),
+    ("NaN is not JSON", CHAT, b'{"model": "llama", "messages": [], "temperature": NaN}', 400,
+     "NaN", None),
+    ("body not an object", CHAT, b"[1, 2]", 400, "JSON object", None),
+    ("body too large", CHAT, b'{"x": "' + b"a" * BODY + b'"}', 413, "limit", None),
+    ("body too large anthropic", MSG, b'{"x": "' + b"a" * BODY + b'"}', 413, "limit", None),
+    ("unknown model", CHAT, {**OK_CHAT, "model": "gpt-4"}, 404, "does not exist", "model"),
+    ("a path as model", CHAT, {**OK_CHAT, "model": "/etc/passwd"}, 404, "does not exist",
+     "model"),
+    ("unknown model anthropic", MSG, {**OK_MSG, "model": "claude"}, 404, "does not exist", None),
+    ("temperature wrong type", CHAT, {**OK_CHAT, "temperature": "hot"}, 400, "valid number",
+     "temperature"),
+    ("max_tokens as string", CHAT, {**OK_CHAT, "max_tokens": "5"}, 400, "valid integer",
+     "max_tokens"),
+    ("messages wrong type", CHAT, {**OK_CHAT, "messages": "hi"}, 400, "valid list", "messages"),
+    ("bad role", CHAT, {**OK_CHAT, "messages": [{"role": "robot", "content": "x"}]}, 400,
+     "role", "messages.0.role"),
+    ("no messages", CHAT, {**OK_CHAT, "messages": []}, 400, "at least 1", "messages"),
+    ("image part", CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "text", None),
+    ("negative temperature", CHAT, {**OK_CHAT, "temperature": -1}, 400, "temperature",
+     "temperature"),
+    ("top_p 0", CHAT, {**OK_CHAT, "top_p": 0}, 400, "top_p", "top_p"),
+    ("top_p above 1", CHAT, {**OK_CHAT, "top_p": 1.5}, 400, "top_p", "top_p"),
+    ("negative top_k", CHAT, {**OK_CHAT, "top_k": -1}, 400, "top_k", "top_k"),
+    ("negative seed", CHAT, {**OK_CHAT, "seed": -1}, 400, "greater than or equal", "seed"),
+    ("n = 2", CHAT, {**OK_CHAT, "n": 2}, 400, "n = 1", "n"),
+    ("max_tokens 0", CHAT, {**OK_CHAT, "max_tokens": 0}, 400, "greater than or equal",
+     "max_tokens"),
+    ("max_tokens above the cap", CHAT, {**OK_CHAT, "max_tokens": CAP + 1}, 400, "limit",
+     "max_tokens"),
+    ("max_completion_tokens above the cap", CHAT, {**OK_CHAT, "max_completion_tokens": 10**6},
+     400, "limit", "max_completion_tokens"),
+    ("prompt longer than the context", CHAT,
+     {**OK_CHAT, "messages": [{"role": "user", "content": LONG}]}, 400, "context", "messages"),
+    ("empty stop string", CHAT, {**OK_CHAT, "stop": [""]}, 400, "stop", "stop"),
+    ("tool call arguments not JSON", CHAT, {**OK_CHAT, "messages": [
+        {"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {
+            "name": "f", "arguments": "{oops"}}]}]}, 400, "not valid JSON", None),
+    ("completions: two prompts", "/v1/completions",
+     {"model": "llama", "prompt": ["a", "b"], "max_tokens": 4}, 400, "one prompt", "prompt"),
+    ("completions: token id out of range", "/v1/completions",
+     {"model": "llama", "prompt": [10**6], "max_tokens": 4}, 400, "vocabulary", "prompt"),
+    ("anthropic: max_tokens missing", MSG, {"model": "llama", "messages": OK_MSG["messages"]},
+     400, "max_tokens", None),
+    ("anthropic: bad top_p", MSG, {**OK_MSG, "top_p": 2}, 400, "top_p", None),
+    ("anthropic: tool_result in an assistant turn", MSG, {**OK_MSG, "messages": [
+        {"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "x",
+                                           "content": "1"}]}]}, 400, "user turn", None),
+]
+
+
+def test_bad_inputs_get_clear_errors_in_each_apis_shape(server, pipe):
+    # a prompt that fits the context but leaves less room than max_tokens asks for
+    words = "the quick brown fox "
+    n = next(n for n in range(1, 400) if len(chat_ids(pipe, [
+        {"role": "user", "content": words * n}])) > CONTEXT - CAP + 8)
+    assert len(chat_ids(pipe, [{"role": "user", "content": words * n}])) < CONTEXT
+    beyond = ("prompt + max_tokens beyond the context", CHAT, {**OK_CHAT, "messages": [
+        {"role": "user", "content": words * n}], "max_tokens": CAP}, 400, "at most",
+        "max_tokens")
+    for name, path, body, status, words, param in BAD + [beyond]:
+        raw = body if isinstance(body, bytes) else None
+        r = _post(server, path, body=None if raw else body, raw=raw)
+        assert r.status_code == status, (name, r.status_code, r.text)
+        err = r.json()
+        if path == MSG:
+            assert err["type"] == "error" and err["error"]["type"] in (
+                "invalid_request_error", "not_found_error", "request_too_large"), (name, err)
+            message = err["error"]["message"]
+        else:
+            assert set(err["error"]) == {"message", "type", "param", "code"}, (name, err)
+            message = err["error"]["message"]
+            if param is not None:
+                assert err["error"]["param"] == param, (name, err)
+        assert words.lower() in message.lower(), (name, message)
+    # authentication: missing and wrong keys, both shapes
+    for path, ok in ((CHAT, OK_CHAT), (MSG, OK_MSG)):
+        for key in (None, "wrong", KEY + "x"):
+            r = _post(server, path, ok, key=key)
+            assert r.status_code == 401, (path, key, r.text)
+            assert ("authentication_error" if path == MSG else "invalid_api_key") in r.text
+    assert httpx.get(server.url + "/v1/models", timeout=10).status_code == 401
+    assert httpx.get(server.url + "/v1/nothing", timeout=10).json()["error"]["message"]
+    # still serving, and correctly
+    r = _post(server, CHAT, {**OK_CHAT, "temperature": 0, "max_tokens": 8})
+    assert r.status_code == 200
+    assert r.json()["choices"][0]["message"]["content"] == pipe.generate("hi", max_tokens=8).text
+    assert server.health()["status"] == "ok"
+
+
+# --------------------------------------------------------------------------- tool calls
+
+TOOL_CALL = '{"name":"get_weather","arguments":{"city":"Paris"}}'
+TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:\n{% for tool in tools %}{{ tool | tojson }}\n"
+    "{% endfor %}Call one as <tool_call>{...}</tool_call><|im_end|>\n{% endif %}"
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message.tool_calls %}{% for tool_call in message.tool_calls %}"
+    "{% set tool_call = tool_call.function %}<tool_call>{\"name\":\"{{ tool_call.name }}\","
+    "\"arguments\":{{ tool_call.arguments | tojson }}}</tool_call>{% endfor %}"
+    "{% else %}{{ message['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def write_tool_target(folder: Path) -> Path:
+    """A llama whose greedy answer to any chat prompt is `<tool_call>TOOL_CALL</tool_call>`
+    then <|im_end|>: every layer adds nothing (o_proj, down_proj zero), so the next token
+    depends on the current one only, and the head maps a chain of tokens one to the next."""
+    import mlx.core as mx
+    from tokenizers import Tokenizer
+
+    write_target(folder, "llama", seed=5)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.add_tokens(["<tool_call>", "</tool_call>", TOOL_CALL])
+    tok.save(str(folder / "tokenizer.json"))
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = TOOL_TEMPLATE
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert "tool_call.name" in TOOL_TEMPLATE and CHAT_TEMPLATE   # mlx-lm infers json_tools
+
+    ids = [tok.token_to_id(t) for t in ("<tool_call>", TOOL_CALL, "</tool_call>",
+                                         "<|im_end|>")]
+    newline = tok.encode("<|im_start|>assistant\n").ids[-1]   # every chat prompt ends so
+    chain = list(zip([newline] + ids[:-1], ids))
+    w = dict(mx.load(str(folder / "model.safetensors")))
+    for k in w:
+        if k.endswith(("o_proj.weight", "down_proj.weight")):
+            w[k] = mx.zeros_like(w[k])
+    embed, head = w["model.embed_tokens.weight"], w["lm_head.weight"]
+    dims = len(chain)
+    head = head * (mx.arange(head.shape[1]) >= dims)        # no other token reads dims 0..3
+    for d, (src, dst) in enumerate(chain):
+        one = (mx.arange(embed.shape[1]) == d).astype(embed.dtype)
+        embed[src] = one * 4.0
+        head[dst] = one * 10.0
+    w["model.embed_tokens.weight"], w["lm_head.weight"] = embed, head
+    mx.save_safetensors(str(folder / "model.safetensors"), w)
+    return folder
+
+
+def test_tool_calls_openai_and_anthropic(tmp_path, dflash2_dir):
+    target = write_tool_target(tmp_path / "tools")
+    s = Server("--model", target, "--draft", dflash2_dir, "--max-tokens", 32)
+    try:
+        oa = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        msgs = [{"role": "user", "content": "Weather in Paris?"}]
+        r = oa.chat.completions.create(model="tools", messages=msgs, tools=[WEATHER],
+                                       max_tokens=16, temperature=0)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and not choice.message.content
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather"
+        assert json.loads(call.function.arguments) == {"city": "Paris"}
+        # the tools reach the template: the prompt is longer with them
+        plain = oa.chat.completions.create(model="tools", messages=msgs, max_tokens=16,
+                                           temperature=0)
+        assert r.usage.prompt_tokens > plain.usage.prompt_tokens + 10
+        # without tools the markers are plain text
+        assert plain.choices[0].message.content == f"<tool_call>{TOOL_CALL}</tool_call>"
+        assert plain.choices[0].finish_reason == "stop" and not plain.choices[0].message.tool_calls
+
+        chunks = list(oa.chat.completions.create(model="tools", messages=msgs, tools=[WEATHER],
+                                                 max_tokens=16, temperature=0, stream=True))
+        deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+        assert [(d.index, d.function.name) for d in deltas] == [(0, "get_weather")]
+        assert json.loads(deltas[0].function.arguments) == {"city": "Paris"}
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+        # the next turn: the assistant's call and the tool's answer go back through the template
+        follow = oa.chat.completions.create(model="tools", tools=[WEATHER], max_tokens=4,
+                                            temperature=0, messages=msgs + [
+            {"role": "assistant", "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": "sunny"}])
+        assert follow.usage.prompt_tokens > r.usage.prompt_tokens
+
+        an = anthropic.Anthropic(base_url=s.url, api_key="none", max_retries=0, timeout=60)
+        tool = {"name": "get_weather", "description": "Weather of a city",
+                "input_schema": WEATHER["function"]["parameters"]}
+        m = an.messages.create(model="tools", max_tokens=16, extra_body=T0, tools=[tool],
+                               messages=msgs)
+        assert m.stop_reason == "tool_use"
+        (use,) = [b for b in m.content if b.type == "tool_use"]
+        assert use.name == "get_weather" and use.input == {"city": "Paris"}
+        with an.messages.stream(model="tools", max_tokens=16, extra_body=T0, tools=[tool],
+                                messages=msgs) as st:
+            final = st.get_final_message()
+        assert final.stop_reason == "tool_use" and final.content[-1].input == {"city": "Paris"}
+        m2 = an.messages.create(model="tools", max_tokens=4, extra_body=T0, tools=[tool],
+                                messages=msgs + [
+            {"role": "assistant", "content": [{"type": "tool_use", "id": use.id,
+                                               "name": use.name, "input": use.input}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                          "content": "sunny"}]}])
+        assert m2.usage.input_tokens + m2.usage.cache_read_input_tokens > \
+            m.usage.input_tokens + m.usage.cache_read_input_tokens
+    finally:
+        assert s.stop() == 0, "".join(s.log)
+
+
+# --------------------------------------------------------------------------- shutdown
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_shutdown_with_a_request_in_flight_exits_0(llama_dir, dflash2_dir, sig):
+    s = Server("--model", llama_dir, "--draft", dflash2_dir, "--max-tokens", 4000,
+               "--shutdown-timeout", 1)
+    seen, ended = [], threading.Event()
+
+    def client():
+        body = {"model": "llama", "max_tokens": 4000, "temperature": 0, "stream": True,
+                "messages": [{"role": "user", "content": "count"}]}
+        try:
+            with httpx.stream("POST", s.url + "/v1/chat/completions", json=body,
+                              timeout=60) as r:
+                for line in r.iter_lines():
+                    seen.append(line)
+        except httpx.HTTPError:
+            pass              # the connection may be cut once the grace period is over
+        ended.set()
+
+    t = threading.Thread(target=client, daemon=True)
+    t.start()
+    deadline = time.time() + 30
+    while len(seen) < 4:
+        assert time.time() < deadline
+        time.sleep(0.02)
+    tic = time.time()
+    rc = s.stop(sig)
+    assert rc == 0, "".join(s.log)
+    assert time.time() - tic < 15
+    assert ended.wait(10)                # the client was not left hanging
+    log = "".join(s.log)
+    assert "Traceback" not in log and "stopped" in log, log
