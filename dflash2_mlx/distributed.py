@@ -173,8 +173,8 @@ def read_gguf_header(path: Path) -> dict:
 
 _WATCHDOG = r"""
 import os, select, signal, sys, time
-parent, term_fd, prefix = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-deadline, what, quiet, term_at, GRACE = None, "", False, None, 2.0
+parent, term_fd, prefix, GRACE = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+deadline, what, quiet, term_at = None, "", False, None
 STOPPED = ("stopped: mlx.launch ends every rank when one exits with an error (the other "
            "rank's line says why)")
 
@@ -216,16 +216,17 @@ class Watchdog:
     so no thread of ours would run; arming and disarming are one pipe write each. It also
     takes over SIGTERM, which `mlx.launch` sends every rank as soon as one fails: the rank gets
     a moment to print its own line (a lost connection) before the watchdog ends it, so rank 0's
-    reason is never cut off, and a rank that cannot answer still ends. `quiet()` (at exit):
-    the rank has said what it had to say."""
+    reason is never cut off, and a rank that cannot answer still ends (`grace` seconds after
+    SIGTERM: a server's graceful shutdown needs longer). `quiet()` (at exit): the rank has
+    said what it had to say."""
 
-    def __init__(self, prefix: str):
+    def __init__(self, prefix: str, grace: float = 2.0):
         import signal
 
         read, write = os.pipe()
         self.proc = subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid()),
-                                      str(read), prefix], stdin=subprocess.PIPE, text=True,
-                                     env={}, pass_fds=(read,))
+                                      str(read), prefix, str(grace)], stdin=subprocess.PIPE,
+                                     text=True, env={}, pass_fds=(read,))
         os.close(read)
         os.set_blocking(write, False)
         try:       # the C-level handler writes the signal to `write` even while MLX blocks
@@ -255,24 +256,26 @@ class Watchdog:
 _watchdog: Watchdog | None = None
 
 
-def watchdog(rank: int | None = None) -> Watchdog:
+def watchdog(rank: int | None = None, grace: float = 2.0) -> Watchdog:
     global _watchdog
     if _watchdog is None:
         who = "" if rank in (None, 0) else f" (rank {rank})"
-        _watchdog = Watchdog(f"dflash2-mlx: error{who}: pipeline: ")
+        _watchdog = Watchdog(f"dflash2-mlx: error{who}: pipeline: ", grace)
     return _watchdog
 
 
-def init_group(timeout: float = DEFAULT_TIMEOUT, backend: str = "any") -> mx.distributed.Group:
+def init_group(timeout: float = DEFAULT_TIMEOUT, backend: str = "any",
+               grace: float = 2.0) -> mx.distributed.Group:
     """`mx.distributed.init` bounded by `timeout` (it waits forever for a rank that never
-    connects). Outside mlx.launch: a group of one."""
+    connects). Outside mlx.launch: a group of one. grace: seconds a rank may take to stop
+    after SIGTERM (see `Watchdog`)."""
     if not mx.distributed.is_available():
         raise PipelineError("--pipeline: this MLX build has no distributed backend")
     launched = any(k in os.environ for k in ("MLX_HOSTFILE", "MLX_RANK", "OMPI_COMM_WORLD_RANK",
                                              "PMI_RANK", "MLX_JACCL_DEVICES"))
     if not launched:
         return mx.distributed.init(strict=False)
-    dog = watchdog(int(os.environ.get("MLX_RANK", 0)))
+    dog = watchdog(int(os.environ.get("MLX_RANK", 0)), grace)
     dog.arm(timeout, f"could not connect to all ranks within {timeout:g} s (a host is down, "
                      "unreachable, or was not started); stopping")
     group = mx.distributed.init(strict=True, backend=backend)

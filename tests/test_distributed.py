@@ -282,16 +282,87 @@ def test_cli_rank_0_writes_text_summary_and_stats_json(tmp_path, llama_dir, dfla
     assert proc.stdout.strip() == ref.text.strip()        # once: only rank 0 writes text
 
 
+def test_bad_split_refused_before_any_weight_loads(llama_dir, monkeypatch):
+    """The split is checked from config.json before anything else, even the other ranks."""
+    from dflash2_mlx import distributed
+
+    class TwoRanks:
+        def size(self):
+            return 2
+
+        def rank(self):
+            return 0
+
+    reads = []
+    monkeypatch.setattr(mx, "load", lambda *a, **k: reads.append(a))
+    monkeypatch.setattr(distributed, "Link", None)        # no message may be sent either
+    with pytest.raises(ValueError, match=r"--pipeline-split 3,3: expected 2 positive layer "
+                                         r"counts .* summing to the target's 4 layers"):
+        distributed.prepare(TwoRanks(), llama_dir, None, "3,3", "float32")
+    assert reads == []
+
+
 @needs_launch
-def test_cli_bad_split_refused_before_any_weight_loads(tmp_path, llama_dir, dflash2_dir):
+def test_serve_pipeline_answers_like_one_process_and_stops_on_sigterm(tmp_path, llama_dir,
+                                                                      dflash2_dir):
+    """Rank 0 serves (prefix cache included: the second request reuses the first's rows on
+    both ranks); SIGTERM to rank 0 stops both ranks."""
+    import signal
+    import urllib.request
+
+    pytest.importorskip("uvicorn")
     shim = tmp_path / "cli.py"
     shim.write_text("from dflash2_mlx.cli import main\nmain()\n")
-    proc = launch([str(shim), "generate", "--pipeline", "--pipeline-split", "3,3", "--model",
-                   str(llama_dir), "--draft", str(dflash2_dir), "--prompt", "hi"], tmp_path)
-    lines = [l for l in proc.stderr.splitlines() if l.startswith("dflash2-mlx: error: ")]
-    assert len(lines) == 1 and "--pipeline-split 3,3" in lines[0], proc.stderr[-2000:]
-    assert "summing to the target's 4 layers" in lines[0]
-    assert "loading target" not in proc.stderr
+    http = random.Random(time.time_ns()).randrange(20000, 60000)
+    port = random.Random(os.getpid() + time.time_ns()).randrange(20000, 60000, 2)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OPENBLAS_NUM_THREADS": "1"}
+    cmd = [str(LAUNCH), "--backend", "ring", "-n", "2", "--starting-port", str(port),
+           "--env", f"PYTHONPATH={ROOT}", "--python", sys.executable, str(shim), "serve",
+           "--pipeline", "--model", str(llama_dir), "--draft", str(dflash2_dir), "--port",
+           str(http), "--block-size", "4", "--shutdown-timeout", "1"]
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env)
+
+    def complete(prompt):
+        body = json.dumps({"model": "llama", "prompt": prompt, "max_tokens": 10,
+                           "temperature": 0}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{http}/v1/completions", body,
+                                     {"content-type": "application/json"})
+        return json.loads(urllib.request.urlopen(req, timeout=60).read())
+
+    try:
+        for _ in range(120):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{http}/v1/models", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.5)
+        first, second = complete("def add"), complete("def add(a, b)")
+        single = dflash2_mlx.load(str(llama_dir), str(dflash2_dir))
+        for got, prompt in ((first, "def add"), (second, "def add(a, b)")):
+            want = single.generate(prompt, max_tokens=10, block_size=4, chat_template=False)
+            assert got["choices"][0]["text"] == want.text
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        ranks = {}
+        for pid in os.listdir("/proc"):
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if str(shim).encode() in cmdline and f"{http}".encode() in cmdline:
+                rank = [e for e in environ if e.startswith(b"MLX_RANK=")]
+                if rank:
+                    ranks[int(rank[0].split(b"=")[1])] = int(pid)
+        assert set(ranks) == {0, 1}
+        os.kill(ranks[0], signal.SIGTERM)
+        launcher.wait(timeout=30)
+        for pid in ranks.values():
+            assert not Path(f"/proc/{pid}").exists() or \
+                Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
 
 
 def test_a_rank_that_never_connects_is_an_error_within_the_timeout(tmp_path, llama_dir):
