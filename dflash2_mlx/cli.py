@@ -121,12 +121,12 @@ def _default_pair() -> tuple[str, str]:
     return str(target), str(drafter)
 
 
-def _openblas_hint() -> None:
-    """On Linux without OpenBLAS, say how to install it (fp32 matmuls are 17-47x faster)."""
-    if (sys.platform.startswith("linux") and os.environ.get(runtime.DISABLE_ENV) != "1"
-            and not runtime.openblas_loaded() and runtime.find_openblas() is None):
-        _say("note: OpenBLAS is not installed, so float32 matmuls run 20-40x slower; install "
-             f"it with: {runtime.OPENBLAS_INSTALL_HINT}")
+def _blas_note() -> None:
+    """Say when the BLAS asked for could not be put in effect (and how to fix it)."""
+    from . import BLAS
+
+    if BLAS.note:
+        _say(f"note: {BLAS.note}")
 
 
 def _summary(stats) -> str:
@@ -206,7 +206,7 @@ def generate(
         text = sys.stdin.read() if prompt == "-" else prompt
         if not text:
             raise ValueError("--prompt -: standard input was empty")
-        _openblas_hint()
+        _blas_note()
 
         from .pipeline import load
 
@@ -251,7 +251,7 @@ def _folder_size(path: Path) -> str:
 
 @app.command()
 def doctor(verbose: bool = typer.Option(False, "--verbose", help="Tracebacks")):
-    """MLX version and backend, OpenBLAS, kernel path, precision defaults, cache locations."""
+    """MLX version and backend, the BLAS in effect, kernel path, precision defaults, cache locations."""
     with _errors(verbose):
         from importlib.metadata import PackageNotFoundError, version
 
@@ -278,13 +278,15 @@ def doctor(verbose: bool = typer.Option(False, "--verbose", help="Tracebacks")):
             f"{'' if mx.metal.is_available() else ' (Metal not available)'}")
         row("mlx-lm", pkg("mlx-lm"))
         if sys.platform.startswith("linux"):
-            lib = runtime.find_openblas()
-            state = ("active" if runtime.openblas_loaded() else
-                     f"installed at {lib} but not loaded" if lib else
-                     f"missing: install it with `{runtime.OPENBLAS_INSTALL_HINT}`")
-            row("openblas", state + (f" ({lib})" if runtime.openblas_loaded() and lib else ""))
+            from . import BLAS, blas
+
+            now = blas.active()
+            row("blas", f"{now.name} ({now.path or now.how}; ${blas.ENV}="
+                f"{os.environ.get(blas.ENV) or 'auto'}: {'|'.join(blas.CHOICES)})"
+                + (f"; note: {BLAS.note}" if BLAS.note else ""))
         a = mx.random.normal((512, 512))
-        mx.eval(a @ a)
+        for _ in range(3):            # MKL loads its CPU-specific kernels on the first calls
+            mx.eval(a @ a)
         tic = time.perf_counter()
         for _ in range(5):
             mx.eval(a @ a)
@@ -416,7 +418,6 @@ def _run(typer_app: typer.Typer, args: list[str], prog: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    runtime.reexec_with_openblas()   # Linux: OpenBLAS installed but not loaded -> relaunch
     warnings.showwarning = _show_notice
     args = _optional_values(list(sys.argv[1:] if argv is None else argv))
     sys.exit(_run(app, args, PROG))

@@ -1,88 +1,11 @@
-"""Platform defaults: OpenBLAS on MLX's CPU backend, and the weight dtype per backend.
-
-MLX's Linux CPU wheel ships a reference BLAS that runs fp32 matmuls at ~5 GFLOP/s. Loading
-Debian's OpenBLAS into the global symbol scope *before* MLX is imported makes MLX resolve its
-BLAS calls there instead (17-47x faster). `dflash2_mlx/__init__.py` calls `preload_openblas()`
-first thing, so `import dflash2_mlx` is enough; the CLI re-executes itself with `LD_PRELOAD`
-when something imported MLX earlier.
+"""Platform defaults: the weight dtype and precision per backend (the BLAS is `blas.py`).
 
 This module must not import mlx at import time.
 """
 
 from __future__ import annotations
 
-import ctypes
-import os
-import sys
 from dataclasses import dataclass
-from pathlib import Path
-
-OPENBLAS_CANDIDATES = (
-    "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
-    "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
-    "/usr/lib64/libopenblas.so.0",
-    "/usr/lib/libopenblas.so.0",
-)
-OPENBLAS_INSTALL_HINT = "sudo apt-get install -y libopenblas0-pthread"
-DISABLE_ENV = "DFLASH2_NO_OPENBLAS"
-
-
-def find_openblas() -> str | None:
-    """Path of a system OpenBLAS shared library, or None."""
-    for path in OPENBLAS_CANDIDATES:
-        if Path(path).exists():
-            return path
-    return None
-
-
-def openblas_loaded() -> bool:
-    """True when an OpenBLAS library is mapped into this process."""
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return False
-    return "libopenblas" in maps
-
-
-def preload_openblas() -> bool:
-    """Load OpenBLAS globally if we are on Linux and MLX is not imported yet.
-
-    Returns True when OpenBLAS is (now) loaded. A no-op on macOS (MLX uses Accelerate there),
-    when `DFLASH2_NO_OPENBLAS=1`, or when the library is not installed.
-    """
-    if not sys.platform.startswith("linux") or os.environ.get(DISABLE_ENV) == "1":
-        return False
-    if openblas_loaded():
-        return True
-    if "mlx.core" in sys.modules:
-        return False  # too late: MLX has already bound its BLAS symbols
-    path = find_openblas()
-    if path is None:
-        return False
-    try:
-        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-    except OSError:
-        return False
-    return True
-
-
-def reexec_with_openblas() -> None:
-    """Re-execute the current command with OpenBLAS in LD_PRELOAD, when that helps.
-
-    Used by the CLI: it does nothing on macOS, when OpenBLAS is already loaded, when it is not
-    installed, or when we already tried once (guarded by an environment variable).
-    """
-    if not sys.platform.startswith("linux") or openblas_loaded():
-        return
-    if os.environ.get(DISABLE_ENV) == "1" or os.environ.get("DFLASH2_REEXEC") == "1":
-        return
-    path = find_openblas()
-    if path is None:
-        return
-    env = dict(os.environ)
-    env["LD_PRELOAD"] = ":".join(p for p in (path, env.get("LD_PRELOAD", "")) if p)
-    env["DFLASH2_REEXEC"] = "1"
-    os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
 
 def on_metal() -> bool:
@@ -90,13 +13,6 @@ def on_metal() -> bool:
     import mlx.core as mx
 
     return mx.metal.is_available() and mx.default_device() == mx.gpu
-
-
-def default_dtype():
-    """The weight dtype a backend is fast with: float32 on CPU (BLAS), bfloat16 on Metal."""
-    import mlx.core as mx
-
-    return mx.bfloat16 if on_metal() else mx.float32
 
 
 def parse_dtype(name: str | None):

@@ -1,4 +1,4 @@
-import dflash2_mlx  # noqa: F401  (first: preloads OpenBLAS before MLX is imported)
+import dflash2_mlx  # noqa: F401  (first: loads the fast BLAS before MLX is imported)
 
 import pytest
 

@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-import dflash2_mlx  # noqa: F401  (first: preloads OpenBLAS before MLX is imported)
+import dflash2_mlx  # noqa: F401  (first: loads the fast BLAS before MLX is imported)
 
 import json
 import os
