@@ -24,6 +24,7 @@ from typing import Optional
 import typer
 
 from . import __version__, runtime
+from . import settings as check
 
 PROG = "dflash2-mlx"
 # typer >= 0.26 vendors click; the base class of its usage errors is found the same way in both.
@@ -74,38 +75,48 @@ def _errors(verbose: bool):
         raise typer.Exit(1) from None
 
 
-def _choice(allowed: tuple, convert=str):
-    """A callback accepting only `allowed` (None passes); click names the flag in the error."""
-    def check(value):
+def _flag(validator):
+    """A click callback running one of `settings`' validators (None passes): click then names
+    the flag in its one-line error."""
+    def callback(value):
         if value is None:
             return None
         try:
-            converted = convert(value)
-        except ValueError:
-            converted = None
-        if converted not in allowed:
-            raise typer.BadParameter(f"{value!r} is not one of {', '.join(map(str, allowed))}")
-        return converted
-    return check
+            return validator(value)
+        except check.SettingError as e:
+            raise typer.BadParameter(e.problem) from None
+    return callback
 
 
-def _block_size(value: str | None):
-    """--block-size: an integer >= 1 or "auto" (adaptive)."""
-    if value is None or value == "auto":
-        return value
-    try:
-        b = int(value)
-    except ValueError:
-        b = 0
-    if b < 1:
-        raise typer.BadParameter(f"{value!r} is not an integer >= 1 or 'auto'")
-    return b
+def _prompt_flag(value: str) -> str:
+    return value if value == "-" else _flag(check.text)(value)
 
 
-def _top_p(value: float) -> float:
-    if not 0 < value <= 1:
-        raise typer.BadParameter(f"{value} is not in (0, 1]")
-    return value
+def _writable(path: Path, flag: str) -> None:
+    """Fail before the generation, not after it, when a report file cannot be written."""
+    folder = path.parent
+    why = ("it is a folder" if path.is_dir() else
+           f"no such folder {folder}" if not folder.is_dir() else
+           f"the folder {folder} is not writable" if not os.access(folder, os.W_OK) else
+           "the file is not writable" if path.exists() and not os.access(path, os.W_OK)
+           else None)
+    if why:
+        raise ValueError(f"{flag} {path}: cannot be written ({why})")
+
+
+def _read_stdin() -> str:
+    data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read()
+    if isinstance(data, str):
+        text = data
+    else:
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--prompt -: standard input is not valid UTF-8 (byte "
+                             f"0x{data[e.start]:02x} at offset {e.start})") from None
+    if not text:
+        raise ValueError("--prompt -: standard input was empty")
+    return check.text(text, "--prompt -")
 
 
 def _default_pair() -> tuple[str, str]:
@@ -148,29 +159,34 @@ def generate(
     draft: Optional[str] = typer.Option(
         None, "--draft", "--draft-model", help="DFlash / DFlash 2 drafter folder or hub id "
         "(default: the oMLX setting, else the embedded default's)"),
-    prompt: str = typer.Option("hello", "--prompt", "-p", help="Prompt text; '-' reads stdin"),
+    prompt: str = typer.Option("hello", "--prompt", "-p", callback=_prompt_flag,
+                               help="Prompt text; '-' reads stdin"),
     system: Optional[str] = typer.Option(None, "--system", "--system-prompt",
                                          help="System message (with a chat template)"),
-    max_tokens: int = typer.Option(256, "--max-tokens", "-m", min=1,
+    max_tokens: int = typer.Option(256, "--max-tokens", "-m", callback=_flag(check.max_tokens),
                                    help="Most tokens to generate"),
-    temp: float = typer.Option(0.0, "--temp", min=0.0, help="Temperature; 0 = greedy"),
-    top_p: float = typer.Option(1.0, "--top-p", callback=_top_p, help="Nucleus mass in (0, 1]"),
-    top_k: int = typer.Option(0, "--top-k", min=0, help="Keep the k likeliest; 0 = all"),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling"),
+    temp: float = typer.Option(0.0, "--temp", callback=_flag(check.temperature),
+                               help="Temperature; 0 = greedy"),
+    top_p: float = typer.Option(1.0, "--top-p", callback=_flag(check.top_p),
+                                help="Nucleus mass in (0, 1]"),
+    top_k: int = typer.Option(0, "--top-k", callback=_flag(check.top_k),
+                              help="Keep the k likeliest; 0 = all"),
+    seed: Optional[int] = typer.Option(None, "--seed", callback=_flag(check.seed),
+                                       help="Random seed for sampling, 0..2**64-1"),
     block_size: Optional[str] = typer.Option(
-        None, "--block-size", callback=_block_size, metavar="{1..B,auto}",
+        None, "--block-size", callback=_flag(check.block_size), metavar="{1..B,auto}",
         help="Draft/verify tokens per cycle, 1..the drafter's B, or 'auto' to choose each "
         "cycle (default: the oMLX setting, else the drafter's)"),
     draft_bits: Optional[str] = typer.Option(
-        None, "--draft-bits", callback=_choice(runtime.DRAFT_BITS, int),
+        None, "--draft-bits", callback=_flag(check.draft_bits),
         metavar="{4,8,16}", help="Drafter weight bits; 16 = unquantized "
         "(default: 4 on Metal, 16 on CPU)"),
     draft_group_size: Optional[str] = typer.Option(
         None, "--draft-group-size", metavar="{32,64,128}",
-        callback=_choice(runtime.DRAFT_GROUP_SIZES, int),
+        callback=_flag(check.draft_group_size),
         help="Quantization group size (default: 64)"),
     dtype: Optional[str] = typer.Option(
-        None, "--dtype", callback=_choice(runtime.DTYPES),
+        None, "--dtype", callback=_flag(check.dtype),
         metavar="{float32,float16,bfloat16}",
         help="Float weight dtype (default: float32 on CPU, as stored on Metal)"),
     no_chat_template: bool = typer.Option(False, "--no-chat-template", "--ignore-chat-template",
@@ -189,6 +205,8 @@ def generate(
         if model_id is not None and omlx_settings is None:
             raise ValueError("--model-id names an entry of the oMLX settings: add "
                              "--omlx-settings [PATH]")
+        if stats_json is not None:
+            _writable(stats_json, "--stats-json")
         settings = None
         default_draft = None
         with contextlib.redirect_stdout(sys.stderr):       # downloads may print progress
@@ -203,9 +221,7 @@ def generate(
             settings.check(draft)        # fail before loading anything
         elif draft is None:
             draft = default_draft
-        text = sys.stdin.read() if prompt == "-" else prompt
-        if not text:
-            raise ValueError("--prompt -: standard input was empty")
+        text = _read_stdin() if prompt == "-" else prompt
         _blas_note()
 
         from .pipeline import load
@@ -341,10 +357,8 @@ def bench(
 ):
     """Plain mlx-lm vs dflash2-mlx per block size vs the reference, on HumanEval prompts."""
     with _errors(verbose):
-        try:
-            sizes = [_block_size(b.strip()) for b in block_sizes.split(",") if b.strip()]
-        except typer.BadParameter as e:
-            raise ValueError(f"--block-sizes: {e.format_message()}") from None
+        sizes = [check.block_size(b.strip(), "--block-sizes") for b in block_sizes.split(",")
+                 if b.strip()]
         temps = []
         for t in temperatures.split(","):
             try:
@@ -420,6 +434,8 @@ def _run(typer_app: typer.Typer, args: list[str], prog: str) -> int:
 def main(argv: list[str] | None = None) -> None:
     warnings.showwarning = _show_notice
     args = _optional_values(list(sys.argv[1:] if argv is None else argv))
+    if not args:               # click's no_args_is_help raises an error with an empty message
+        args = ["--help"]
     sys.exit(_run(app, args, PROG))
 
 

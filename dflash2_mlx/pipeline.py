@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from . import runtime
+from . import runtime, settings as check
 from .drafter import Drafter
 from .adaptive import AdaptiveWidth, load_or_measure_costs
 from .engine import GenerationStats, generate_tokens
@@ -68,8 +68,9 @@ class Pipeline:
                system: str | None = None) -> list[int]:
         """A list of ids is used as is; a string gets the chat template when the tokenizer has
         one (unless chat_template=False), exactly as `mlx_lm generate` renders it."""
+        prompt = check.prompt(prompt)
         if not isinstance(prompt, str):
-            ids = [int(t) for t in prompt]
+            ids = prompt
             bad = [t for t in ids if not 0 <= t < self.adapter.vocab_size]
             if bad:
                 raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary "
@@ -91,18 +92,13 @@ class Pipeline:
         """The runtime block width: 1 <= b <= the drafter's block size (default: the drafter's),
         or "auto": chosen each cycle by `adaptive.AdaptiveWidth`."""
         if self.drafter is None:
-            if block_size not in (None, 1, "auto"):
+            if check.block_size(block_size) not in (None, 1, "auto"):
                 raise ValueError(f"block_size={block_size} needs a drafter; this pipeline has "
                                  "none (plain decoding, block size 1)")
             return 1
         limit = self.drafter.args.block_size
         b = block_size if block_size is not None else self.default_block_size or limit
-        if b == "auto":
-            return b
-        if not isinstance(b, int) or not 1 <= b <= limit:
-            raise ValueError(f"block_size must be an integer in 1..{limit} (the drafter's "
-                             f"block size) or \"auto\", got {b!r}")
-        return b
+        return check.block_size(b, limit=limit)
 
     def width_policy(self) -> AdaptiveWidth:
         """The adaptive policy of this pipeline: its acceptance estimates carry over from one
@@ -135,8 +131,7 @@ class Pipeline:
         """Yield chunks as tokens are accepted; the last chunk carries `finish_reason`."""
         sampling = Sampling(temperature, top_p, top_k)
         b = self.block_size(block_size)
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        max_tokens, seed = check.max_tokens(max_tokens), check.seed(seed)
         ids = self.encode(prompt, chat_template, system)
         if self.max_ctx is not None and len(ids) >= self.max_ctx and b != 1:
             _notice(f"the prompt has {len(ids)} tokens, at or beyond max_ctx={self.max_ctx}: "

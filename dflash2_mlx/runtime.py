@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import settings
+from .settings import DRAFT_BITS, DRAFT_GROUP_SIZES, DTYPES  # noqa: F401  (re-exported)
+
 
 def on_metal() -> bool:
     """True when MLX will run on the GPU through Metal."""
@@ -30,11 +33,6 @@ def parse_dtype(name: str | None):
     return table[name]
 
 
-DTYPES = ("float32", "float16", "bfloat16")
-DRAFT_BITS = (4, 8, 16)             # 16 = unquantized
-DRAFT_GROUP_SIZES = (32, 64, 128)
-
-
 @dataclass(frozen=True)
 class Precision:
     """How weights are held. dtype names a float dtype; None keeps the checkpoint's own."""
@@ -49,13 +47,7 @@ class Precision:
 
 def dtype_name(value, what: str = "dtype") -> str | None:
     """'float32' | 'fp32' | mx.float32 | ... -> 'float32' (None stays None)."""
-    if value is None:
-        return None
-    name = str(value).rsplit(".", 1)[-1]          # mx.float32 prints as "mlx.core.float32"
-    name = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}.get(name, name)
-    if name not in DTYPES:
-        raise ValueError(f"{what} must be one of {', '.join(DTYPES)}; got {value!r}")
-    return name
+    return settings.dtype(value, what)
 
 
 def resolve_precision(dtype: str | None = None, draft_bits: int | None = None,
@@ -70,11 +62,9 @@ def resolve_precision(dtype: str | None = None, draft_bits: int | None = None,
     defaults to `dtype`.
     """
     metal = on_metal() if metal is None else metal
-    dtype, draft_dtype = dtype_name(dtype, "dtype"), dtype_name(draft_dtype, "draft_dtype")
-    if draft_bits is not None and draft_bits not in DRAFT_BITS:
-        raise ValueError(f"draft_bits must be 4, 8 or 16 (unquantized); got {draft_bits!r}")
-    if draft_group_size is not None and draft_group_size not in DRAFT_GROUP_SIZES:
-        raise ValueError(f"draft_group_size must be 32, 64 or 128; got {draft_group_size!r}")
+    dtype, draft_dtype = settings.dtype(dtype), settings.dtype(draft_dtype, "draft_dtype")
+    draft_bits = settings.draft_bits(draft_bits)
+    draft_group_size = settings.draft_group_size(draft_group_size)
     if dtype is None and not metal:
         dtype = "float32"
     if draft_bits is None:

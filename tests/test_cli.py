@@ -121,6 +121,12 @@ BAD_FLAGS = [  # (arguments, words the one error line must contain)
     (["--max-tokens", "many"], ["--max-tokens"]),
     (["--block-size", "0"], ["--block-size"]),
     (["--seed", "x"], ["--seed"]),
+    (["--seed", "-1"], ["--seed", "-1", "0..2**64-1"]),
+    (["--seed", str(2**70)], ["--seed", "0..2**64-1"]),
+    (["--temp", "inf"], ["--temp", "finite"]),
+    (["--temp", "nan"], ["--temp", "finite"]),
+    (["--prompt", ""], ["--prompt", "non-empty"]),
+    (["--block-size", "two"], ["--block-size", "'two'"]),
     (["--no-such-flag"], ["--no-such-flag"]),
     (["--model-id", "x"], ["--model-id", "--omlx-settings"]),
 ]
@@ -136,6 +142,27 @@ def test_bad_flags_one_line_nonzero():
         assert err[0].startswith("dflash2-mlx") and "error" in err[0], err
         assert all(w in err[0] for w in words), (words, err[0])
         assert proc.stdout == ""
+
+
+def test_input_errors_name_the_flag_before_loading(tmp_path):
+    """Non-UTF-8 bytes (argv and stdin) reached the tokenizer as a TypeError; an unwritable
+    --stats-json failed after the whole generation; no arguments printed an empty error."""
+    bad_argv = subprocess.run([EXE, "generate", "--prompt", b"caf\xe9"], capture_output=True,
+                              text=True, timeout=300)
+    bad_stdin = subprocess.run([EXE, "generate", "--prompt", "-"], input=b"caf\xe9 au lait",
+                               capture_output=True, timeout=300)
+    unwritable = run("generate", "--stats-json", tmp_path / "no" / "such" / "stats.json")
+    folder = run("generate", "--stats-json", tmp_path)
+    for proc, words in ((bad_argv, ["--prompt", "UTF-8"]),
+                        (bad_stdin, ["--prompt -", "UTF-8", "0xe9"]),
+                        (unwritable, ["--stats-json", "no such folder"]),
+                        (folder, ["--stats-json", "is a folder"])):
+        err = proc.stderr if isinstance(proc.stderr, str) else proc.stderr.decode()
+        assert proc.returncode != 0 and len(lines(err)) == 1, err
+        assert all(w in err for w in words) and "loading" not in err, (words, err)
+    bare = run()
+    assert bare.returncode == 0 and "generate" in bare.stdout and "doctor" in bare.stdout
+    assert bare.stderr.strip() == ""
 
 
 def test_bad_settings_and_values_one_line_nonzero(llama_dir, dflash2_dir, tmp_path):
