@@ -21,6 +21,7 @@ import json
 import os
 import platform
 import statistics
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -133,8 +134,10 @@ CALIBRATION_VERSION = "2"     # bump when measure_costs changes: old entries are
 
 
 def cache_file() -> Path:
-    base = Path(os.environ.get("DFLASH2_CACHE", Path.home() / ".cache" / "dflash2-mlx"))
-    return base / "calibration.json"
+    """`$DFLASH2_CACHE/calibration.json` (default cache: `~/.cache/dflash2-mlx`)."""
+    from .assets import resolve_cache_dir
+
+    return resolve_cache_dir() / "calibration.json"
 
 
 def calibration_key(pipeline) -> str:
@@ -193,23 +196,53 @@ def measure_costs(pipeline, context: int = 128, reps: int = 5) -> CycleCost:
     return CycleCost(tuple(draft), tuple(verify))
 
 
-def load_or_measure_costs(pipeline, progress=None) -> CycleCost:
-    """Costs from the per-machine cache, measured (a few seconds) on first use."""
-    path, key = cache_file(), calibration_key(pipeline)
+def _cached_entry(table: dict, key: str, widths: int) -> CycleCost | None:
+    """The entry of `key` when it is well formed (two lists of `widths` numbers), else None:
+    a file edited by hand or written by another version is measured again, not trusted."""
+    entry = table.get(key)
+    if not isinstance(entry, dict):
+        return None
+    draft, verify = entry.get("draft"), entry.get("verify")
+    ok = all(isinstance(xs, list) and len(xs) == widths and
+             all(isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 for x in xs)
+             for xs in (draft, verify))
+    return CycleCost(tuple(map(float, draft)), tuple(map(float, verify))) if ok else None
+
+
+def _read_table(path: Path) -> dict:
     try:
         table = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        table = {}
-    entry = table.get(key)
-    if entry and len(entry.get("verify", ())) == pipeline.drafter.args.block_size:
-        return CycleCost(tuple(entry["draft"]), tuple(entry["verify"]))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return table if isinstance(table, dict) else {}
+
+
+def load_or_measure_costs(pipeline, progress=None) -> CycleCost:
+    """Costs from the per-machine cache, measured (a few seconds) on first use.
+
+    The cache is keyed on the machine, MLX, the model pair and how it was loaded (dtypes,
+    quantization, settings file and entry, verify mode, max_ctx). Concurrent processes each
+    write a uniquely named temporary file and atomically replace the cache with it, after
+    re-reading it, so neither truncates the other's file (the last writer's other entries win).
+    """
+    path, key = cache_file(), calibration_key(pipeline)
+    widths = pipeline.drafter.args.block_size
+    cost = _cached_entry(_read_table(path), key, widths)
+    if cost is not None:
+        return cost
     if progress:
-        progress("measuring draft and verify cost per block width (once per machine and "
-                 "model pair) ...")
+        progress("measuring draft and verify cost per block width (once per machine, model "
+                 "pair and settings) ...")
     cost = measure_costs(pipeline)
-    table[key] = asdict(cost)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(table, indent=1))
-    tmp.replace(path)
+    table = _read_table(path)                       # others may have written meanwhile
+    table[key] = asdict(cost)
+    fd, tmp = tempfile.mkstemp(prefix="calibration.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(table, f, indent=1)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return cost
