@@ -16,12 +16,14 @@ import numpy as np
 
 from ..config import DFLASH, DFLASH2, DrafterArgs
 from ..drafter import Drafter
+from .recipe import Recipe
 
 SELECTOR_INIT_STD = 0.02
 
 
 def drafter_args_for(adapter, *, layers: int, block_size: int, target_layer_ids: Sequence[int],
-                     mask_token_id: int, conv: bool, selector: bool, selector_rank: int = 256,
+                     mask_token_id: int, conv: bool, selector: bool,
+                     selector_rank: int = Recipe.selector_rank,
                      selector_top_k: int = 16, intermediate_size: int | None = None,
                      max_position_embeddings: int = 8192) -> DrafterArgs:
     """DrafterArgs matching the target's width, heads and RoPE (what layer copies need)."""
