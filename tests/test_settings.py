@@ -62,3 +62,4 @@ def test_omlx_uses_the_shared_validators():
         with pytest.raises(OmlxSettingsError, match="is not allowed"):
             parse_entry(entry, "m")
     assert parse_entry({"dflash_block_size": 4}, "m").block_size == 4
+
