@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -81,12 +83,36 @@ class Pipeline:
                                                                    tok.chat_template))
         if chat_template is True and not use_template:
             raise ValueError("chat_template=True but the tokenizer has no chat template")
-        if not use_template:
-            return tok.encode(prompt)
-        messages = ([{"role": "system", "content": system}] if system else [])
-        messages.append({"role": "user", "content": prompt})
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return tok.encode(text, add_special_tokens=False)
+        with _quiet_length_warning():       # `stream` says it in its own words
+            if not use_template:
+                return tok.encode(prompt)
+            messages = ([{"role": "system", "content": system}] if system else [])
+            messages.append({"role": "user", "content": prompt})
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return tok.encode(text, add_special_tokens=False)
+
+    @property
+    def context_length(self) -> int | None:
+        """The most positions the target was made for (its config's max_position_embeddings,
+        else the tokenizer's model_max_length), None when neither says."""
+        args = getattr(self.target, "args", None)
+        n = getattr(args, "max_position_embeddings", None)
+        if n is None and isinstance(getattr(args, "text_config", None), dict):   # VLM wrappers
+            n = args.text_config.get("max_position_embeddings")
+        if not n:
+            n = getattr(self.tokenizer, "model_max_length", None)
+        return int(n) if isinstance(n, (int, float)) and 0 < n < 1e12 else None
+
+    def _announce_prompt(self, n: int) -> None:
+        """A note when the prompt does not fit the model's context, a line before a long
+        prefill (minutes on a CPU for thousands of tokens)."""
+        ctx = self.context_length
+        if ctx is not None and n > ctx:
+            _notice(f"the prompt has {n} tokens, more than the model's context of {ctx} "
+                    "positions: what the model produces past that point is unreliable")
+        if self.progress and n > self.prefill_step_size:
+            self.progress(f"prefill of {n} prompt tokens in {-(-n // self.prefill_step_size)} "
+                          f"chunks of {self.prefill_step_size} ...")
 
     def block_size(self, block_size: int | str | None) -> int | str:
         """The runtime block width: 1 <= b <= the drafter's block size (default: the drafter's),
@@ -133,6 +159,7 @@ class Pipeline:
         b = self.block_size(block_size)
         max_tokens, seed = check.max_tokens(max_tokens), check.seed(seed)
         ids = self.encode(prompt, chat_template, system)
+        self._announce_prompt(len(ids))
         if self.max_ctx is not None and len(ids) >= self.max_ctx and b != 1:
             _notice(f"the prompt has {len(ids)} tokens, at or beyond max_ctx={self.max_ctx}: "
                     "plain target decoding")
@@ -183,6 +210,18 @@ def _quantization(model: nn.Module) -> dict | None:
     if not layers:
         return None
     return {"bits": layers[0].bits, "group_size": layers[0].group_size, "layers": len(layers)}
+
+
+@contextlib.contextmanager
+def _quiet_length_warning():
+    """transformers logs "Token indices sequence length is longer than ..." from encode."""
+    logger = logging.getLogger("transformers.tokenization_utils_base")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 class DFlashNotice(UserWarning):

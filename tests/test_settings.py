@@ -63,3 +63,18 @@ def test_omlx_uses_the_shared_validators():
             parse_entry(entry, "m")
     assert parse_entry({"dflash_block_size": 4}, "m").block_size == 4
 
+
+
+def test_a_prompt_beyond_the_context_is_announced(llama_dir, capfd):
+    """8.6k tokens into a model made for 8k: no note, minutes of silent prefill and a leaked
+    transformers warning. Now: a DFlashNotice, a progress line, and no transformers line."""
+    pipe = dflash2_mlx.load(str(llama_dir))
+    lines = []
+    pipe.progress = lines.append
+    pipe.prefill_step_size = 1024
+    assert pipe.context_length == 4096                 # the fixture's max_position_embeddings
+    with pytest.warns(dflash2_mlx.DFlashNotice, match=r"more than the model's context of 4096"):
+        gen = pipe.generate("hello world " * 470, max_tokens=1, chat_template=False)
+    assert gen.stats.prompt_tokens > 4096
+    assert len(lines) == 1 and "prefill of" in lines[0] and "chunks of 1024" in lines[0]
+    assert "Token indices sequence length" not in capfd.readouterr().err
