@@ -42,14 +42,14 @@ def _say(line: str) -> None:
     print(f"{PROG}: {line}", file=sys.stderr, flush=True)
 
 
-def _show_notice(message, category, filename, lineno, file=None, line=None):
-    if category.__name__ == "DFlashNotice":
-        _say(f"note: {message}")
-    else:
-        _original_showwarning(message, category, filename, lineno, file, line)
-
-
-_original_showwarning = warnings.showwarning
+def _notice_hook(previous):
+    """A warnings.showwarning that prints DFlashNotice as one line; others go to `previous`."""
+    def show(message, category, *rest, **kw):
+        if category.__name__ == "DFlashNotice":
+            _say(f"note: {message}")
+        else:
+            previous(message, category, *rest, **kw)
+    return show
 
 
 @contextlib.contextmanager
@@ -432,11 +432,18 @@ def _run(typer_app: typer.Typer, args: list[str], prog: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    warnings.showwarning = _show_notice
     args = _optional_values(list(sys.argv[1:] if argv is None else argv))
     if not args:               # click's no_args_is_help raises an error with an empty message
         args = ["--help"]
-    sys.exit(_run(app, args, PROG))
+    # notices print as "dflash2-mlx: note: ..." while the command runs; a program calling
+    # main() gets its own warning hook back afterwards
+    previous = warnings.showwarning
+    warnings.showwarning = _notice_hook(previous)
+    try:
+        code = _run(app, args, PROG)
+    finally:
+        warnings.showwarning = previous
+    sys.exit(code)
 
 
 if __name__ == "__main__":

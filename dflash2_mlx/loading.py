@@ -51,9 +51,14 @@ def cast_floats(model: nn.Module, dtype) -> None:
         model.parameters()))
 
 
+def quantized_layers(model: nn.Module) -> list[nn.Module]:
+    """The quantized layers of a model (the one place that decides what "quantized" means)."""
+    return [m for _, m in model.named_modules()
+            if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+
+
 def is_quantized(model: nn.Module) -> bool:
-    return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
-               for _, m in model.named_modules())
+    return bool(quantized_layers(model))
 
 
 def load_target(path_or_id: str | Path, dtype=None, keep_quantized: bool = False):
@@ -185,8 +190,7 @@ def save_drafter(drafter: Drafter, folder: str | Path, dtype=mx.bfloat16) -> Pat
             value = value.astype(dtype)
         tensors[name] = value
     config = drafter.args.to_config()
-    quantized = [m for _, m in drafter.named_modules()
-                 if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+    quantized = quantized_layers(drafter)
     if quantized:
         config["quantization"] = {"group_size": quantized[0].group_size,
                                   "bits": quantized[0].bits}

@@ -18,7 +18,7 @@ from .drafter import Drafter
 from .adaptive import AdaptiveWidth, load_or_measure_costs
 from .engine import GenerationStats, generate_tokens
 from .kernels import resolve_kernel_path
-from .loading import load_drafter, load_target, resolve, stored_quantization
+from .loading import load_drafter, load_target, quantized_layers, resolve, stored_quantization
 from .omlx import OmlxSettings, OmlxSettingsError
 from .sampling import Sampling
 from .target import TargetAdapter
@@ -205,8 +205,7 @@ def _float_dtypes(model: nn.Module) -> str:
 
 def _quantization(model: nn.Module) -> dict | None:
     """{"bits", "group_size", "layers"} of a model's quantized layers, None when it has none."""
-    layers = [m for _, m in model.named_modules()
-              if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+    layers = quantized_layers(model)
     if not layers:
         return None
     return {"bits": layers[0].bits, "group_size": layers[0].group_size, "layers": len(layers)}

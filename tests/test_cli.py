@@ -294,3 +294,15 @@ def test_train_is_registered_lazily(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["train"])
     assert e.value.code == 1 and "`train` is not available" in capsys.readouterr().err
+
+
+def test_main_restores_the_warning_hook(capsys):
+    """The CLI installed a global warnings.showwarning hook and never put the old one back."""
+    import warnings
+
+    from dflash2_mlx import cli
+
+    before = warnings.showwarning
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert warnings.showwarning is before
