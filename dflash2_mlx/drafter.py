@@ -1,4 +1,5 @@
-"""The DFlash / DFlash 2 block drafter (SPEC sections 2-3).
+"""The DFlash / DFlash 2 block drafter: context-injected attention over the target's hidden
+states; DFlash 2 adds a dynamic short convolution and a candidate selector.
 
 The drafter has no embedding or output head of its own: the caller embeds the block with the
 target's `embed_tokens` and hands in the target's head. Context features of the target go

@@ -1,7 +1,8 @@
 """Loading targets and drafters: resolve paths or hub ids, read configs and weights strictly.
 
 Targets are mlx-lm model folders (any family mlx-lm knows) or llama-architecture `.gguf` files.
-Drafters are DFlash / DFlash 2 checkpoint folders in the published format (SPEC section 4).
+Drafters are DFlash / DFlash 2 checkpoint folders in the published format (z-lab's
+`config.json` + `model.safetensors` layout).
 """
 
 from __future__ import annotations
@@ -173,7 +174,7 @@ def quantize_drafter(drafter: Drafter, bits: int, group_size: int = 64) -> None:
 
 
 def save_drafter(drafter: Drafter, folder: str | Path, dtype=mx.bfloat16) -> Path:
-    """Write `config.json` + `model.safetensors` in the published layout (SPEC section 4).
+    """Write `config.json` + `model.safetensors` in the published layout (z-lab's).
 
     An unquantized drafter is stored in `dtype` (BF16 like the published files). A quantized one
     is stored as is, with mlx-lm's `"quantization": {"group_size", "bits"}` config key, which

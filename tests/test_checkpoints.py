@@ -11,7 +11,7 @@ from dflash2_mlx.config import CheckpointError, DrafterArgs
 from dflash2_mlx.loading import load_drafter
 from fixtures import HIDDEN, TARGET_LAYERS, VOCAB, drafter_args, write_drafter
 
-# Shaped like z-lab/Qwen3.8-27B-DFlash2's config (SPEC section 4), scaled down.
+# Shaped like z-lab/Qwen3.8-27B-DFlash2's config (the published layout), scaled down.
 DFLASH2_CONFIG = {
     "architectures": ["DFlash2DraftModel"], "model_type": "qwen3", "hidden_size": 64,
     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -1,4 +1,4 @@
-"""Drafter forward pass: context cache, masks, convolution and selector behave as SPEC 2-3 say."""
+"""Drafter forward pass: context cache, masks, convolution and selector behave as DFlash / DFlash 2 define them."""
 
 import mlx.core as mx
 import numpy as np
