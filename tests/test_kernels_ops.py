@@ -80,7 +80,7 @@ def test_conv_sublayer_matches_spec():
                                              mx.float32)
     x = RNG.normal(size=(B, L, H))
     norm = lambda a: a * 0.5
-    got = DecoderLayer._conv_sublayer(mx.array(x, mx.float32), norm, conv, mx.tanh, "ops")
+    got = DecoderLayer._conv_sublayer(mx.array(x, mx.float32), norm, conv, mx.tanh)
     u = 0.5 * x
     dyn = (u @ np.array(conv.kernel_projection.weight).T).reshape(B, L, 2, K, H // G)
     base = np.array(conv.base_kernel)
