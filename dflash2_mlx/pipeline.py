@@ -6,7 +6,7 @@ import contextlib
 import logging
 import sys
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
@@ -40,7 +40,6 @@ class Generation:
     tokens: list[int]
     stats: GenerationStats
     finish_reason: str = "length"
-    prompt_tokens: list[int] = field(default_factory=list)
 
 
 class Pipeline:
