@@ -359,13 +359,9 @@ def bench(
     with _errors(verbose):
         sizes = [check.block_size(b.strip(), "--block-sizes") for b in block_sizes.split(",")
                  if b.strip()]
-        temps = []
-        for t in temperatures.split(","):
-            try:
-                temps.append(float(t))
-            except ValueError:
-                raise ValueError(f"--temperatures: {t!r} is not a number") from None
-        if any(t < 0 for t in temps) or not temps:
+        temps = [check.temperature(t.strip(), "--temperatures") for t in temperatures.split(",")
+                 if t.strip()]
+        if not temps:
             raise ValueError("--temperatures: expected numbers >= 0, e.g. 0,1")
         with contextlib.redirect_stdout(sys.stderr):
             if model is None:

@@ -39,7 +39,8 @@ def test_summary_pools_positions():
 def test_cli_bench_rejects_bad_lists(tmp_path):
     exe = Path(sys.executable).parent / "dflash2-mlx"
     for flag, value, text in (("--block-sizes", "2,x", "--block-sizes"),
-                              ("--temperatures", "0,hot", "--temperatures")):
+                              ("--temperatures", "0,hot", "--temperatures"),
+                              ("--temperatures", "0,inf", "--temperatures")):
         r = subprocess.run([str(exe), "bench", "--model", "m", "--draft", "d", flag, value],
                            capture_output=True, text=True)
         assert r.returncode != 0 and text in r.stderr and "Traceback" not in r.stderr
