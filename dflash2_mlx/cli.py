@@ -267,7 +267,7 @@ def _folder_size(path: Path) -> str:
 
 @app.command()
 def doctor(verbose: bool = typer.Option(False, "--verbose", help="Tracebacks")):
-    """MLX version and backend, the BLAS in effect, kernel path, precision defaults, cache locations."""
+    """MLX version and backend, the BLAS in effect, kernels, precision defaults, caches."""
     with _errors(verbose):
         from importlib.metadata import PackageNotFoundError, version
 

@@ -1,9 +1,9 @@
 """Target distribution and acceptance: greedy prefix matching and exact rejection sampling.
 
 The target's sampling distribution is mlx-lm's: top-p then top-k applied to the log-probabilities
-(mlx-lm's own `apply_top_p` / `apply_top_k`), then softmax at temperature T. Speculative sampling
-(Leviathan et al.; Chen et al., 2023) keeps that distribution exactly, whatever the draft distribution q is,
-as long as q is the distribution the draft token was actually drawn from.
+(mlx-lm's own `apply_top_p` / `apply_top_k`), then softmax at temperature T. Speculative
+sampling (Leviathan et al.; Chen et al., 2023) keeps that distribution exactly, whatever the
+draft distribution q is, as long as q is the distribution the draft token was drawn from.
 
 All functions work on device arrays so a cycle needs one host sync.
 """

@@ -6,7 +6,8 @@ head. With greedy verification the accepted length is the number of leading rows
 equals the target's token x_{a+k}; with the selector, the walk picks row k given the previous
 pick, which equals the true token as long as everything before it was accepted, so the
 teacher-forced pick with the TRUE predecessor gives the exact accepted length too.
-tau = 1 + mean accepted (per sequence, then averaged over sequences, as the DFlash papers report it).
+tau = 1 + mean accepted (per sequence, then averaged over sequences, as the DFlash papers
+report it).
 
 Recall@1 / Recall@16 at block row k: the target's token is the drafter's first choice / among
 its top 16 (the candidates the DFlash 2 selector walks), the block drafted from the true context.
