@@ -2,7 +2,8 @@
 
 The published format (z-lab's DFlash / DFlash 2 checkpoints on the Hub) keeps the backbone at
 the top level and the drafting keys in `dflash_config`; older checkpoints put some drafting
-keys (e.g. `block_size`) at the top level, so drafting keys are read from `dflash_config` first, then from the top level.
+keys (e.g. `block_size`) at the top level, so drafting keys are read from `dflash_config`
+first, then from the top level.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Drafter forward pass: context cache, masks, convolution and selector behave as DFlash / DFlash 2 define them."""
+"""Drafter forward pass: context cache, masks, convolution and selector behave as DFlash /
+DFlash 2 define them."""
 
 import mlx.core as mx
 import numpy as np

@@ -1,5 +1,5 @@
-"""The MLX-ops twins of the two DFlash 2 kernels against a numpy transcription of the DFlash 2 maths,
-and the choice of kernel path."""
+"""The MLX-ops twins of the two DFlash 2 kernels against a numpy transcription of the DFlash 2
+maths, and the choice of kernel path."""
 
 from __future__ import annotations
 
