@@ -25,6 +25,7 @@ import json
 import os
 import platform
 import statistics
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -207,8 +208,10 @@ CALIBRATION_VERSION = "2"     # bump when measure_costs changes: old entries are
 
 
 def cache_file() -> Path:
-    base = Path(os.environ.get("DFLASH2_CACHE", Path.home() / ".cache" / "dflash2-mlx"))
-    return base / "calibration.json"
+    """`$DFLASH2_CACHE/calibration.json` (default cache: `~/.cache/dflash2-mlx`)."""
+    from .assets import resolve_cache_dir
+
+    return resolve_cache_dir() / "calibration.json"
 
 
 def calibration_key(pipeline) -> str:
@@ -275,26 +278,56 @@ def measure_costs(pipeline, max_width: int, context: int = 128, reps: int = 5) -
     return CycleCost(tuple(draft), tuple(verify))
 
 
-def load_or_measure_costs(pipeline, max_width: int, progress=None) -> CycleCost:
-    """Costs from the per-machine cache, measured (a few seconds) on first use; verify costs
-    up to `max_width` rows (or the drafter's block size, if wider)."""
-    path, key = cache_file(), calibration_key(pipeline)
+def _cached_entry(table: dict, key: str, draft_widths: int,
+                  verify_widths: int) -> CycleCost | None:
+    """The entry of `key` when it is well formed (lists of `draft_widths` and `verify_widths`
+    numbers), else None: a file edited by hand or written by another version is measured
+    again, not trusted."""
+    entry = table.get(key)
+    if not isinstance(entry, dict):
+        return None
+    draft, verify = entry.get("draft"), entry.get("verify")
+    ok = all(isinstance(xs, list) and len(xs) == n and
+             all(isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 for x in xs)
+             for xs, n in ((draft, draft_widths), (verify, verify_widths)))
+    return CycleCost(tuple(map(float, draft)), tuple(map(float, verify))) if ok else None
+
+
+def _read_table(path: Path) -> dict:
     try:
         table = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        table = {}
-    entry = table.get(key)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return table if isinstance(table, dict) else {}
+
+
+def load_or_measure_costs(pipeline, max_width: int, progress=None) -> CycleCost:
+    """Costs from the per-machine cache, measured (a few seconds) on first use; verify costs
+    up to `max_width` rows (or the drafter's block size, if wider).
+
+    The cache is keyed on the machine, MLX, the model pair and how it was loaded (dtypes,
+    quantization, settings file and entry, verify mode, max_ctx). Concurrent processes each
+    write a uniquely named temporary file and atomically replace the cache with it, after
+    re-reading it, so neither truncates the other's file (the last writer's other entries win).
+    """
+    path, key = cache_file(), calibration_key(pipeline)
     block = pipeline.drafter.args.block_size if pipeline.drafter is not None else 1
-    if entry and len(entry.get("verify", ())) == max(max_width, block) \
-            and len(entry.get("draft", ())) == block:
-        return CycleCost(tuple(entry["draft"]), tuple(entry["verify"]))
+    cost = _cached_entry(_read_table(path), key, block, max(max_width, block))
+    if cost is not None:
+        return cost
     if progress:
-        progress("measuring draft and verify cost per block width (once per machine and "
-                 "model pair) ...")
+        progress("measuring draft and verify cost per block width (once per machine, model "
+                 "pair and settings) ...")
     cost = measure_costs(pipeline, max_width)
-    table[key] = asdict(cost)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(table, indent=1))
-    tmp.replace(path)
+    table = _read_table(path)                       # others may have written meanwhile
+    table[key] = asdict(cost)
+    fd, tmp = tempfile.mkstemp(prefix="calibration.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(table, f, indent=1)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return cost

@@ -2,22 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import sys
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from . import runtime
+from . import runtime, settings as check
 from .drafter import Drafter
 from .adaptive import DRAFTER, LOOKUP, AdaptiveWidth, FixedWidth, load_or_measure_costs
 from .engine import DecodeState, GenerationStats, generate_tokens
 from .kernels import resolve_kernel_path
 from .lookup import LookupConfig
-from .loading import load_drafter, load_target, resolve, stored_quantization
+from .loading import load_drafter, load_target, quantized_layers, resolve, stored_quantization
 from .omlx import OmlxSettings, OmlxSettingsError
 from .sampling import Sampling
 from .target import TargetAdapter
@@ -39,7 +41,6 @@ class Generation:
     tokens: list[int]
     stats: GenerationStats
     finish_reason: str = "length"
-    prompt_tokens: list[int] = field(default_factory=list)
 
 
 class Pipeline:
@@ -59,7 +60,7 @@ class Pipeline:
         self.drafter = drafter
         self.prefill_step_size = prefill_step_size
         self.default_block_size = block_size
-        self.lookup = check_lookup(lookup)
+        self.lookup = check.lookup(lookup)
         self.lookup_config = LookupConfig()
         self.max_ctx = max_ctx
         self.info = dict(info or {})
@@ -73,8 +74,9 @@ class Pipeline:
                system: str | None = None) -> list[int]:
         """A list of ids is used as is; a string gets the chat template when the tokenizer has
         one (unless chat_template=False), exactly as `mlx_lm generate` renders it."""
+        prompt = check.prompt(prompt)
         if not isinstance(prompt, str):
-            ids = [int(t) for t in prompt]
+            ids = prompt
             bad = [t for t in ids if not 0 <= t < self.adapter.vocab_size]
             if bad:
                 raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary "
@@ -85,12 +87,36 @@ class Pipeline:
                                                                    tok.chat_template))
         if chat_template is True and not use_template:
             raise ValueError("chat_template=True but the tokenizer has no chat template")
-        if not use_template:
-            return tok.encode(prompt)
-        messages = ([{"role": "system", "content": system}] if system else [])
-        messages.append({"role": "user", "content": prompt})
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return tok.encode(text, add_special_tokens=False)
+        with _quiet_length_warning():       # `stream` says it in its own words
+            if not use_template:
+                return tok.encode(prompt)
+            messages = ([{"role": "system", "content": system}] if system else [])
+            messages.append({"role": "user", "content": prompt})
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return tok.encode(text, add_special_tokens=False)
+
+    @property
+    def context_length(self) -> int | None:
+        """The most positions the target was made for (its config's max_position_embeddings,
+        else the tokenizer's model_max_length), None when neither says."""
+        args = getattr(self.target, "args", None)
+        n = getattr(args, "max_position_embeddings", None)
+        if n is None and isinstance(getattr(args, "text_config", None), dict):   # VLM wrappers
+            n = args.text_config.get("max_position_embeddings")
+        if not n:
+            n = getattr(self.tokenizer, "model_max_length", None)
+        return int(n) if isinstance(n, (int, float)) and 0 < n < 1e12 else None
+
+    def _announce_prompt(self, n: int) -> None:
+        """A note when the prompt does not fit the model's context, a line before a long
+        prefill (minutes on a CPU for thousands of tokens)."""
+        ctx = self.context_length
+        if ctx is not None and n > ctx:
+            _notice(f"the prompt has {n} tokens, more than the model's context of {ctx} "
+                    "positions: what the model produces past that point is unreliable")
+        if self.progress and n > self.prefill_step_size:
+            self.progress(f"prefill of {n} prompt tokens in {-(-n // self.prefill_step_size)} "
+                          f"chunks of {self.prefill_step_size} ...")
 
     def max_width(self, lookup: bool) -> int:
         """The widest block any source can draft: the drafter's block size, the lookup's."""
@@ -101,23 +127,20 @@ class Pipeline:
         """The runtime block width: rows verified per cycle, 1 <= b <= the widest block a
         source drafts (the drafter drafts at most its own block size), or "auto": source and
         width chosen each cycle by `adaptive.AdaptiveWidth` (the default)."""
-        lookup = self.lookup if lookup is None else lookup
+        lookup = self.lookup if lookup is None else check.lookup(lookup)
         limit = self.max_width(lookup)
-        b = block_size if block_size is not None else self.default_block_size or "auto"
         if limit == 1:
-            if b not in (1, "auto") or block_size is None and self.default_block_size:
-                raise ValueError(f"block_size={b} needs a drafter or lookup; this pipeline has "
-                                 "neither (plain decoding, block size 1)")
+            if check.block_size(block_size) not in (None, 1, "auto") or \
+                    block_size is None and self.default_block_size not in (None, 1, "auto"):
+                raise ValueError(f"block_size={block_size or self.default_block_size} needs a "
+                                 "drafter or lookup; this pipeline has neither (plain "
+                                 "decoding, block size 1)")
             return 1
-        if b == "auto":
-            return b
-        if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= limit:
-            what = ("the drafter's block size" if self.drafter is not None and not lookup else
-                    "the widest lookup block" if self.drafter is None else
-                    "the widest block of the drafter or the lookup")
-            raise ValueError(f"block_size must be an integer in 1..{limit} ({what}) or "
-                             f"\"auto\", got {b!r}")
-        return b
+        b = block_size if block_size is not None else self.default_block_size or "auto"
+        what = ("the drafter's block size" if self.drafter is not None and not lookup else
+                "the widest lookup block" if self.drafter is None else
+                "the widest block of the drafter or the lookup")
+        return check.block_size(b, limit=limit, what=what)
 
     def width_policy(self) -> AdaptiveWidth:
         """The adaptive policy of this pipeline: its acceptance estimates (per source) carry
@@ -159,11 +182,11 @@ class Pipeline:
         earlier generation to reuse for the prompt's common prefix (`engine.DecodeState`; it
         is advanced in place, so pass a copy of one you keep)."""
         sampling = Sampling(temperature, top_p, top_k)
-        lookup = self.lookup if lookup is None else check_lookup(lookup)
+        lookup = self.lookup if lookup is None else check.lookup(lookup)
         b = self.block_size(block_size, lookup)
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        max_tokens, seed = check.max_tokens(max_tokens), check.seed(seed)
         ids = self.encode(prompt, chat_template, system)
+        self._announce_prompt(len(ids))
         if self.max_ctx is not None and len(ids) >= self.max_ctx and b != 1:
             _notice(f"the prompt has {len(ids)} tokens, at or beyond max_ctx={self.max_ctx}: "
                     "plain target decoding")
@@ -209,12 +232,6 @@ def _settings_block_size(settings: OmlxSettings | None, drafter) -> int | str | 
     return settings.block_size or drafter.args.block_size
 
 
-def check_lookup(value) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"lookup must be True or False, got {value!r}")
-    return value
-
-
 def _float_dtypes(model: nn.Module) -> str:
     """'float32', or e.g. 'bfloat16+float32' when float parameters are mixed."""
     names = {str(v.dtype).rsplit(".", 1)[-1] for _, v in tree_flatten(model.parameters())
@@ -224,11 +241,22 @@ def _float_dtypes(model: nn.Module) -> str:
 
 def _quantization(model: nn.Module) -> dict | None:
     """{"bits", "group_size", "layers"} of a model's quantized layers, None when it has none."""
-    layers = [m for _, m in model.named_modules()
-              if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+    layers = quantized_layers(model)
     if not layers:
         return None
     return {"bits": layers[0].bits, "group_size": layers[0].group_size, "layers": len(layers)}
+
+
+@contextlib.contextmanager
+def _quiet_length_warning():
+    """transformers logs "Token indices sequence length is longer than ..." from encode."""
+    logger = logging.getLogger("transformers.tokenization_utils_base")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 class DFlashNotice(UserWarning):
@@ -343,7 +371,7 @@ def load(model: str | None = None, draft: str | None = None, *,
             "omlx_settings": settings.source if settings else None,
             "model_id": settings.model_id if settings else None}
     pipe = Pipeline(target, tokenizer, drafter, max_ctx=s.max_ctx, info=info,
-                    lookup=check_lookup(lookup) and s.verify_mode != "off",
+                    lookup=check.lookup(lookup) and s.verify_mode != "off",
                     block_size=_settings_block_size(settings, drafter))
     pipe.progress = progress
     if plan is not None:

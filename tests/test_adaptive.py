@@ -19,10 +19,10 @@ COST = CycleCost(draft=tuple([0.0] + [0.030] * 15), verify=tuple(0.100 + 0.005 *
                                                                  for w in range(1, 17)))
 
 
-def brute_force_best(alpha: float) -> int:
+def brute_force_best(alpha: float, limit: int = 16) -> int:
     def rate(w):
         return sum(alpha**k for k in range(w)) / COST.cycle(w)
-    return max(range(1, 17), key=rate)
+    return max(range(1, limit + 1), key=rate)
 
 
 @pytest.mark.parametrize("alpha", [0.1, 0.3, 0.6, 0.8, 0.95])
@@ -30,8 +30,7 @@ def test_choice_maximises_expected_tokens_per_second(alpha):
     policy = AdaptiveWidth(COST, prior=alpha, strength=1e9)     # alphas pinned at `alpha`
     best = brute_force_best(alpha)
     assert policy.choose() == (DRAFTER if best > 1 else PLAIN, best)
-    limited = max(range(1, 4), key=lambda w: sum(alpha**k for k in range(w)) / COST.cycle(w))
-    assert policy.choose({DRAFTER: 3})[1] == limited
+    assert policy.choose({DRAFTER: 3})[1] == brute_force_best(alpha, limit=3)
 
 
 def simulate(policy, alphas, seed=0):
@@ -126,6 +125,56 @@ def test_auto_is_exact_and_costs_are_cached(pipe, tmp_path):
     assert again.generate(ids, max_tokens=40, block_size="auto").tokens == ref
 
 
+@pytest.mark.parametrize("content", ['[1, 2]', '{"KEY": {"draft": "x", "verify": [1]}}',
+                                     '{"KEY": [0.1]}', '{"KEY": {"draft": [true], "verify": 3}}',
+                                     '\xff\xfe not json'])
+def test_a_malformed_calibration_file_is_measured_again(pipe, tmp_path, monkeypatch, content):
+    """A parseable but wrong calibration.json (a list, wrong types) used to crash."""
+    from dflash2_mlx import adaptive
+
+    path = adaptive.cache_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(content.replace("KEY", adaptive.calibration_key(pipe)))
+    fake = CycleCost((0.0,) + (0.01,) * 15, (0.02,) * 16)
+    monkeypatch.setattr(adaptive, "measure_costs", lambda _pipe, _widths: fake)
+    assert load_or_measure_costs(pipe, 16) == fake
+    assert load_or_measure_costs(pipe, 16) == fake              # and now read back from disk
+    assert json.loads(path.read_text())[adaptive.calibration_key(pipe)]["verify"] == [0.02] * 16
+
+
+def test_concurrent_calibrations_do_not_collide(pipe, monkeypatch):
+    """The temporary file had a fixed name, so two processes measuring at once raced."""
+    import threading
+
+    from dflash2_mlx import adaptive
+
+    fake = CycleCost((0.0,) + (0.01,) * 15, (0.02,) * 16)
+    barrier = threading.Barrier(8)
+
+    def measure(_pipe, _widths):
+        barrier.wait()
+        return fake
+
+    monkeypatch.setattr(adaptive, "measure_costs", measure)
+    errors = []
+
+    def worker():
+        try:
+            assert load_or_measure_costs(pipe, 16) == fake
+        except BaseException as e:  # noqa: BLE001 - collected and reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    folder = adaptive.cache_file().parent
+    assert [p.name for p in folder.iterdir()] == ["calibration.json"]
+    assert adaptive.calibration_key(pipe) in json.loads(adaptive.cache_file().read_text())
+
+
 def test_auto_sampling_runs(pipe):
     gen = pipe.generate("Hello", max_tokens=20, block_size="auto", temperature=1.0, seed=3)
     eos = set(pipe.tokenizer.eos_token_ids)
@@ -143,7 +192,7 @@ def test_cli_accepts_auto_and_rejects_junk(llama_dir, dflash2_dir, tmp_path):
     assert "block size auto (mean" in ok.stderr
     bad = subprocess.run([str(exe), "generate", "--block-size", "big"], capture_output=True,
                          text=True, env=env)
-    assert bad.returncode == 2 and "--block-size" in bad.stderr and "'auto'" in bad.stderr
+    assert bad.returncode == 2 and "--block-size" in bad.stderr and '"auto"' in bad.stderr
 
 
 def test_monotone_fit_pools_violations():

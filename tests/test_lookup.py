@@ -153,7 +153,7 @@ def test_no_lookup_means_drafter_only(pipes):
     assert d["position_acceptance_lookup"] == []
     on = pipe.generate(PROMPTS[2], max_tokens=40, block_size=8, lookup=True).stats.to_dict()
     assert on["cycles_lookup"] > 0 and on["tau_lookup"] is not None
-    with pytest.raises(ValueError, match="lookup must be True or False"):
+    with pytest.raises(ValueError, match="lookup: .yes. is not True or False"):
         pipe.generate("hi", lookup="yes")
 
 

@@ -1,4 +1,4 @@
-"""oMLX model settings (SPEC section 7), platform precision defaults and drafter quantization,
+"""oMLX model settings, platform precision defaults and drafter quantization,
 in-process. The command-line side is in test_cli.py."""
 
 import json
