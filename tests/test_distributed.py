@@ -32,7 +32,7 @@ def launch(args: list[str], tmp: Path, timeout: float = 150) -> subprocess.Compl
     port = random.Random(os.getpid() + time.time_ns()).randrange(20000, 60000, 2)
     # one BLAS thread per rank: the two ranks share this machine's cores
     env = {"PYTHONPATH": str(ROOT), "DFLASH2_CACHE": str(tmp / "cache"),
-           "OPENBLAS_NUM_THREADS": "1"}
+           "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     cmd = [str(LAUNCH), "--backend", "ring", "-n", "2", "--starting-port", str(port),
            "--python", sys.executable]
     for k, v in env.items():
@@ -315,7 +315,8 @@ def test_serve_pipeline_answers_like_one_process_and_stops_on_sigterm(tmp_path, 
     shim.write_text("from dflash2_mlx.cli import main\nmain()\n")
     http = random.Random(time.time_ns()).randrange(20000, 60000)
     port = random.Random(os.getpid() + time.time_ns()).randrange(20000, 60000, 2)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OPENBLAS_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OPENBLAS_NUM_THREADS": "1",
+           "MKL_NUM_THREADS": "1"}
     cmd = [str(LAUNCH), "--backend", "ring", "-n", "2", "--starting-port", str(port),
            "--env", f"PYTHONPATH={ROOT}", "--python", sys.executable, str(shim), "serve",
            "--pipeline", "--model", str(llama_dir), "--draft", str(dflash2_dir), "--port",
