@@ -24,7 +24,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Iterator, Literal, Optional, Union
+from typing import Any, AsyncIterator, Callable, Literal, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -56,7 +56,7 @@ class ServerConfig:
     max_tokens: int = 4096              # most tokens one request may ask for
     context_length: int = 8192          # prompt + completion tokens
     max_body_bytes: int = 4 * 2**20
-    queue_size: int = 16                # requests waiting for the model (not counting the one running)
+    queue_size: int = 16                # requests waiting for the model, besides the running one
     api_key: str | None = None
     block_size: int | str | None = None     # None: the pipeline's default
     prompt_cache_size: int = 8              # entries; 0: no prefix cache
@@ -846,7 +846,8 @@ def create_app(pipe: Pipeline, config: ServerConfig, *, worker_thread: bool = Tr
         tools = openai_tools(req)
         prompt = service.render_chat(openai_messages(req), tools)
         asked, param = ((req.max_completion_tokens, "max_completion_tokens")
-                        if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens"))
+                        if req.max_completion_tokens is not None
+                        else (req.max_tokens, "max_tokens"))
         limit = service.max_tokens(asked, len(prompt), param)
         job = service.submit(GenerationRequest(prompt, limit, sampling, req.seed))
         text = service.tool_stream(stops, tools)

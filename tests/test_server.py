@@ -152,8 +152,9 @@ def test_stop_strings_across_token_boundaries(pipe, oa):
     # a stop string that straddles two chunks (tokens) of the stream, not at the very start
     pieces = [c.text for c in pipe.stream(chat_ids(pipe, msgs), max_tokens=40)]
     bounds = [sum(map(len, pieces[:i])) for i in range(1, len(pieces))]
-    stop = next(full[b - 1: b + 1] for b in bounds
-                if b >= 1 and len(full[b - 1: b + 1]) == 2 and full.index(full[b - 1: b + 1]) == b - 1)
+    spans = [full[b - 1: b + 1] for b in bounds if b >= 1]
+    stop = next(s for b, s in zip([b for b in bounds if b >= 1], spans)
+                if len(s) == 2 and full.index(s) == b - 1)
     want = full[: full.index(stop)]
     got = oa.chat.completions.create(model="llama", messages=msgs, max_tokens=40,
                                      temperature=0, stop=[stop, "never-there"])
