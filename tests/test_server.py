@@ -255,11 +255,15 @@ def test_full_queue_answers_429_and_the_server_recovers(server, oa):
     body = {"model": "llama", "max_tokens": CAP, "temperature": 0,
             "messages": [{"role": "user", "content": "count:"}]}
     headers = {"Authorization": f"Bearer {KEY}"}
-    with ThreadPoolExecutor(14) as pool:
-        codes = list(pool.map(lambda _: httpx.post(server.url + "/v1/chat/completions",
-                                                   json=body, headers=headers,
-                                                   timeout=120).status_code, range(14)))
+    # 32 at once against 1 running + 8 waiting: some must be turned away
+    with ThreadPoolExecutor(32) as pool:
+        replies = list(pool.map(lambda _: httpx.post(server.url + "/v1/chat/completions",
+                                                     json=body, headers=headers,
+                                                     timeout=120), range(32)))
+    codes = [r.status_code for r in replies]
     assert 429 in codes and 200 in codes and set(codes) <= {200, 429}, codes
+    busy = next(r.json()["error"] for r in replies if r.status_code == 429)
+    assert busy["type"] == "rate_limit_error" and busy["code"] == "queue_full"
     r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
     assert r.status_code == 200
 
