@@ -22,7 +22,7 @@ import argparse
 import statistics
 import time
 
-import dflash2_mlx  # noqa: F401  (preloads OpenBLAS on Linux before MLX runs)
+import dflash2_mlx  # noqa: F401  (loads the fast BLAS on Linux before MLX runs)
 import mlx.core as mx
 
 from dflash2_mlx.kernels import _pick, metal_usable, path_walk, short_conv

@@ -1,8 +1,10 @@
 """dflash2-mlx: exact speculative decoding with DFlash 2 block drafters on MLX."""
 
-from . import runtime as _runtime
+from . import blas as _blas
 
-_runtime.preload_openblas()  # must run before the first `import mlx`
+# Before the first `import mlx` where possible (then MLX binds to it as it loads); when MLX was
+# imported first, libmlx's gemm slots are pointed at the chosen library instead (blas.py).
+BLAS = _blas.select()
 
 __version__ = "0.1.0"
 

@@ -25,6 +25,7 @@ import json
 import os
 import platform
 import statistics
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ import mlx.core as mx
 from .sampling import Sampling
 
 DRAFTER, LOOKUP, PLAIN = "drafter", "lookup", "plain"     # the sources of a cycle's drafts
+MATCH_BUCKETS = (1, 2, 3, 4, 8)     # lookup suffix lengths tracked apart: n, or the largest <= n
 
 
 @dataclass(frozen=True)
@@ -79,14 +81,16 @@ class FixedWidth:
     def __init__(self, width: int):
         self.width = width
 
-    def choose(self, available: dict[str, int]) -> tuple[str, int]:
-        """available: the widest block each source can draft this cycle (sources absent: none)."""
+    def choose(self, available: dict[str, int], match_n: int = 0) -> tuple[str, int]:
+        """available: the widest block each source can draft this cycle (sources absent: none);
+        match_n: the length of the lookup's recurring suffix (0: none)."""
         for source in (LOOKUP, DRAFTER):
             if self.width > 1 and available.get(source, 1) > 1:
                 return source, min(self.width, available[source])
         return PLAIN, 1
 
-    def update(self, source: str, width: int, accepted: int, seconds: float | None = None):
+    def update(self, source: str, width: int, accepted: int, seconds: float | None = None,
+               match_n: int = 0) -> None:
         pass
 
 
@@ -106,8 +110,10 @@ class AdaptiveWidth:
                  probe_every: int = 8, far: float = 0.9, slow: int = 3):
         self.cost, self.decay, self.probe_every = cost, decay, probe_every
         self.far, self.slow = far, slow
-        widths = widths or {DRAFTER: cost.max_width}
-        self.counts = {s: PositionCounts(w - 1, decay) for s, w in widths.items()}
+        self.widths = widths or {DRAFTER: cost.max_width}
+        # acceptance counts per source; the lookup's per length of its recurring suffix (a
+        # long match copies on for many tokens, a two-token one is often a common phrase)
+        self.counts: dict[str, PositionCounts] = {}
         self.prior_hits, self.prior_tries = prior * strength, strength
         self.plain_run = 0                  # consecutive cycles the policy chose w = 1
         # timed cycles: decayed count and seconds per (source, width); decayed seconds over
@@ -127,33 +133,44 @@ class AdaptiveWidth:
         load = self.load_s / self.load_calibrated if self.load_calibrated else 1.0
         return self.cost.cycle(width, source) * load
 
-    def alphas(self, source: str = DRAFTER) -> list[float]:
-        """Estimated alpha_k of a source. Position 1 starts from `prior`; a later position
-        starts from the estimate of the one before it, so positions that are rarely reached
-        (drafting goes badly) do not keep an optimistic prior that has no evidence."""
-        c = self.counts[source]
+    def counts_for(self, source: str, match_n: int = 0) -> PositionCounts:
+        key = source if source != LOOKUP else \
+            f"{LOOKUP}:{max([b for b in MATCH_BUCKETS if b <= match_n] or [0])}"
+        if key not in self.counts:
+            self.counts[key] = PositionCounts(self.widths[source] - 1, self.decay)
+        return self.counts[key]
+
+    def alphas(self, source: str = DRAFTER, match_n: int = 0) -> list[float]:
+        """Estimated alpha_k of a source (the lookup's: for suffix matches of length
+        `match_n`). Position 1 starts from `prior`; a later position starts from the estimate
+        of the one before it, so positions that are rarely reached (drafting goes badly) do
+        not keep an optimistic prior that has no evidence."""
+        c = self.counts_for(source, match_n)
         out, prior = [], self.prior_hits / self.prior_tries
         for h, t in zip(c.hits, c.tries):
             prior = (h + prior * self.prior_tries) / (t + self.prior_tries)
             out.append(prior)
         return out
 
-    def expected_tokens(self, width: int, source: str = DRAFTER) -> float:
+    def expected_tokens(self, width: int, source: str = DRAFTER, match_n: int = 0) -> float:
         total, p = 1.0, 1.0
-        for alpha in (self.alphas(source)[: width - 1] if width > 1 else ()):
+        for alpha in (self.alphas(source, match_n)[: width - 1] if width > 1 else ()):
             p *= alpha
             total += p
         return total
 
-    def choose(self, available: dict[str, int] | None = None) -> tuple[str, int]:
+    def choose(self, available: dict[str, int] | None = None,
+               match_n: int = 0) -> tuple[str, int]:
         """available: the widest block each source can draft this cycle (default: every source
-        at its widest) -> (source, width); (PLAIN, 1) is always a choice."""
+        at its widest); match_n: the lookup's recurring suffix length -> (source, width);
+        (PLAIN, 1) is always a choice."""
         if available is None:
-            available = {s: len(c.tries) + 1 for s, c in self.counts.items()}
+            available = dict(self.widths)
         rate = {(PLAIN, 1): 1.0 / self.cycle_cost(1)}
         for source, most in available.items():
-            for w in range(2, min(most, len(self.counts[source].tries) + 1) + 1):
-                rate[(source, w)] = self.expected_tokens(w, source) / self.cycle_cost(w, source)
+            for w in range(2, min(most, self.widths[source]) + 1):
+                rate[(source, w)] = (self.expected_tokens(w, source, match_n)
+                                     / self.cycle_cost(w, source))
         best = max(rate, key=rate.get)
         if best[1] > 1 or len(rate) == 1:
             self.plain_run = 0
@@ -167,12 +184,12 @@ class AdaptiveWidth:
             return next((s, 2) for s in (LOOKUP, DRAFTER) if (s, 2) in rate)
         return best
 
-    def update(self, source: str, width: int, accepted: int,
-               seconds: float | None = None) -> None:
+    def update(self, source: str, width: int, accepted: int, seconds: float | None = None,
+               match_n: int = 0) -> None:
         """After a cycle of `width` drafted by `source` that accepted `accepted` drafts (and
-        took `seconds`)."""
+        took `seconds`; `match_n` as given to `choose`)."""
         if width > 1:
-            self.counts[source].update(width, accepted)
+            self.counts_for(source, match_n).update(width, accepted)
         if seconds is not None:
             source = PLAIN if width == 1 else source
             # a one-off stall (first-use compilation, the OS) must not swamp the estimate
@@ -191,8 +208,10 @@ CALIBRATION_VERSION = "2"     # bump when measure_costs changes: old entries are
 
 
 def cache_file() -> Path:
-    base = Path(os.environ.get("DFLASH2_CACHE", Path.home() / ".cache" / "dflash2-mlx"))
-    return base / "calibration.json"
+    """`$DFLASH2_CACHE/calibration.json` (default cache: `~/.cache/dflash2-mlx`)."""
+    from .assets import resolve_cache_dir
+
+    return resolve_cache_dir() / "calibration.json"
 
 
 def calibration_key(pipeline) -> str:
@@ -259,26 +278,56 @@ def measure_costs(pipeline, max_width: int, context: int = 128, reps: int = 5) -
     return CycleCost(tuple(draft), tuple(verify))
 
 
-def load_or_measure_costs(pipeline, max_width: int, progress=None) -> CycleCost:
-    """Costs from the per-machine cache, measured (a few seconds) on first use; verify costs
-    up to `max_width` rows (or the drafter's block size, if wider)."""
-    path, key = cache_file(), calibration_key(pipeline)
+def _cached_entry(table: dict, key: str, draft_widths: int,
+                  verify_widths: int) -> CycleCost | None:
+    """The entry of `key` when it is well formed (lists of `draft_widths` and `verify_widths`
+    numbers), else None: a file edited by hand or written by another version is measured
+    again, not trusted."""
+    entry = table.get(key)
+    if not isinstance(entry, dict):
+        return None
+    draft, verify = entry.get("draft"), entry.get("verify")
+    ok = all(isinstance(xs, list) and len(xs) == n and
+             all(isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 for x in xs)
+             for xs, n in ((draft, draft_widths), (verify, verify_widths)))
+    return CycleCost(tuple(map(float, draft)), tuple(map(float, verify))) if ok else None
+
+
+def _read_table(path: Path) -> dict:
     try:
         table = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        table = {}
-    entry = table.get(key)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return table if isinstance(table, dict) else {}
+
+
+def load_or_measure_costs(pipeline, max_width: int, progress=None) -> CycleCost:
+    """Costs from the per-machine cache, measured (a few seconds) on first use; verify costs
+    up to `max_width` rows (or the drafter's block size, if wider).
+
+    The cache is keyed on the machine, MLX, the model pair and how it was loaded (dtypes,
+    quantization, settings file and entry, verify mode, max_ctx). Concurrent processes each
+    write a uniquely named temporary file and atomically replace the cache with it, after
+    re-reading it, so neither truncates the other's file (the last writer's other entries win).
+    """
+    path, key = cache_file(), calibration_key(pipeline)
     block = pipeline.drafter.args.block_size if pipeline.drafter is not None else 1
-    if entry and len(entry.get("verify", ())) == max(max_width, block) \
-            and len(entry.get("draft", ())) == block:
-        return CycleCost(tuple(entry["draft"]), tuple(entry["verify"]))
+    cost = _cached_entry(_read_table(path), key, block, max(max_width, block))
+    if cost is not None:
+        return cost
     if progress:
-        progress("measuring draft and verify cost per block width (once per machine and "
-                 "model pair) ...")
+        progress("measuring draft and verify cost per block width (once per machine, model "
+                 "pair and settings) ...")
     cost = measure_costs(pipeline, max_width)
-    table[key] = asdict(cost)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(table, indent=1))
-    tmp.replace(path)
+    table = _read_table(path)                       # others may have written meanwhile
+    table[key] = asdict(cost)
+    fd, tmp = tempfile.mkstemp(prefix="calibration.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(table, f, indent=1)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return cost

@@ -71,10 +71,15 @@ class Reference:
 
         from .loading import load_target
 
-        ref.snapshot_download = lambda path, **_: path   # it only takes hub ids
         self.ref = ref
         self.target, self.tokenizer, _ = load_target(model, mx.float32)
-        self.draft = ref.load_draft(str(draft))
+        # load_draft only takes hub ids: let it read the local folder, for this call only
+        original = ref.snapshot_download
+        ref.snapshot_download = lambda path, **_: path
+        try:
+            self.draft = ref.load_draft(str(draft))
+        finally:
+            ref.snapshot_download = original
         self.draft.update(_to_float32(self.draft.parameters()))
 
     def __call__(self, ids, temperature, max_tokens, seed, block_size) -> Run:

@@ -24,6 +24,7 @@ from typing import Optional
 import typer
 
 from . import __version__, runtime
+from . import settings as check
 
 PROG = "dflash2-mlx"
 # typer >= 0.26 vendors click; the base class of its usage errors is found the same way in both.
@@ -37,18 +38,24 @@ app = typer.Typer(name=PROG, add_completion=False, no_args_is_help=True,
 
 # --------------------------------------------------------------------------- helpers
 
+_WHO = ""      # " (rank r)" on the ranks > 0 of a pipeline: they report only their errors
+
+
 def _say(line: str) -> None:
-    print(f"{PROG}: {line}", file=sys.stderr, flush=True)
+    if _WHO and not line.startswith("error"):
+        return
+    print(f"{PROG}: {line.replace('error:', f'error{_WHO}:', 1) if _WHO else line}",
+          file=sys.stderr, flush=True)
 
 
-def _show_notice(message, category, filename, lineno, file=None, line=None):
-    if category.__name__ == "DFlashNotice":
-        _say(f"note: {message}")
-    else:
-        _original_showwarning(message, category, filename, lineno, file, line)
-
-
-_original_showwarning = warnings.showwarning
+def _notice_hook(previous):
+    """A warnings.showwarning that prints DFlashNotice as one line; others go to `previous`."""
+    def show(message, category, *rest, **kw):
+        if category.__name__ == "DFlashNotice":
+            _say(f"note: {message}")
+        else:
+            previous(message, category, *rest, **kw)
+    return show
 
 
 @contextlib.contextmanager
@@ -74,38 +81,48 @@ def _errors(verbose: bool):
         raise typer.Exit(1) from None
 
 
-def _choice(allowed: tuple, convert=str):
-    """A callback accepting only `allowed` (None passes); click names the flag in the error."""
-    def check(value):
+def _flag(validator):
+    """A click callback running one of `settings`' validators (None passes): click then names
+    the flag in its one-line error."""
+    def callback(value):
         if value is None:
             return None
         try:
-            converted = convert(value)
-        except ValueError:
-            converted = None
-        if converted not in allowed:
-            raise typer.BadParameter(f"{value!r} is not one of {', '.join(map(str, allowed))}")
-        return converted
-    return check
+            return validator(value)
+        except check.SettingError as e:
+            raise typer.BadParameter(e.problem) from None
+    return callback
 
 
-def _block_size(value: str | None):
-    """--block-size: an integer >= 1 or "auto" (adaptive)."""
-    if value is None or value == "auto":
-        return value
-    try:
-        b = int(value)
-    except ValueError:
-        b = 0
-    if b < 1:
-        raise typer.BadParameter(f"{value!r} is not an integer >= 1 or 'auto'")
-    return b
+def _prompt_flag(value: str) -> str:
+    return value if value == "-" else _flag(check.text)(value)
 
 
-def _top_p(value: float) -> float:
-    if not 0 < value <= 1:
-        raise typer.BadParameter(f"{value} is not in (0, 1]")
-    return value
+def _writable(path: Path, flag: str) -> None:
+    """Fail before the generation, not after it, when a report file cannot be written."""
+    folder = path.parent
+    why = ("it is a folder" if path.is_dir() else
+           f"no such folder {folder}" if not folder.is_dir() else
+           f"the folder {folder} is not writable" if not os.access(folder, os.W_OK) else
+           "the file is not writable" if path.exists() and not os.access(path, os.W_OK)
+           else None)
+    if why:
+        raise ValueError(f"{flag} {path}: cannot be written ({why})")
+
+
+def _read_stdin() -> str:
+    data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read()
+    if isinstance(data, str):
+        text = data
+    else:
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--prompt -: standard input is not valid UTF-8 (byte "
+                             f"0x{data[e.start]:02x} at offset {e.start})") from None
+    if not text:
+        raise ValueError("--prompt -: standard input was empty")
+    return check.text(text, "--prompt -")
 
 
 def _default_pair() -> tuple[str, str]:
@@ -121,12 +138,12 @@ def _default_pair() -> tuple[str, str]:
     return str(target), str(drafter)
 
 
-def _openblas_hint() -> None:
-    """On Linux without OpenBLAS, say how to install it (fp32 matmuls are 17-47x faster)."""
-    if (sys.platform.startswith("linux") and os.environ.get(runtime.DISABLE_ENV) != "1"
-            and not runtime.openblas_loaded() and runtime.find_openblas() is None):
-        _say("note: OpenBLAS is not installed, so float32 matmuls run 20-40x slower; install "
-             f"it with: {runtime.OPENBLAS_INSTALL_HINT}")
+def _blas_note() -> None:
+    """Say when the BLAS asked for could not be put in effect (and how to fix it)."""
+    from . import BLAS
+
+    if BLAS.note:
+        _say(f"note: {BLAS.note}")
 
 
 def _summary(stats) -> str:
@@ -144,9 +161,10 @@ def _summary(stats) -> str:
             f"{stats.prompt_tokens} prompt tokens")
 
 
-def _load_pipeline(model, draft, omlx_settings, model_id, block_size, lookup, **precision):
+def _load_pipeline(model, draft, omlx_settings, model_id, block_size, lookup, **options):
     """Load as `generate` and `serve` both do: the embedded default without --model, the oMLX
-    entry when asked, flags over the file; check --block-size against the drafter."""
+    entry when asked, flags over the file; check --block-size against the drafter. A follower
+    rank of a pipeline-sharded target serves rank 0 until it is done, then gets None."""
     if model_id is not None and omlx_settings is None:
         raise ValueError("--model-id names an entry of the oMLX settings: add "
                          "--omlx-settings [PATH]")
@@ -164,19 +182,25 @@ def _load_pipeline(model, draft, omlx_settings, model_id, block_size, lookup, **
         settings.check(draft)        # fail before loading anything
     elif draft is None:
         draft = default_draft
-    _openblas_hint()
+    _blas_note()
 
     from .pipeline import load
 
     tic = time.perf_counter()
     with contextlib.redirect_stdout(sys.stderr):
-        pipe = load(model, draft, settings=settings, lookup=lookup, progress=_say, **precision)
+        pipe = load(model, draft, settings=settings, lookup=lookup, progress=_say, **options)
+    if pipe.stage is not None:
+        from .distributed import follow_unless_leader
+
+        if follow_unless_leader(pipe):       # rank 0 writes text, summary and stats
+            return None
     try:
         pipe.block_size(block_size, lookup)
     except ValueError as e:
         raise ValueError(f"--block-size {block_size}: {e}") from e
     if pipe.drafter is None and settings is None:
-        _say("note: no drafter (--draft): plain target decoding")
+        _say("note: no drafter (--draft): " + ("lookup drafting from the context only"
+                                               if lookup else "plain target decoding"))
     _say(f"ready in {time.perf_counter() - tic:.1f} s")
     return pipe
 
@@ -191,32 +215,37 @@ def generate(
     draft: Optional[str] = typer.Option(
         None, "--draft", "--draft-model", help="DFlash / DFlash 2 drafter folder or hub id "
         "(default: the oMLX setting, else the embedded default's)"),
-    prompt: str = typer.Option("hello", "--prompt", "-p", help="Prompt text; '-' reads stdin"),
+    prompt: str = typer.Option("hello", "--prompt", "-p", callback=_prompt_flag,
+                               help="Prompt text; '-' reads stdin"),
     system: Optional[str] = typer.Option(None, "--system", "--system-prompt",
                                          help="System message (with a chat template)"),
-    max_tokens: int = typer.Option(256, "--max-tokens", "-m", min=1,
+    max_tokens: int = typer.Option(256, "--max-tokens", "-m", callback=_flag(check.max_tokens),
                                    help="Most tokens to generate"),
-    temp: float = typer.Option(0.0, "--temp", min=0.0, help="Temperature; 0 = greedy"),
-    top_p: float = typer.Option(1.0, "--top-p", callback=_top_p, help="Nucleus mass in (0, 1]"),
-    top_k: int = typer.Option(0, "--top-k", min=0, help="Keep the k likeliest; 0 = all"),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling"),
+    temp: float = typer.Option(0.0, "--temp", callback=_flag(check.temperature),
+                               help="Temperature; 0 = greedy"),
+    top_p: float = typer.Option(1.0, "--top-p", callback=_flag(check.top_p),
+                                help="Nucleus mass in (0, 1]"),
+    top_k: int = typer.Option(0, "--top-k", callback=_flag(check.top_k),
+                              help="Keep the k likeliest; 0 = all"),
+    seed: Optional[int] = typer.Option(None, "--seed", callback=_flag(check.seed),
+                                       help="Random seed for sampling, 0..2**64-1"),
     block_size: Optional[str] = typer.Option(
-        None, "--block-size", callback=_block_size, metavar="{1..B,auto}",
+        None, "--block-size", callback=_flag(check.block_size), metavar="{1..B,auto}",
         help="Rows verified per cycle, 1..the widest block of the drafter (B) or the lookup "
         "(16), or 'auto' to choose source and width each cycle (default: the oMLX setting, "
         "else auto)"),
     lookup: bool = typer.Option(True, "--lookup/--no-lookup",
                                 help="Also draft by lookup in the context (default: on)"),
     draft_bits: Optional[str] = typer.Option(
-        None, "--draft-bits", callback=_choice(runtime.DRAFT_BITS, int),
+        None, "--draft-bits", callback=_flag(check.draft_bits),
         metavar="{4,8,16}", help="Drafter weight bits; 16 = unquantized "
         "(default: 4 on Metal, 16 on CPU)"),
     draft_group_size: Optional[str] = typer.Option(
         None, "--draft-group-size", metavar="{32,64,128}",
-        callback=_choice(runtime.DRAFT_GROUP_SIZES, int),
+        callback=_flag(check.draft_group_size),
         help="Quantization group size (default: 64)"),
     dtype: Optional[str] = typer.Option(
-        None, "--dtype", callback=_choice(runtime.DTYPES),
+        None, "--dtype", callback=_flag(check.dtype),
         metavar="{float32,float16,bfloat16}",
         help="Float weight dtype (default: float32 on CPU, as stored on Metal)"),
     no_chat_template: bool = typer.Option(False, "--no-chat-template", "--ignore-chat-template",
@@ -228,16 +257,26 @@ def generate(
                                            help="Entry in the oMLX settings (default: --model)"),
     stats_json: Optional[Path] = typer.Option(None, "--stats-json", metavar="PATH",
                                               help="Write statistics and effective settings"),
+    pipeline: bool = typer.Option(False, "--pipeline", help="Split the target's layers across "
+                                  "the ranks started by mlx.launch (rank 0 writes the output)"),
+    pipeline_split: Optional[str] = typer.Option(
+        None, "--pipeline-split", metavar="N,N,...", help="Layers per rank (default: even)"),
+    pipeline_timeout: float = typer.Option(60.0, "--pipeline-timeout", min=1.0,
+                                           help="Seconds a rank may wait for another"),
     verbose: bool = typer.Option(False, "--verbose", help="Effective settings, tracebacks"),
 ):
     """Generate text; it streams to stdout, one summary line goes to stderr."""
     with _errors(verbose):
-        text = sys.stdin.read() if prompt == "-" else prompt
-        if not text:
-            raise ValueError("--prompt -: standard input was empty")
+        if stats_json is not None:
+            _writable(stats_json, "--stats-json")
+        group = _pipeline_group(pipeline, pipeline_split, pipeline_timeout)
+        text = _read_stdin() if prompt == "-" else prompt
         pipe = _load_pipeline(model, draft, omlx_settings, model_id, block_size, lookup,
                               draft_bits=draft_bits, draft_group_size=draft_group_size,
-                              dtype=dtype)
+                              dtype=dtype, pipeline=group, pipeline_split=pipeline_split,
+                              pipeline_timeout=pipeline_timeout)
+        if pipe is None:                     # a follower rank: it served rank 0 and is done
+            return
         if verbose:
             _say("settings " + json.dumps(pipe.describe()))
 
@@ -258,6 +297,26 @@ def generate(
             stats_json.write_text(json.dumps(report, indent=2) + "\n")
 
 
+def _pipeline_group(pipeline: bool, split: str | None, timeout: float):
+    """--pipeline: the launched group (bounded wait for the other ranks); ranks > 0 print
+    only their own errors, tagged with the rank."""
+    global _WHO
+    if not pipeline:
+        if split is not None:
+            raise ValueError("--pipeline-split needs --pipeline")
+        return None
+    from .distributed import init_group
+
+    group = init_group(timeout)
+    if group.size() == 1:
+        _say("note: --pipeline: one rank (not started by mlx.launch): the whole target runs "
+             "here")
+    if group.rank() > 0:
+        _WHO = f" (rank {group.rank()})"
+        warnings.simplefilter("ignore")      # rank 0 reports notices once
+    return group
+
+
 # --------------------------------------------------------------------------- doctor
 
 def _folder_size(path: Path) -> str:
@@ -269,7 +328,7 @@ def _folder_size(path: Path) -> str:
 
 @app.command()
 def doctor(verbose: bool = typer.Option(False, "--verbose", help="Tracebacks")):
-    """MLX version and backend, OpenBLAS, kernel path, precision defaults, cache locations."""
+    """MLX version and backend, the BLAS in effect, kernels, precision defaults, caches."""
     with _errors(verbose):
         from importlib.metadata import PackageNotFoundError, version
 
@@ -295,14 +354,18 @@ def doctor(verbose: bool = typer.Option(False, "--verbose", help="Tracebacks")):
         row("mlx", f"{mx.__version__}, backend {'Metal (GPU)' if metal else 'CPU'}"
             f"{'' if mx.metal.is_available() else ' (Metal not available)'}")
         row("mlx-lm", pkg("mlx-lm"))
+        from .distributed import availability
+        row("distributed", availability())
         if sys.platform.startswith("linux"):
-            lib = runtime.find_openblas()
-            state = ("active" if runtime.openblas_loaded() else
-                     f"installed at {lib} but not loaded" if lib else
-                     f"missing: install it with `{runtime.OPENBLAS_INSTALL_HINT}`")
-            row("openblas", state + (f" ({lib})" if runtime.openblas_loaded() and lib else ""))
+            from . import BLAS, blas
+
+            now = blas.active()
+            row("blas", f"{now.name} ({now.path or now.how}; ${blas.ENV}="
+                f"{os.environ.get(blas.ENV) or 'auto'}: {'|'.join(blas.CHOICES)})"
+                + (f"; note: {BLAS.note}" if BLAS.note else ""))
         a = mx.random.normal((512, 512))
-        mx.eval(a @ a)
+        for _ in range(3):            # MKL loads its CPU-specific kernels on the first calls
+            mx.eval(a @ a)
         tic = time.perf_counter()
         for _ in range(5):
             mx.eval(a @ a)
@@ -363,17 +426,11 @@ def bench(
 ):
     """Plain mlx-lm vs dflash2-mlx per block size (drafter alone and hybrid) vs the reference."""
     with _errors(verbose):
-        try:
-            sizes = [_block_size(b.strip()) for b in block_sizes.split(",") if b.strip()]
-        except typer.BadParameter as e:
-            raise ValueError(f"--block-sizes: {e.format_message()}") from None
-        temps = []
-        for t in temperatures.split(","):
-            try:
-                temps.append(float(t))
-            except ValueError:
-                raise ValueError(f"--temperatures: {t!r} is not a number") from None
-        if any(t < 0 for t in temps) or not temps:
+        sizes = [check.block_size(b.strip(), "--block-sizes") for b in block_sizes.split(",")
+                 if b.strip()]
+        temps = [check.temperature(t.strip(), "--temperatures") for t in temperatures.split(",")
+                 if t.strip()]
+        if not temps:
             raise ValueError("--temperatures: expected numbers >= 0, e.g. 0,1")
         with contextlib.redirect_stdout(sys.stderr):
             if model is None:
@@ -411,19 +468,19 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on"),
     port: int = typer.Option(8080, "--port", min=0, max=65535, help="Port; 0 = any free one"),
     block_size: Optional[str] = typer.Option(
-        None, "--block-size", callback=_block_size, metavar="{1..B,auto}",
+        None, "--block-size", callback=_flag(check.block_size), metavar="{1..B,auto}",
         help="Rows verified per cycle, 1..the widest block of the drafter or the lookup, or "
         "'auto' (default: the oMLX setting, else auto)"),
     lookup: bool = typer.Option(True, "--lookup/--no-lookup",
                                 help="Also draft by lookup in the context (default: on)"),
     draft_bits: Optional[str] = typer.Option(
-        None, "--draft-bits", callback=_choice(runtime.DRAFT_BITS, int), metavar="{4,8,16}",
+        None, "--draft-bits", callback=_flag(check.draft_bits), metavar="{4,8,16}",
         help="Drafter weight bits; 16 = unquantized"),
     draft_group_size: Optional[str] = typer.Option(
         None, "--draft-group-size", metavar="{32,64,128}",
-        callback=_choice(runtime.DRAFT_GROUP_SIZES, int), help="Quantization group size"),
+        callback=_flag(check.draft_group_size), help="Quantization group size"),
     dtype: Optional[str] = typer.Option(
-        None, "--dtype", callback=_choice(runtime.DTYPES), metavar="{float32,float16,bfloat16}",
+        None, "--dtype", callback=_flag(check.dtype), metavar="{float32,float16,bfloat16}",
         help="Float weight dtype"),
     omlx_settings: Optional[str] = typer.Option(
         None, "--omlx-settings", metavar="[PATH]", help="Read oMLX's model_settings.json"),
@@ -525,10 +582,18 @@ def _run(typer_app: typer.Typer, args: list[str], prog: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    runtime.reexec_with_openblas()   # Linux: OpenBLAS installed but not loaded -> relaunch
-    warnings.showwarning = _show_notice
     args = _optional_values(list(sys.argv[1:] if argv is None else argv))
-    sys.exit(_run(app, args, PROG))
+    if not args:               # click's no_args_is_help raises an error with an empty message
+        args = ["--help"]
+    # notices print as "dflash2-mlx: note: ..." while the command runs; a program calling
+    # main() gets its own warning hook back afterwards
+    previous = warnings.showwarning
+    warnings.showwarning = _notice_hook(previous)
+    try:
+        code = _run(app, args, PROG)
+    finally:
+        warnings.showwarning = previous
+    sys.exit(code)
 
 
 if __name__ == "__main__":

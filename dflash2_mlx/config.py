@@ -1,8 +1,9 @@
 """Drafter configuration: parse DFlash / DFlash 2 `config.json` files and check them.
 
-The published format (SPEC section 4) keeps the backbone at the top level and the drafting keys
-in `dflash_config`; older checkpoints put some drafting keys (e.g. `block_size`) at the top
-level, so drafting keys are read from `dflash_config` first, then from the top level.
+The published format (z-lab's DFlash / DFlash 2 checkpoints on the Hub) keeps the backbone at
+the top level and the drafting keys in `dflash_config`; older checkpoints put some drafting
+keys (e.g. `block_size`) at the top level, so drafting keys are read from `dflash_config`
+first, then from the top level.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ DFLASH2 = "DFlash2DraftModel"
 LAYER_TYPES = ("full_attention", "sliding_attention")
 _REQUIRED = object()
 
-# DFlash 2 defaults for checkpoints that name the architecture but omit a key (SPEC section 3).
+# DFlash 2 defaults for checkpoints that name the architecture but omit a key (the published
+# DFlash 2 write-up's values).
 DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16,
                     "selector_rank": 256, "selector_top_k": 16}
 

@@ -1,4 +1,5 @@
-"""The DFlash / DFlash 2 block drafter (SPEC sections 2-3).
+"""The DFlash / DFlash 2 block drafter: context-injected attention over the target's hidden
+states; DFlash 2 adds a dynamic short convolution and a candidate selector.
 
 The drafter has no embedding or output head of its own: the caller embeds the block with the
 target's `embed_tokens` and hands in the target's head. Context features of the target go
@@ -153,6 +154,7 @@ class DynamicConv(nn.Module):
     def __init__(self, hidden: int, kernel_size: int, group_size: int):
         super().__init__()
         self.kernel_size, self.groups = kernel_size, hidden // group_size
+        self.path: KernelPath = "ops"        # set for the whole drafter by `Drafter.kernels`
         self.base_kernel = mx.zeros((2, kernel_size, hidden))
         self.kernel_projection = nn.Linear(hidden, 2 * kernel_size * self.groups, bias=False)
 
@@ -174,23 +176,22 @@ class DecoderLayer(nn.Module):
             self.mlp_conv = DynamicConv(h, args.conv_kernel_size, args.conv_group_size)
         self.has_conv = args.has_conv
 
-    def __call__(self, x, ctx, cache, kernels: KernelPath = "ops"):
+    def __call__(self, x, ctx, cache):
         if not self.has_conv:
             x = x + self.self_attn(self.input_layernorm(x), ctx, cache)
             return x + self.mlp(self.post_attention_layernorm(x))
         x = self._conv_sublayer(x, self.input_layernorm, self.attention_conv,
-                                lambda y: self.self_attn(y, ctx, cache), kernels)
-        return self._conv_sublayer(x, self.post_attention_layernorm, self.mlp_conv, self.mlp,
-                                   kernels)
+                                lambda y: self.self_attn(y, ctx, cache))
+        return self._conv_sublayer(x, self.post_attention_layernorm, self.mlp_conv, self.mlp)
 
     @staticmethod
-    def _conv_sublayer(x, norm, conv: DynamicConv, sublayer, kernels):
+    def _conv_sublayer(x, norm, conv: DynamicConv, sublayer):
         """x + conv_1(sublayer(conv_0(norm(x)))), both sides' taps computed from norm(x)."""
         u = norm(x)
         dyn = conv.taps(u)
-        y = short_conv(u, dyn[:, :, 0], conv.base_kernel[0], path=kernels)
+        y = short_conv(u, dyn[:, :, 0], conv.base_kernel[0], path=conv.path)
         return short_conv(sublayer(y), dyn[:, :, 1], conv.base_kernel[1], residual=x,
-                          path=kernels)
+                          path=conv.path)
 
 
 class CandidateSelector(nn.Module):
@@ -199,6 +200,7 @@ class CandidateSelector(nn.Module):
     def __init__(self, args: DrafterArgs):
         super().__init__()
         self.top_k = args.selector_top_k
+        self.path: KernelPath = "ops"        # set for the whole drafter by `Drafter.kernels`
         self.hidden_projection = nn.Linear(args.hidden_size, args.selector_rank, bias=False)
         # Stored as `candidate_selector.{predecessor,successor}_codebook` in checkpoints.
         self.predecessor_codebook = nn.Embedding(args.vocab_size, args.selector_rank)
@@ -210,8 +212,7 @@ class CandidateSelector(nn.Module):
         return cand, mx.take_along_axis(logits, cand, axis=-1)
 
     def walk(self, h: mx.array, logits: mx.array, anchor: mx.array, temperature: float,
-             uniforms: mx.array | None, kernels: KernelPath = "ops",
-             vocab: mx.array | None = None):
+             uniforms: mx.array | None, vocab: mx.array | None = None):
         """h [B, L, H] proposal rows, logits [B, L, V'], anchor [B]; `vocab` [V'] maps logit
         columns to token ids when the logits cover a draft vocabulary only
         -> ids [B, L], cand [B, L, K] (token ids), q [B, L, K] (None when greedy)."""
@@ -225,7 +226,7 @@ class CandidateSelector(nn.Module):
         pred_rows, succ_rows = f32(self.predecessor_codebook(cand)), f32(self.successor_codebook(cand))
         anchor_pred = f32(self.predecessor_codebook(anchor))
         ids, q = path_walk(cand, f32(unary), g, pred_rows, succ_rows, anchor_pred,
-                           temperature, uniforms, path=kernels)
+                           temperature, uniforms, path=self.path)
         return ids, cand, q
 
 
@@ -271,8 +272,23 @@ class Drafter(nn.Module):
         self.norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
         if args.has_selector:
             self.candidate_selector = CandidateSelector(args)
-        self.kernels: KernelPath = "ops"
+        self._kernel_path: KernelPath = "ops"
         self.draft_vocab: DraftVocab | None = None
+
+    @property
+    def kernels(self) -> KernelPath:
+        """The kernel path ("metal" | "ops") of every convolution and of the selector walk."""
+        return self._kernel_path
+
+    @kernels.setter
+    def kernels(self, path: KernelPath) -> None:
+        self._kernel_path = path
+        for module in self._kernel_users():     # held where it is used: nothing threads it
+            module.path = path
+
+    def _kernel_users(self) -> list[nn.Module]:
+        return [m for _, m in self.named_modules()
+                if isinstance(m, (DynamicConv, CandidateSelector))]
 
     def make_cache(self) -> list[ContextCache]:
         return [ContextCache(l.self_attn.window) for l in self.layers]
@@ -293,7 +309,7 @@ class Drafter(nn.Module):
         -> final-normed hidden states [B, L, H]."""
         ctx = None if feats is None or not feats.shape[1] else self.hidden_norm(self.fc(feats))
         for layer, c in zip(self.layers, cache):
-            x = layer(x, ctx, c, self.kernels)
+            x = layer(x, ctx, c)
         return self.norm(x)
 
     def logits(self, h: mx.array, head) -> mx.array:
@@ -326,7 +342,7 @@ class Drafter(nn.Module):
             uniforms = None if sampling.greedy else mx.random.uniform(shape=h.shape[:2], key=key)
             ids, cand, q = self.candidate_selector.walk(h, logits, anchor[:, 0],
                                                         sampling.temperature, uniforms,
-                                                        self.kernels, vocab)
+                                                        vocab)
             return Proposal(ids, q, None if q is None else cand)
         to_ids = (lambda i: i) if vocab is None else (lambda i: vocab[i])
         if sampling.greedy:

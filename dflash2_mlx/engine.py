@@ -264,10 +264,11 @@ def generate_tokens(target: TargetAdapter, drafter: Drafter | None, prompt: list
         cycle_tic = time.perf_counter()
         room = max_tokens - len(tokens)
         available = {DRAFTER: min(drafter.args.block_size, room)} if drafter is not None else {}
-        guess = index.propose(min(lookup.max_width, room) - 1) if index and room > 1 else None
+        found = index.propose(min(lookup.max_width, room) - 1) if index and room > 1 else None
+        match_n, guess = found or (0, None)                 # recurring suffix length, drafts
         if guess:
             available[LOOKUP] = min(lookup.max_width, room)
-        source, width = policy.choose(available)
+        source, width = policy.choose(available, match_n)
         key, k_draft, k_accept = mx.random.split(key, 3)
         if source == PLAIN:
             logits, feats = target.forward(anchor, state.cache)                # [1, 1, V]
@@ -300,7 +301,7 @@ def generate_tokens(target: TargetAdapter, drafter: Drafter | None, prompt: list
         state.tokens.extend(kept)
         state.add_features(None if feats is None else feats[:, : a + 1], keep)
         stats.steps.append(Cycle(source, width, a))
-        policy.update(source, width, a, time.perf_counter() - cycle_tic)
+        policy.update(source, width, a, time.perf_counter() - cycle_tic, match_n)
         stop_at = next((i for i, t in enumerate(new) if t in stop_ids), None)
         if stop_at is not None:
             new = new[: stop_at + 1]

@@ -1,7 +1,8 @@
 """Loading targets and drafters: resolve paths or hub ids, read configs and weights strictly.
 
 Targets are mlx-lm model folders (any family mlx-lm knows) or llama-architecture `.gguf` files.
-Drafters are DFlash / DFlash 2 checkpoint folders in the published format (SPEC section 4).
+Drafters are DFlash / DFlash 2 checkpoint folders in the published format (z-lab's
+`config.json` + `model.safetensors` layout).
 """
 
 from __future__ import annotations
@@ -51,16 +52,23 @@ def cast_floats(model: nn.Module, dtype) -> None:
         model.parameters()))
 
 
+def quantized_layers(model: nn.Module) -> list[nn.Module]:
+    """The quantized layers of a model (the one place that decides what "quantized" means)."""
+    return [m for _, m in model.named_modules()
+            if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+
+
 def is_quantized(model: nn.Module) -> bool:
-    return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
-               for _, m in model.named_modules())
+    return bool(quantized_layers(model))
 
 
-def load_target(path_or_id: str | Path, dtype=None, keep_quantized: bool = False):
+def load_target(path_or_id: str | Path, dtype=None, keep_quantized: bool = False,
+                lazy: bool = False):
     """-> (mlx-lm model, mlx-lm TokenizerWrapper, resolved path).
 
     `dtype` casts the float weights; unless `keep_quantized`, quantized layers are dequantized
     first (the CPU backend runs fp32 matmuls through BLAS, quantized ones much slower).
+    `lazy`: leave the weights unread (a pipeline rank then loads only its own).
     """
     text = str(path_or_id)
     if text.endswith(".gguf"):
@@ -77,7 +85,7 @@ def load_target(path_or_id: str | Path, dtype=None, keep_quantized: bool = False
         if path.is_file():
             raise ValueError(f"target model '{path}': expected an mlx-lm model folder or a "
                              ".gguf file")
-        model, tokenizer = mlx_lm_load(str(path))
+        model, tokenizer = mlx_lm_load(str(path), lazy=lazy)
     if dtype is not None:
         if not keep_quantized and is_quantized(model):
             from mlx_lm.utils import dequantize_model
@@ -85,7 +93,8 @@ def load_target(path_or_id: str | Path, dtype=None, keep_quantized: bool = False
             model = dequantize_model(model)
         cast_floats(model, dtype)
     model.eval()
-    mx.eval(model.parameters())
+    if not lazy:
+        mx.eval(model.parameters())
     return model, tokenizer, path
 
 
@@ -168,7 +177,7 @@ def quantize_drafter(drafter: Drafter, bits: int, group_size: int = 64) -> None:
 
 
 def save_drafter(drafter: Drafter, folder: str | Path, dtype=mx.bfloat16) -> Path:
-    """Write `config.json` + `model.safetensors` in the published layout (SPEC section 4).
+    """Write `config.json` + `model.safetensors` in the published layout (z-lab's).
 
     An unquantized drafter is stored in `dtype` (BF16 like the published files). A quantized one
     is stored as is, with mlx-lm's `"quantization": {"group_size", "bits"}` config key, which
@@ -185,8 +194,7 @@ def save_drafter(drafter: Drafter, folder: str | Path, dtype=mx.bfloat16) -> Pat
             value = value.astype(dtype)
         tensors[name] = value
     config = drafter.args.to_config()
-    quantized = [m for _, m in drafter.named_modules()
-                 if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+    quantized = quantized_layers(drafter)
     if quantized:
         config["quantization"] = {"group_size": quantized[0].group_size,
                                   "bits": quantized[0].bits}

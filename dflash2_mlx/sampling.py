@@ -1,9 +1,9 @@
 """Target distribution and acceptance: greedy prefix matching and exact rejection sampling.
 
 The target's sampling distribution is mlx-lm's: top-p then top-k applied to the log-probabilities
-(mlx-lm's own `apply_top_p` / `apply_top_k`), then softmax at temperature T. Speculative sampling
-(SPEC section 1, step 3) keeps that distribution exactly, whatever the draft distribution q is,
-as long as q is the distribution the draft token was actually drawn from.
+(mlx-lm's own `apply_top_p` / `apply_top_k`), then softmax at temperature T. Speculative
+sampling (Leviathan et al.; Chen et al., 2023) keeps that distribution exactly, whatever the
+draft distribution q is, as long as q is the distribution the draft token was drawn from.
 
 All functions work on device arrays so a cycle needs one host sync.
 """
@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
+from . import settings    # the validators the CLI, the API and the settings file share
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -23,12 +25,9 @@ class Sampling:
     top_k: int = 0
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        settings.temperature(self.temperature)
+        settings.top_p(self.top_p)
+        settings.top_k(self.top_k)
 
     @property
     def greedy(self) -> bool:

@@ -1,4 +1,4 @@
-// One side of the two-tap dynamic short convolution (SPEC section 3), optionally fused with the
+// One side of the two-tap dynamic short convolution of DFlash 2, optionally fused with the
 // residual add of the "after" side. Built by dflash2_mlx/metal.py (`short_conv_metal`).
 //
 // File convention (both kernels): the text above the `kernel body` marker line is passed to

@@ -1,6 +1,30 @@
-import dflash2_mlx  # noqa: F401  (first: preloads OpenBLAS before MLX is imported)
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import dflash2_mlx  # noqa: F401  (first: loads the fast BLAS before MLX is imported)
 
 import pytest
+
+# The package cache of the test session: a temporary folder, never the user's. Set at import,
+# before any test or fixture can read $DFLASH2_CACHE. The SmolLM2 target already in the user's
+# cache is linked in (read only), so the tests stay offline and need not download it again.
+SMOLLM2 = Path("smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+_USER_CACHE = Path(os.environ.get("DFLASH2_CACHE") or Path.home() / ".cache" / "dflash2-mlx")
+TEST_CACHE = Path(tempfile.mkdtemp(prefix="dflash2-test-cache-"))
+os.environ["DFLASH2_CACHE"] = str(TEST_CACHE)
+if (_USER_CACHE / SMOLLM2).is_file():
+    (TEST_CACHE / SMOLLM2).parent.mkdir(parents=True)
+    (TEST_CACHE / SMOLLM2).symlink_to((_USER_CACHE / SMOLLM2).resolve())
+
+
+@pytest.fixture(autouse=True, scope="session")
+def test_cache():
+    """The session's $DFLASH2_CACHE (removed at the end)."""
+    assert os.environ["DFLASH2_CACHE"] == str(TEST_CACHE)
+    yield TEST_CACHE
+    shutil.rmtree(TEST_CACHE, ignore_errors=True)
 
 from fixtures import drafter_args, write_drafter, write_target
 

@@ -2,7 +2,7 @@
 
 - targets: mlx-lm model folders (config.json, model.safetensors, tokenizer.json + config),
   with a small byte-level BPE tokenizer trained here;
-- drafters: DFlash / DFlash 2 folders shaped like SPEC section 4 (BF16 safetensors,
+- drafters: DFlash / DFlash 2 folders in the published layout (BF16 safetensors,
   `dflash_config`, bare selector codebook tensors).
 """
 

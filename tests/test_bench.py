@@ -55,7 +55,8 @@ def test_summary_pools_positions():
 def test_cli_bench_rejects_bad_lists(tmp_path):
     exe = Path(sys.executable).parent / "dflash2-mlx"
     for flag, value, text in (("--block-sizes", "2,x", "--block-sizes"),
-                              ("--temperatures", "0,hot", "--temperatures")):
+                              ("--temperatures", "0,hot", "--temperatures"),
+                              ("--temperatures", "0,inf", "--temperatures")):
         r = subprocess.run([str(exe), "bench", "--model", "m", "--draft", "d", flag, value],
                            capture_output=True, text=True)
         assert r.returncode != 0 and text in r.stderr and "Traceback" not in r.stderr
@@ -71,3 +72,27 @@ def test_ratios_are_paired_per_prompt():
     assert table["dflash2-mlx b=2"]["vs_reference"] == 2.0
     assert table["reference b=2"]["speedup"] == 1.0 and "vs_reference" not in table["reference b=2"]
     assert "vs_reference" not in table["dflash2-mlx b=auto"]
+
+
+def test_the_reference_loader_is_patched_only_while_loading(monkeypatch, llama_dir, dflash_dir):
+    """The bench replaced the reference package's snapshot_download for good."""
+    import types
+
+    from dflash2_mlx import bench
+
+    seen = []
+    fake = types.ModuleType("dflash.model_mlx")
+    fake.snapshot_download = original = lambda *a, **k: "hub"
+    fake.load_draft = lambda path: (seen.append(fake.snapshot_download(path)), _Draft())[1]
+    monkeypatch.setitem(sys.modules, "dflash", types.ModuleType("dflash"))
+    monkeypatch.setitem(sys.modules, "dflash.model_mlx", fake)
+    bench.Reference(str(llama_dir), str(dflash_dir))
+    assert seen == [str(dflash_dir)] and fake.snapshot_download is original
+
+
+class _Draft:
+    def parameters(self):
+        return {}
+
+    def update(self, _params):
+        pass

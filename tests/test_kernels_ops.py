@@ -1,5 +1,5 @@
-"""The MLX-ops twins of the two DFlash 2 kernels against a numpy transcription of SPEC section 3,
-and the choice of kernel path."""
+"""The MLX-ops twins of the two DFlash 2 kernels against a numpy transcription of the DFlash 2
+maths, and the choice of kernel path."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from dflash2_mlx.kernels import path_walk, path_walk_ops, resolve_kernel_path, s
 RNG = np.random.default_rng(0)
 
 
-# ------------------------------------------------------------------ SPEC section 3, in numpy
+# ------------------------------------------------------------------ the DFlash 2 maths, in numpy
 
 def spec_conv_side(y, dyn, base, G):
     """conv_side(y)_t = sum_tap coef[tap, :] * y_{t-tap}, coef[tap, c] = base[tap, c] +
@@ -80,7 +80,7 @@ def test_conv_sublayer_matches_spec():
                                              mx.float32)
     x = RNG.normal(size=(B, L, H))
     norm = lambda a: a * 0.5
-    got = DecoderLayer._conv_sublayer(mx.array(x, mx.float32), norm, conv, mx.tanh, "ops")
+    got = DecoderLayer._conv_sublayer(mx.array(x, mx.float32), norm, conv, mx.tanh)
     u = 0.5 * x
     dyn = (u @ np.array(conv.kernel_projection.weight).T).reshape(B, L, 2, K, H // G)
     base = np.array(conv.base_kernel)
@@ -90,7 +90,7 @@ def test_conv_sublayer_matches_spec():
 
 
 def test_identity_initialisation_is_the_identity():
-    """base[:, 0] = 1, base[:, 1] = 0, kernel_projection = 0 (SPEC section 3)."""
+    """base[:, 0] = 1, base[:, 1] = 0, kernel_projection = 0 (the published initialisation)."""
     y = mx.array(RNG.normal(size=(1, 4, 32)), mx.float32)
     base = mx.array(np.stack([np.ones(32), np.zeros(32)]), mx.float32)
     out = short_conv(y, mx.zeros((1, 4, 2, 2)), base, path="ops")

@@ -37,7 +37,11 @@ def test_index_equals_brute_force_on_random_streams(alphabet, min_n, max_n):
             index.extend(chunk)
             seq += chunk
             k = rng.randrange(1, 12)
-            assert index.propose(k) == brute_force(seq, min_n, max_n, k), (trial, seq, k)
+            got, want = index.propose(k), brute_force(seq, min_n, max_n, k)
+            assert (got and got[1]) == want, (trial, seq, k)
+            if got:
+                n = got[0]        # the longest: its suffix recurs, a longer one does not
+                assert brute_force(seq, n, n, 1) and not brute_force(seq, n + 1, max_n, 1)
 
 
 def test_index_built_at_once_equals_incremental():
@@ -52,7 +56,7 @@ def test_index_built_at_once_equals_incremental():
 def test_repetition_continues_and_no_match_is_none():
     index = LookupIndex(LookupConfig(2, 4), [1, 2, 3, 1, 2, 3, 1, 2])
     assert index.match() == (4, 5)                   # suffix 2 3 1 2 seen at 1..4, then 3
-    assert index.propose(7) == [3, 1, 2, 3, 1, 2, 3]  # copies on from its own proposal
+    assert index.propose(7) == (4, [3, 1, 2, 3, 1, 2, 3])  # copies on from its proposal
     assert LookupIndex(tokens=[1, 2, 3, 4, 5]).propose(3) is None
     assert LookupIndex(tokens=[1, 2, 1]).propose(3) is None      # min_n 2: one token is no cue
 
@@ -149,7 +153,7 @@ def test_no_lookup_means_drafter_only(pipes):
     assert d["position_acceptance_lookup"] == []
     on = pipe.generate(PROMPTS[2], max_tokens=40, block_size=8, lookup=True).stats.to_dict()
     assert on["cycles_lookup"] > 0 and on["tau_lookup"] is not None
-    with pytest.raises(ValueError, match="lookup must be True or False"):
+    with pytest.raises(ValueError, match="lookup: .yes. is not True or False"):
         pipe.generate("hi", lookup="yes")
 
 

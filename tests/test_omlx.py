@@ -1,4 +1,4 @@
-"""oMLX model settings (SPEC section 7), platform precision defaults and drafter quantization,
+"""oMLX model settings, platform precision defaults and drafter quantization,
 in-process. The command-line side is in test_cli.py."""
 
 import json
@@ -170,12 +170,14 @@ def test_settings_apply_and_arguments_override(llama_dir, dflash2_dir):
 
 
 def test_settings_that_turn_drafting_off(llama_dir, dflash2_dir):
-    for s, why in ((OmlxSettings("m", enabled=False, draft_model=str(dflash2_dir)),
-                    "dflash_enabled is false"),
-                   (OmlxSettings("m", enabled=True, verify_mode="off",
-                                 draft_model=str(dflash2_dir)), 'dflash_verify_mode is "off"')):
+    for s, why, lookup in ((OmlxSettings("m", enabled=False, draft_model=str(dflash2_dir)),
+                            "dflash_enabled is false: no drafter", True),
+                           (OmlxSettings("m", enabled=True, verify_mode="off",
+                                         draft_model=str(dflash2_dir)),
+                            'dflash_verify_mode is "off": plain target decoding', False)):
         pipe, notes = _load(llama_dir, s)
-        assert pipe.drafter is None and any(why in n and "plain" in n for n in notes)
+        assert pipe.drafter is None and any(why in n for n in notes), notes
+        assert pipe.lookup is lookup           # "off" is no speculation at all
         pipe, notes = _load(llama_dir, s, draft=str(dflash2_dir))     # explicit drafter wins
         assert pipe.drafter is not None and any("explicitly" in n for n in notes)
     pipe, notes = _load(llama_dir, OmlxSettings("m", enabled=True, verify_mode="adaptive",

@@ -29,3 +29,17 @@ def test_greedy_64_tokens_equal_mlx_lm(pipe):
     assert gen.tokens == ref
     assert gen.stats.cycles > 0 and gen.stats.block_size == 8
     assert "def" in gen.text or "fib" in gen.text.lower()
+
+
+def test_lookup_alone_on_the_gguf_target_equals_mlx_lm():
+    """No drafter: exact prompt-lookup decoding of the real GGUF target, on a prompt that asks
+    it to repeat code it was given."""
+    pipe = dflash2_mlx.load(str(smollm2_gguf()))
+    code = "def area(width, height):\n    return width * height\n"
+    ids = pipe.encode(f"Rename `area` to `rect_area` and show the code:\n```python\n{code}```")
+    ref = [t for t, _ in generate_step(mx.array(ids), pipe.target, max_tokens=40)]
+    for b in (16, "auto"):
+        gen = pipe.generate(ids, max_tokens=40, block_size=b)
+        assert gen.tokens == ref[: len(gen.tokens)] and (len(gen.tokens) == 40
+                                                         or gen.finish_reason == "stop")
+        assert gen.stats.to_dict()["cycles_lookup"] > 0 and not gen.stats.drafting("drafter")

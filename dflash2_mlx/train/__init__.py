@@ -1,4 +1,4 @@
-"""Training DFlash / DFlash 2 drafters with MLX (issue #5, SPEC section 5).
+"""Training DFlash / DFlash 2 drafters with MLX (the published DFlash recipe, scaled to a CPU).
 
 Stages, each resumable from what it left on disk (`recipe.py` runs them in order):
 
@@ -12,7 +12,7 @@ Stages, each resumable from what it left on disk (`recipe.py` runs them in order
              computed once, blocks see features before their anchor and their own rows only
              (`masks.py`, `packed.py`); weighted CE + distillation and the selector's candidate
              CE (`losses.py`); drafter layers initialised from the target (`init.py`)
-  export     `export.py`: the published checkpoint layout (SPEC section 4)
+  export     `export.py`: the published checkpoint layout (`config.json` + `model.safetensors`)
   evaluate   `evaluate.py`: offline tau / recall on HumanEval prompts by teacher forcing, and
              real generation through `dflash2_mlx.load`
 

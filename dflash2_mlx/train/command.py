@@ -9,6 +9,10 @@ from typing import Optional
 
 import typer
 
+from .recipe import DEFAULT_COUNTS, Recipe
+
+R = Recipe(run="")      # the defaults of every option: one place, `recipe.Recipe`
+
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:
     try:
@@ -26,39 +30,46 @@ def train_command(
                                    "generating one in <run>/data (repeatable: several stores "
                                    "of the same target train as one)."),
     out: Optional[str] = typer.Option(None, "--out", help="Export folder (default <run>/drafter)."),
-    stdlib_functions: int = typer.Option(400, help="Prompts: stdlib signatures + docstrings."),
-    stdlib_tasks: int = typer.Option(150, help="Prompts: 'write a function that ...'."),
-    pydoc_topics: int = typer.Option(40, help="Prompts: CPython documentation topics."),
-    self_chat: int = typer.Option(32, help="Prompts: user turns sampled from the target."),
+    stdlib_functions: int = typer.Option(DEFAULT_COUNTS["stdlib_function"],
+                                         help="Prompts: stdlib signatures + docstrings."),
+    stdlib_tasks: int = typer.Option(DEFAULT_COUNTS["stdlib_task"],
+                                     help="Prompts: 'write a function that ...'."),
+    pydoc_topics: int = typer.Option(DEFAULT_COUNTS["pydoc_topic"],
+                                     help="Prompts: CPython documentation topics."),
+    self_chat: int = typer.Option(DEFAULT_COUNTS["self_chat"],
+                                  help="Prompts: user turns sampled from the target."),
     exclude_prompts: list[str] = typer.Option([], "--exclude-prompts", metavar="FILE",
                                               help="An earlier run's "
                                               "prompts.jsonl: its prompts are not drawn again "
                                               "(repeatable; more data without repeats)."),
-    sampled_fraction: float = typer.Option(0.25, help="Share of prompts also answered at T=1."),
-    max_prompt_tokens: int = typer.Option(320),
-    max_new_tokens: int = typer.Option(160),
-    gen_batch: int = typer.Option(16, help="Sequences per generation batch."),
-    layers: int = typer.Option(2, help="Drafter depth."),
-    block_size: int = typer.Option(8),
-    target_layer_ids: str = typer.Option("1,8,15,22,27", help="Target layers the drafter reads."),
+    sampled_fraction: float = typer.Option(R.sampled_fraction,
+                                           help="Share of prompts also answered at T=1."),
+    max_prompt_tokens: int = typer.Option(R.max_prompt_tokens),
+    max_new_tokens: int = typer.Option(R.max_new_tokens),
+    gen_batch: int = typer.Option(R.gen_batch, help="Sequences per generation batch."),
+    layers: int = typer.Option(R.layers, help="Drafter depth."),
+    block_size: int = typer.Option(R.block_size),
+    target_layer_ids: str = typer.Option(",".join(map(str, R.target_layer_ids)),
+                                         help="Target layers the drafter reads."),
     mask_token_id: Optional[int] = typer.Option(None, help="Default: 16 for SmolLM2."),
     conv: bool = typer.Option(True, "--conv/--no-conv", help="DFlash 2 short convolution."),
     selector: bool = typer.Option(True, "--selector/--no-selector", help="DFlash 2 selector."),
-    selector_rank: int = typer.Option(128),
+    selector_rank: int = typer.Option(R.selector_rank),
     init_from_target: bool = typer.Option(True, "--init-from-target/--random-init"),
-    steps: int = typer.Option(1500),
-    lr: float = typer.Option(1e-3),
-    seqs: int = typer.Option(4, help="Sequences per step."),
-    anchors: int = typer.Option(64, help="Random anchors per sequence per step."),
+    steps: int = typer.Option(R.steps),
+    lr: float = typer.Option(R.lr),
+    seqs: int = typer.Option(R.seqs, help="Sequences per step."),
+    anchors: int = typer.Option(R.anchors, help="Random anchors per sequence per step."),
     gamma: Optional[float] = typer.Option(None, help="Position decay (default 4 for b=8)."),
-    soft: float = typer.Option(0.5, help="Weight of the distillation term (0: hard labels)."),
-    ckpt_every: int = typer.Option(100),
-    snapshot_every: int = typer.Option(0, help="Also keep the weights every N steps (trend)."),
+    soft: float = typer.Option(R.soft, help="Weight of the distillation term (0: hard labels)."),
+    ckpt_every: int = typer.Option(R.ckpt_every),
+    snapshot_every: int = typer.Option(R.snapshot_every,
+                                       help="Also keep the weights every N steps (trend)."),
     max_minutes: Optional[float] = typer.Option(None, help="Stop training (checkpointed, "
                                                 "resumable) after this many minutes."),
-    seed: int = typer.Option(0),
+    seed: int = typer.Option(R.seed),
     bits: Optional[int] = typer.Option(None, help="Export quantized: 4 or 8."),
-    stop_after: str = typer.Option("export", help="data | train | export"),
+    stop_after: str = typer.Option(R.stop_after, help="data | train | export"),
 ):
     """Train a DFlash / DFlash 2 drafter for a target: prompts -> target responses with features
     -> training -> export (resumable at every stage)."""

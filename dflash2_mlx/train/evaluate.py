@@ -6,10 +6,11 @@ head. With greedy verification the accepted length is the number of leading rows
 equals the target's token x_{a+k}; with the selector, the walk picks row k given the previous
 pick, which equals the true token as long as everything before it was accepted, so the
 teacher-forced pick with the TRUE predecessor gives the exact accepted length too.
-tau = 1 + mean accepted (per sequence, then averaged over sequences; SPEC section 6).
+tau = 1 + mean accepted (per sequence, then averaged over sequences, as the DFlash papers
+report it).
 
 Recall@1 / Recall@16 at block row k: the target's token is the drafter's first choice / among
-its top 16 (SPEC section 3's table), the block drafted from the true context.
+its top 16 (the candidates the DFlash 2 selector walks), the block drafted from the true context.
 
 T = 1 (an estimate): row k is accepted with probability alpha_k = sum_x min(p_k(x), q_k(x))
 (p: the target's stored top-16 distribution, so alpha is slightly underestimated; q: the
@@ -172,7 +173,7 @@ def real_eval(pipeline, prompts: Sequence[str], *, max_tokens: int = 256,
               temperature: float = 0.0, block_size: int | None = None, seed: int = 0,
               progress=None) -> dict:
     """Generate with `pipeline` (a `dflash2_mlx.Pipeline`) on each prompt; tau per request,
-    then averaged (SPEC section 6), per-position acceptance and decode speed."""
+    then averaged (as the DFlash papers report it), per-position acceptance and decode speed."""
     taus, acc, tps, cycles, gen_tokens, secs = [], [], [], 0, 0, 0.0
     it = progress(prompts) if progress else prompts
     for j, prompt in enumerate(it):

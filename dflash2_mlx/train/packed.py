@@ -100,9 +100,9 @@ def packed_hidden(drafter: Drafter, x: mx.array, feats: mx.array, anchors: mx.ar
 
         if layer.has_conv:
             h = DecoderLayer._conv_sublayer(h, layer.input_layernorm, layer.attention_conv,
-                                            sublayer, drafter.kernels)
+                                            sublayer)
             h = DecoderLayer._conv_sublayer(h, layer.post_attention_layernorm, layer.mlp_conv,
-                                            layer.mlp, drafter.kernels)
+                                            layer.mlp)
         else:
             h = h + sublayer(layer.input_layernorm(h))
             h = h + layer.mlp(layer.post_attention_layernorm(h))

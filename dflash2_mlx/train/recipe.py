@@ -61,6 +61,17 @@ class Recipe:
     bits: int | None = None
     stop_after: str = "export"               # "data" | "train" | "export"
 
+    def __post_init__(self):
+        # paths may come as Path objects from Python callers; recipe.json needs strings
+        self.run = str(self.run)
+        for name in ("model", "out"):
+            if getattr(self, name) is not None:
+                setattr(self, name, str(getattr(self, name)))
+        if self.data is not None:
+            data = (self.data,) if isinstance(self.data, (str, Path)) else self.data
+            self.data = tuple(str(d) for d in data)
+        self.exclude_prompts = tuple(str(p) for p in self.exclude_prompts)
+
 
 def _progress(desc: str):
     from tqdm import tqdm
@@ -103,6 +114,7 @@ def run_recipe(recipe: Recipe, log=print) -> Path:
     from .trainer import TrainConfig, latest_checkpoint, load_checkpoint, train
 
     run = Path(recipe.run)
+    store = D.FeatureStore(*recipe.data) if recipe.data else None   # fails before run/ exists
     run.mkdir(parents=True, exist_ok=True)
     (run / "recipe.json").write_text(json.dumps(asdict(recipe), indent=1) + "\n")
     t_start = time.perf_counter()
@@ -119,9 +131,7 @@ def run_recipe(recipe: Recipe, log=print) -> Path:
     stop_ids = set(tokenizer.eos_token_ids)
 
     # ---- data
-    if recipe.data:
-        store = D.FeatureStore(*([recipe.data] if isinstance(recipe.data, str) else recipe.data))
-    else:
+    if store is None:
         adapter = TargetAdapter(target, tuple(capture))
         gcfg = D.GenConfig(max_new_tokens=recipe.max_new_tokens, batch_size=recipe.gen_batch,
                            seed=recipe.seed)

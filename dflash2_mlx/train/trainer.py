@@ -30,6 +30,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ..config import DrafterArgs
 from ..drafter import Drafter, DraftVocab
 from .data import FeatureStore
+from .recipe import Recipe
 from .losses import block_loss, selector_loss, selector_scores
 from .masks import block_mask, context_mask, default_gamma, position_weights
 from .packed import packed_hidden
@@ -37,24 +38,25 @@ from .packed import packed_hidden
 
 @dataclass
 class TrainConfig:
-    steps: int = 2000
-    lr: float = 1e-3
+    # the settings a run also sets take their defaults from `recipe.Recipe`, the one place
+    steps: int = Recipe.steps
+    lr: float = Recipe.lr
     warmup: float = 0.04            # fraction of the steps
     min_lr: float = 0.1             # final learning rate, as a fraction of lr (cosine decay)
     weight_decay: float = 0.01
     clip: float = 1.0
-    seqs: int = 4                   # sequences per step
-    anchors: int = 64               # anchors per sequence (fewer when the response is shorter)
+    seqs: int = Recipe.seqs         # sequences per step
+    anchors: int = Recipe.anchors  # anchors per sequence (fewer when the response is shorter)
     gamma: float | None = None      # None: default_gamma(block_size)
-    soft: float = 0.5               # weight of the distillation term (target's top-k)
+    soft: float = Recipe.soft       # weight of the distillation term (target's top-k)
     soft_k: int = 8                 # teacher ids used by the distillation term
     selector_weight: float = 1.0
     vocab: str = "data"             # "data": restricted training softmax; "full"
-    ckpt_every: int = 200
+    ckpt_every: int = Recipe.ckpt_every
     keep_ckpts: int = 2
-    snapshot_every: int = 0         # also keep the weights alone every N steps (0: never)
+    snapshot_every: int = Recipe.snapshot_every  # also keep the weights every N steps (0: no)
     max_minutes: float | None = None  # stop (with a checkpoint) after this much wall time
-    seed: int = 0
+    seed: int = Recipe.seed
     compile: bool = True
 
 

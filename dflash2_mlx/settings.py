@@ -1,0 +1,172 @@
+"""One validator per user setting, shared by the CLI, the Python API and the oMLX settings file.
+
+Each validator takes the value and the name to blame (a flag such as `--seed`, an argument such
+as `seed`, a settings key) and returns the value normalised, or raises `SettingError` naming
+it, the value and what is allowed. The CLI turns `problem` into click's "Invalid value for
+'--flag'" line; the API and the settings file raise the error as is. A new setting is one
+function here.
+
+This module must not import mlx (the CLI validates flags before anything heavy loads).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+
+DTYPES = ("float32", "float16", "bfloat16")
+DRAFT_BITS = (4, 8, 16)             # 16 = unquantized
+DRAFT_GROUP_SIZES = (32, 64, 128)
+SEED_MAX = 2**64 - 1                # mx.random.key takes an unsigned 64-bit seed
+
+
+class SettingError(ValueError):
+    """A setting with a value that is not allowed. str(): '<name>: <problem>'."""
+
+    def __init__(self, name: str, value, expected: str):
+        self.name, self.value, self.expected = name, value, expected
+        self.problem = f"{value!r} is not {expected}"
+        super().__init__(f"{name}: {self.problem}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _number(value, name: str, expected: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                raise SettingError(name, value, expected) from None
+        else:
+            raise SettingError(name, value, expected)
+    return float(value)
+
+
+def block_size(value, name: str = "block_size", limit: int | None = None,
+               what: str = "the drafter's block size"):
+    """None (the default width), "auto" (chosen each cycle), or an integer 1..limit (`what`
+    the limit is: the widest block of the drafter or the lookup). Strings of digits are
+    accepted (flags)."""
+    expected = (f"an integer in 1..{limit} ({what}) or \"auto\"" if limit
+                else "an integer >= 1 or \"auto\"")
+    if value is None or value == "auto":
+        return value
+    given = value                       # the error quotes what the user wrote
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if not _is_int(value) or value < 1 or (limit is not None and value > limit):
+        raise SettingError(name, given, expected)
+    return value
+
+
+def lookup(value, name: str = "lookup") -> bool:
+    """True or False: draft by lookup in the context too."""
+    if not isinstance(value, bool):
+        raise SettingError(name, value, "True or False")
+    return value
+
+
+def temperature(value, name: str = "temperature") -> float:
+    """A finite number >= 0; 0 is greedy."""
+    t = _number(value, name, "a finite number >= 0 (0 = greedy)")
+    if not math.isfinite(t) or t < 0:
+        raise SettingError(name, value, "a finite number >= 0 (0 = greedy)")
+    return t
+
+
+def top_p(value, name: str = "top_p") -> float:
+    p = _number(value, name, "a number in (0, 1]")
+    if not 0 < p <= 1:                   # NaN fails here too
+        raise SettingError(name, value, "a number in (0, 1]")
+    return p
+
+
+def top_k(value, name: str = "top_k") -> int:
+    if not _is_int(value) or value < 0:
+        raise SettingError(name, value, "an integer >= 0 (0 = all tokens)")
+    return value
+
+
+def max_tokens(value, name: str = "max_tokens") -> int:
+    if not _is_int(value) or value < 1:
+        raise SettingError(name, value, "an integer >= 1")
+    return value
+
+
+def seed(value, name: str = "seed") -> int | None:
+    """None (a fresh random seed) or an integer 0..2**64-1."""
+    if value is None:
+        return None
+    if not _is_int(value) or not 0 <= value <= SEED_MAX:
+        raise SettingError(name, value, "an integer in 0..2**64-1")
+    return value
+
+
+def draft_bits(value, name: str = "draft_bits") -> int | None:
+    if value is None:
+        return None
+    given = value                       # the error quotes what the user wrote
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if not _is_int(value) or value not in DRAFT_BITS:
+        raise SettingError(name, given, "one of 4, 8, 16 (16 = unquantized)")
+    return value
+
+
+def draft_group_size(value, name: str = "draft_group_size") -> int | None:
+    if value is None:
+        return None
+    given = value                       # the error quotes what the user wrote
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if not _is_int(value) or value not in DRAFT_GROUP_SIZES:
+        raise SettingError(name, given, "one of 32, 64, 128")
+    return value
+
+
+def dtype(value, name: str = "dtype") -> str | None:
+    """'float32' | 'fp32' | mx.float32 | ... -> 'float32' (None stays None)."""
+    if value is None:
+        return None
+    short = str(value).rsplit(".", 1)[-1]          # mx.float32 prints as "mlx.core.float32"
+    short = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}.get(short, short)
+    if short not in DTYPES:
+        raise SettingError(name, value, f"one of {', '.join(DTYPES)}")
+    return short
+
+
+def text(value: str, name: str = "prompt") -> str:
+    """A non-empty string that is valid Unicode (bytes that were not UTF-8 arrive from argv as
+    lone surrogates, and the tokenizer fails on them)."""
+    if not isinstance(value, str):
+        raise SettingError(name, value, "a string")
+    if not value:
+        raise SettingError(name, value, "a non-empty string")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise SettingError(name, value[max(0, e.start - 10): e.end + 10],
+                           "valid UTF-8 text") from None
+    return value
+
+
+def prompt(value, name: str = "prompt"):
+    """A string (non-empty, valid text) or a non-empty sequence of integer token ids."""
+    if isinstance(value, str):
+        return text(value, name)
+    if isinstance(value, (bytes, bytearray)) or not isinstance(value, Sequence) and \
+            not hasattr(value, "tolist"):
+        raise SettingError(name, value, "a string or a sequence of token ids")
+    ids = value.tolist() if hasattr(value, "tolist") else list(value)
+    if not ids or not all(_is_int(t) for t in ids):
+        raise SettingError(name, value, "a string or a non-empty sequence of integer token ids")
+    return [int(t) for t in ids]
+
+
+__all__ = ["SettingError", "block_size", "lookup", "temperature", "top_p", "top_k", "max_tokens", "seed",
+           "draft_bits", "draft_group_size", "dtype", "text", "prompt", "DTYPES", "DRAFT_BITS",
+           "DRAFT_GROUP_SIZES"]

