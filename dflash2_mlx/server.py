@@ -35,10 +35,10 @@ from .engine import DecodeState
 from .pipeline import Pipeline
 from .prompt_cache import PromptCache
 from .sampling import Sampling
+from .settings import SEED_MAX, SettingError
 
 log = logging.getLogger("dflash2_mlx.server")
 
-MAX_SEED = 2**64 - 1          # mx.random.key takes an unsigned 64-bit seed
 MAX_STOPS = 16
 # the acceptance figures of a request, reported as usage["dflash2"] (GenerationStats.to_dict)
 USAGE_STATS = ("block_size", "tau", "cycles", "steps", "plain_steps", "mean_width",
@@ -145,7 +145,7 @@ class _OpenAISampling(_Strict):
     temperature: float = Field(1.0, allow_inf_nan=False)
     top_p: float = Field(1.0, allow_inf_nan=False)
     top_k: int = 0                                     # extension, as mlx-lm's server
-    seed: Optional[int] = Field(None, ge=0, le=MAX_SEED)
+    seed: Optional[int] = Field(None, ge=0, le=SEED_MAX)
     stop: Union[str, list[str], None] = None
     n: int = 1
     stream: bool = False
@@ -508,11 +508,11 @@ class Service:
                            code="model_not_found")
 
     def sampling(self, temperature: float, top_p: float, top_k: int) -> Sampling:
+        """The API's own checks (`settings`, through `Sampling`), answered as a 400."""
         try:
             return Sampling(temperature, top_p, top_k)
-        except ValueError as e:
-            param = str(e).split(" ", 1)[0]
-            raise APIError(400, str(e), param=param) from None
+        except SettingError as e:
+            raise APIError(400, str(e), param=e.name) from None
 
     def max_tokens(self, asked: int | None, prompt_len: int, param: str = "max_tokens") -> int:
         c = self.config
