@@ -20,30 +20,40 @@ from dflash2_mlx import blas  # noqa: E402
 PROMPTS = ["Write a Python function that checks whether a number is prime.",
            "Explain what a hash table is in two sentences.",
            "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\""]
-MODES = (("plain", 1), ("default", None), ("auto", "auto"))
+# (name, block size, lookup): plain decoding, the drafter alone, and the default (auto, lookup)
+MODES = (("plain", 1, False), ("b=8", 8, False), ("auto", "auto", False),
+         ("auto+lookup", "auto", True))
 LIBS = ("openblas", "mkl")
 
 
 def end_to_end(rounds: int, max_tokens: int) -> None:
-    pipe = dflash2_mlx.load()
+    from dflash2_mlx.pipeline import Pipeline
+    from dflash2_mlx.prompt_sets import agent_prompts
+
+    base = dflash2_mlx.load()
+    # one Pipeline per library over the same weights: each `auto` calibrates and learns its
+    # costs under its own BLAS (the calibration key names the BLAS in effect)
+    pipes = {lib: Pipeline(base.target, base.tokenizer, base.drafter, info=base.info)
+             for lib in LIBS}
     for lib in LIBS:                                       # warm both (and calibrate auto)
         blas.select(lib)
-        for _, b in MODES:
-            pipe.generate("hi", max_tokens=8, block_size=b)
-    acc = {(lib, m): [0, 0.0] for lib in LIBS for m, _ in MODES}
+        for _, b, lookup in MODES:
+            pipes[lib].generate("hi", max_tokens=8, block_size=b, lookup=lookup)
+    acc = {(lib, m): [0, 0.0] for lib in LIBS for m, _, _ in MODES}
     outputs = {}
     for r in range(rounds):
-        for p in PROMPTS:
-            for m, b in MODES:
+        for p in PROMPTS + agent_prompts(2):
+            for m, b, lookup in MODES:
                 for lib in (LIBS if r % 2 == 0 else LIBS[::-1]):   # alternate who goes first
                     assert blas.select(lib).name == lib
-                    g = pipe.generate(p, max_tokens=max_tokens, block_size=b)
+                    g = pipes[lib].generate(p, max_tokens=max_tokens, block_size=b,
+                                            lookup=lookup)
                     acc[lib, m][0] += g.stats.generated_tokens - 1
                     acc[lib, m][1] += g.stats.decode_s
-                    outputs.setdefault((p, m), set()).add(tuple(g.tokens))
-    for m, _ in MODES:
+                    outputs.setdefault(p, set()).add(tuple(g.tokens))
+    for m, _, _ in MODES:
         o, k = (acc[lib, m][0] / acc[lib, m][1] for lib in LIBS)
-        print(f"{m:8s} openblas {o:6.2f} tok/s  mkl {k:6.2f} tok/s  mkl/openblas {k / o:.2f}x")
+        print(f"{m:12s} openblas {o:6.2f} tok/s  mkl {k:6.2f} tok/s  mkl/openblas {k / o:.2f}x")
     print("identical outputs:", all(len(v) == 1 for v in outputs.values()))
 
 

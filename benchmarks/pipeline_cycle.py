@@ -140,7 +140,7 @@ TARGETS = {   # weight bytes, H, layers, drafter feature layers, drafter pass se
 }
 MEMORY_BW = 800e9                   # bytes/s (M3 Ultra class)
 VERIFY = {1: 1.0, 4: 1.05, 8: 1.15, 16: 1.3}
-TAU = {4: 3.0, 8: 4.0, 16: 5.5}     # DFlash 2-class acceptance (SPEC section 3)
+TAU = {4: 3.0, 8: 4.0, 16: 5.5}     # DFlash 2-class acceptance (the published figures)
 
 
 def network_s(w: int, n: int, hidden: int, layers: int, feats, latency: float, bw: float,

@@ -27,7 +27,7 @@ import mlx.core as mx
 
 from dflash2_mlx.assets import smollm2_gguf
 from dflash2_mlx.adaptive import FixedWidth
-from dflash2_mlx.engine import GenerationStats, generate_tokens, prefill
+from dflash2_mlx.engine import DecodeState, GenerationStats, generate_tokens, prefill
 from dflash2_mlx.sampling import Sampling, greedy_accept
 
 PROMPTS = ["Write a Python function that returns the n-th Fibonacci number.",
@@ -37,8 +37,9 @@ PROMPTS = ["Write a Python function that returns the n-th Fibonacci number.",
 def pieces(pipe, ids, width, cycles):
     """Per-piece times (ms), each piece followed by a sync."""
     target, drafter, sampling = pipe.adapter, pipe.drafter, Sampling()
-    cache, dcache = target.make_cache(), drafter.make_cache()
-    logits, feats, _ = prefill(target, ids, cache, 2048, None)
+    state = DecodeState.new(target, drafter)
+    logits = prefill(target, state, ids, 2048, None)
+    cache, dcache, feats = state.cache, state.dcache, state.take_features()
     anchor = mx.argmax(logits, axis=-1).reshape(1, 1).astype(mx.uint32)
     mx.eval(anchor, feats)
     times = {"draft": [], "verify": [], "accept": [], "rollback": []}
@@ -49,13 +50,14 @@ def pieces(pipe, ids, width, cycles):
         drafts = proposal.tokens.astype(mx.uint32)
         mx.eval(drafts)
         t1 = time.perf_counter()
+        snapshot = target.snapshot(cache)
         logits, feats_all = target.forward(mx.concatenate([anchor, drafts], axis=1), cache)
         mx.eval(logits, feats_all)
         t2 = time.perf_counter()
         a, bonus = greedy_accept(drafts[0], mx.argmax(logits[0], axis=-1).astype(mx.uint32))
         a, bonus_id = a.item(), bonus.item()
         t3 = time.perf_counter()
-        target.rollback(cache, {}, a + 1, width)
+        snapshot.rollback(a + 1, width)
         feats = feats_all[:, : a + 1]
         anchor = mx.array([[bonus_id]], dtype=mx.uint32)
         t4 = time.perf_counter()

@@ -11,10 +11,11 @@ across systems turn by turn. A single-client pass compares the server's decode s
     python benchmarks/serve_load.py --clients 2 --turns 3 --max-tokens 32 --out docs/bench/serve
 
 All servers run at once and the turns are interleaved across them, so a shared machine's load
-swings hit every system alike. Systems (--systems, comma-separated): ours (prefix cache, drafter, lookup, block size auto),
-no-cache, no-drafter, no-lookup, plain (no drafter, no lookup), mlx-lm (`python -m mlx_lm
-server` on the same weights, exported once as an mlx-lm folder). Everything listens on
-127.0.0.1; counts and time are bounded (--time-limit for all the conversations).
+swings hit every system alike. Systems (--systems, comma-separated): ours (prefix cache,
+drafter, lookup, block size auto), no-cache, no-drafter, no-lookup, plain (no drafter, no
+lookup), mlx-lm (`python -m mlx_lm server` on the same weights, exported once as an mlx-lm
+folder). Everything listens on 127.0.0.1; counts and time are bounded (--time-limit for all
+the conversations).
 """
 
 from __future__ import annotations

@@ -204,7 +204,7 @@ class AdaptiveWidth:
 
 # --------------------------------------------------------------------------- calibration
 
-CALIBRATION_VERSION = "2"     # bump when measure_costs changes: old entries are re-measured
+CALIBRATION_VERSION = "3"     # bump when measure_costs changes: old entries are re-measured
 
 
 def cache_file() -> Path:
@@ -218,8 +218,10 @@ def calibration_key(pipeline) -> str:
     d = pipeline.describe() if hasattr(pipeline, "describe") else {}
     drafter = pipeline.drafter
     vocab = drafter.draft_vocab if drafter is not None else None
+    from . import blas
+
     parts = [CALIBRATION_VERSION, platform.machine(), platform.processor(),
-             str(mx.default_device()), mx.__version__,
+             str(mx.default_device()), mx.__version__, blas.active().name,
              repr(sorted((k, str(v)) for k, v in d.items() if k != "block_size")),
              str(pipeline.adapter.num_layers), str(pipeline.adapter.hidden_size),
              str(drafter.args if drafter is not None else None),
@@ -239,7 +241,7 @@ def _monotone(xs: list[float]) -> list[float]:
     return [m for m, n in blocks for _ in range(int(n))]
 
 
-def measure_costs(pipeline, max_width: int, context: int = 128, reps: int = 5) -> CycleCost:
+def measure_costs(pipeline, max_width: int, context: int = 128, reps: int = 3) -> CycleCost:
     """Time the drafter (widths up to its block size; none without a drafter) and the verify
     forward at every width up to `max_width`, after a `context`-token prompt. Widths are timed
     round-robin (load that comes and goes hits them alike), medians fitted nondecreasing in

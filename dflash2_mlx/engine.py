@@ -21,7 +21,7 @@ import copy
 import os
 import time
 from dataclasses import dataclass, field, replace
-from typing import Iterator
+from typing import Callable, Iterator
 
 import mlx.core as mx
 
@@ -198,9 +198,10 @@ def _flat(state):
 
 
 def prefill(target: TargetAdapter, state: DecodeState, ids: list[int], step: int,
-            keep: int | None) -> mx.array:
+            keep: int | None, progress: Callable[[int, int], object] | None = None) -> mx.array:
     """Run `ids` through the target like mlx-lm does: all but the last in chunks of `step`,
-    then the last alone (its logits give the next token) -> logits [1, V] of the last row."""
+    then the last alone (its logits give the next token) -> logits [1, V] of the last row.
+    `progress(done, total)` after each chunk of a prompt longer than one chunk."""
     x = mx.array(ids, dtype=mx.uint32)[None]
     bounds = [(s, min(s + step, len(ids) - 1)) for s in range(0, len(ids) - 1, step)]
     for start, end in bounds + [(len(ids) - 1, len(ids))]:
@@ -209,6 +210,8 @@ def prefill(target: TargetAdapter, state: DecodeState, ids: list[int], step: int
         if end < len(ids):
             mx.eval([c.state for c in state.cache], state.pending)
             mx.clear_cache()
+            if progress is not None and len(bounds) > 1:
+                progress(end, len(ids))
     state.tokens.extend(ids)
     return logits[:, -1]
 
@@ -230,13 +233,16 @@ def generate_tokens(target: TargetAdapter, drafter: Drafter | None, prompt: list
                     max_tokens: int, sampling: Sampling, policy, stop_ids: set[int],
                     lookup: LookupConfig | None = None, seed: int | None = None,
                     prefill_step_size: int = 2048, stats: GenerationStats | None = None,
-                    state: DecodeState | None = None) -> Iterator[list[int]]:
+                    state: DecodeState | None = None,
+                    progress: Callable[[int, int], object] | None = None
+                    ) -> Iterator[list[int]]:
     """Yield the tokens committed by prefill, then by each cycle, until a stop token (included)
     or `max_tokens`. Greedy output equals the target's own greedy decoding token for token.
 
     policy: `adaptive.FixedWidth` or `AdaptiveWidth`, asked each cycle for a source and width.
     lookup: drafts from the context too (None: the drafter only). state: the caches of an
-    earlier generation to reuse for the prompt's common prefix; advanced in place."""
+    earlier generation to reuse for the prompt's common prefix; advanced in place. progress:
+    `prefill`'s, for long prompts."""
     stats = stats if stats is not None else GenerationStats()
     if not prompt:
         raise ValueError("the prompt is empty: give at least one token")
@@ -251,7 +257,8 @@ def generate_tokens(target: TargetAdapter, drafter: Drafter | None, prompt: list
     keep = drafter.context_window if drafter is not None else None
 
     tic = time.perf_counter()
-    logits = prefill(target, state, prompt[len(state.tokens):], prefill_step_size, keep)
+    logits = prefill(target, state, prompt[len(state.tokens):], prefill_step_size, keep,
+                     progress)
     key, k = mx.random.split(key)
     anchor = sampling.sample(logits, k).reshape(1, 1).astype(mx.uint32)
     tokens = anchor.reshape(-1).tolist()                      # the generated tokens

@@ -118,6 +118,13 @@ class Pipeline:
             self.progress(f"prefill of {n} prompt tokens in {-(-n // self.prefill_step_size)} "
                           f"chunks of {self.prefill_step_size} ...")
 
+    def _prefill_progress(self):
+        """A line per prefill chunk of a long prompt (minutes on a CPU), through `progress`."""
+        if self.progress is None:
+            return None
+        return lambda done, total: self.progress(f"prefill {done}/{total} prompt tokens "
+                                                 f"({100 * done // total}%)")
+
     def max_width(self, lookup: bool) -> int:
         """The widest block any source can draft: the drafter's block size, the lookup's."""
         return max(self.drafter.args.block_size if self.drafter is not None else 1,
@@ -200,7 +207,7 @@ class Pipeline:
                                 sampling=sampling, policy=policy, stop_ids=stop_ids,
                                 lookup=self.lookup_config if lookup and b != 1 else None,
                                 seed=seed, prefill_step_size=self.prefill_step_size,
-                                stats=stats, state=state)
+                                stats=stats, state=state, progress=self._prefill_progress())
         for new in steps:
             for t in new:
                 if t not in stop_ids:

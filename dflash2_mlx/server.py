@@ -24,7 +24,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Iterator, Literal, Optional, Union
+from typing import Any, AsyncIterator, Callable, Literal, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -35,10 +35,10 @@ from .engine import DecodeState
 from .pipeline import Pipeline
 from .prompt_cache import PromptCache
 from .sampling import Sampling
+from .settings import SEED_MAX, SettingError
 
 log = logging.getLogger("dflash2_mlx.server")
 
-MAX_SEED = 2**64 - 1          # mx.random.key takes an unsigned 64-bit seed
 MAX_STOPS = 16
 # the acceptance figures of a request, reported as usage["dflash2"] (GenerationStats.to_dict)
 USAGE_STATS = ("block_size", "tau", "cycles", "steps", "plain_steps", "mean_width",
@@ -56,7 +56,7 @@ class ServerConfig:
     max_tokens: int = 4096              # most tokens one request may ask for
     context_length: int = 8192          # prompt + completion tokens
     max_body_bytes: int = 4 * 2**20
-    queue_size: int = 16                # requests waiting for the model (not counting the one running)
+    queue_size: int = 16                # requests waiting for the model, besides the running one
     api_key: str | None = None
     block_size: int | str | None = None     # None: the pipeline's default
     prompt_cache_size: int = 8              # entries; 0: no prefix cache
@@ -145,7 +145,7 @@ class _OpenAISampling(_Strict):
     temperature: float = Field(1.0, allow_inf_nan=False)
     top_p: float = Field(1.0, allow_inf_nan=False)
     top_k: int = 0                                     # extension, as mlx-lm's server
-    seed: Optional[int] = Field(None, ge=0, le=MAX_SEED)
+    seed: Optional[int] = Field(None, ge=0, le=SEED_MAX)
     stop: Union[str, list[str], None] = None
     n: int = 1
     stream: bool = False
@@ -284,18 +284,18 @@ class Scheduler:
         self.block_size = block_size
         self.prompt_cache = prompt_cache
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
-        self._thread = threading.Thread(target=self._work, name="dflash2-generate", daemon=True)
+        self._thread: threading.Thread | None = None
+        self._running = False
         self.busy = False
         self._current: Job | None = None
         self.served = 0
         self.cancelled = 0           # generations ended early because the client left
 
     def start(self) -> None:
-        import mlx.core as mx
-
-        # Seen with MLX 0.32 (CPU): a process whose first MLX work ran on a worker thread
-        # aborts at exit (std::terminate); evaluating once on the starting thread avoids it.
-        mx.eval(mx.zeros(1) + 1)
+        """Run the worker on a thread of its own (an app served by another ASGI runner).
+        `serve` runs it on the main thread instead: with MLX 0.32 (CPU) a process whose MLX
+        work ran on another thread sometimes aborts at exit (std::terminate)."""
+        self._thread = threading.Thread(target=self.work, name="dflash2-generate", daemon=True)
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -311,7 +311,8 @@ class Scheduler:
             if job is not None:
                 job.emit({"error": "the server is shutting down", "status": 503})
         self._queue.put(None)
-        self._thread.join(timeout)
+        if self._thread is not None:
+            self._thread.join(timeout)
 
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> Job:
         job = Job(request, loop)
@@ -327,9 +328,17 @@ class Scheduler:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._running
 
-    def _work(self) -> None:
+    def work(self) -> None:
+        """Run jobs until `stop`; on whichever thread calls it."""
+        self._running = True
+        try:
+            self._serve_jobs()
+        finally:
+            self._running = False
+
+    def _serve_jobs(self) -> None:
         while (job := self._queue.get()) is not None:
             if job.cancelled.is_set():        # its client left while it waited
                 self.cancelled += 1
@@ -499,11 +508,11 @@ class Service:
                            code="model_not_found")
 
     def sampling(self, temperature: float, top_p: float, top_k: int) -> Sampling:
+        """The API's own checks (`settings`, through `Sampling`), answered as a 400."""
         try:
             return Sampling(temperature, top_p, top_k)
-        except ValueError as e:
-            param = str(e).split(" ", 1)[0]
-            raise APIError(400, str(e), param=param) from None
+        except SettingError as e:
+            raise APIError(400, str(e), param=e.name) from None
 
     def max_tokens(self, asked: int | None, prompt_len: int, param: str = "max_tokens") -> int:
         c = self.config
@@ -724,8 +733,10 @@ def model_id_for(model: str) -> str:
     return model
 
 
-def create_app(pipe: Pipeline, config: ServerConfig) -> FastAPI:
-    """The ASGI app. The scheduler's worker starts and stops with the app's lifespan."""
+def create_app(pipe: Pipeline, config: ServerConfig, *, worker_thread: bool = True) -> FastAPI:
+    """The ASGI app (`app.state.scheduler` runs the generations). worker_thread: the scheduler's
+    worker starts on its own thread with the app's lifespan; False: the caller runs
+    `scheduler.work()` (as `serve` does, on the main thread). It stops with the lifespan."""
     prompt_cache = (PromptCache(config.prompt_cache_size, config.prompt_cache_bytes)
                     if config.prompt_cache_size > 0 else None)
     scheduler = Scheduler(pipe, queue_size=config.queue_size, block_size=config.block_size,
@@ -736,13 +747,14 @@ def create_app(pipe: Pipeline, config: ServerConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_app):
-        scheduler.start()
+        if worker_thread:
+            scheduler.start()
         yield
         await asyncio.to_thread(scheduler.stop)
 
     app = FastAPI(title="dflash2-mlx", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
-    app.state.service = service
+    app.state.service, app.state.scheduler = service, scheduler
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, err: APIError):
@@ -834,7 +846,8 @@ def create_app(pipe: Pipeline, config: ServerConfig) -> FastAPI:
         tools = openai_tools(req)
         prompt = service.render_chat(openai_messages(req), tools)
         asked, param = ((req.max_completion_tokens, "max_completion_tokens")
-                        if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens"))
+                        if req.max_completion_tokens is not None
+                        else (req.max_tokens, "max_tokens"))
         limit = service.max_tokens(asked, len(prompt), param)
         job = service.submit(GenerationRequest(prompt, limit, sampling, req.seed))
         text = service.tool_stream(stops, tools)
@@ -1068,13 +1081,18 @@ async def _anthropic_events(service: Service, job: Job, text: TextStream, head: 
 def serve(pipe: Pipeline, config: ServerConfig, *, host: str = "127.0.0.1", port: int = 8080,
           shutdown_timeout: float = 5.0,
           ready: Callable[[str], object] | None = None) -> None:
-    """Serve until SIGINT / SIGTERM. In-flight requests get `shutdown_timeout` seconds to
-    finish, then are cancelled; returns normally (exit status 0)."""
+    """Serve until SIGINT / SIGTERM, then return (exit status 0). In-flight requests get
+    `shutdown_timeout` seconds to finish, then are cancelled at their next cycle.
+
+    The generations run on the calling (main) thread, HTTP on a uvicorn thread: MLX stays on
+    one thread, and the signals reach the main thread, where Python delivers them."""
     import signal
 
     import uvicorn
 
-    app = create_app(pipe, config)
+    app = create_app(pipe, config, worker_thread=False)
+    scheduler: Scheduler = app.state.scheduler
+
     class Server(uvicorn.Server):
         async def startup(self, sockets=None):
             await super().startup(sockets=sockets)
@@ -1087,12 +1105,29 @@ def serve(pipe: Pipeline, config: ServerConfig, *, host: str = "127.0.0.1", port
         app, host=host, port=port, log_level="warning", access_log=False,
         timeout_graceful_shutdown=max(1, int(round(shutdown_timeout))), lifespan="on"))
 
-    # uvicorn re-raises the signal it caught once it has shut down; a handler that does
-    # nothing is what it then calls, so a Ctrl-C or SIGTERM ends with status 0.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: None)
+    def on_signal(sig, _frame):
+        if server.should_exit and sig == signal.SIGINT:
+            server.force_exit = True            # a second Ctrl-C: stop waiting
+        server.should_exit = True
 
-    server.run()
+    def http() -> None:
+        try:
+            server.run()            # off the main thread, uvicorn installs no signal handlers
+        finally:
+            scheduler.stop()        # also when it could not start (e.g. the port is taken)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    thread = threading.Thread(target=http, name="dflash2-http")
+    thread.start()
+    try:
+        scheduler.work()
+    finally:
+        server.should_exit = True
+        thread.join()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if not server.started:
+        raise OSError(f"could not listen on {host}:{port} (see the message above)")
 
 
 def _host_for_url(host: str) -> str:

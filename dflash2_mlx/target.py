@@ -176,7 +176,7 @@ class TargetAdapter:
             return captured.x
         raise RuntimeError("the target's forward pass never reached its first layer")
 
-    def _head_module(self) -> nn.Module:
+    def head_module(self) -> nn.Module:
         """lm_head (Model.lm_head, Model.language_model.lm_head, ...) or the tied embedding."""
         module = self.model
         for name in (None,) + self.path:
@@ -187,7 +187,7 @@ class TargetAdapter:
 
     def head(self, h: mx.array) -> mx.array:
         """The target's output projection: lm_head, or the tied embedding."""
-        module = self._head_module()
+        module = self.head_module()
         return module.as_linear(h) if isinstance(module, (nn.Embedding,
                                                           nn.QuantizedEmbedding)) else module(h)
 
@@ -197,7 +197,7 @@ class TargetAdapter:
         cached = self._row_heads.get(id(ids))
         if cached is not None and cached[0] is ids:
             return cached[1]
-        module = self._head_module()
+        module = self.head_module()
         if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             w, s, b = module.weight[ids], module.scales[ids], module.biases[ids]
             mx.eval(w, s, b)

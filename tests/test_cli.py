@@ -107,6 +107,7 @@ def test_omlx_settings_applied_and_flags_override(llama_dir, dflash2_dir, tmp_pa
     assert "8-bit, group size 32" in a.stderr and "block size 4" in lines(a.stderr)[-1]
     s = json.loads(overridden.read_text())
     assert s["block_size"] == 2 and s["settings"]["draft_bits"] == 16
+    assert s["settings"]["block_size"] == 2        # the width used, not the pipeline default
     assert s["settings"]["omlx_settings"] == str(tmp_path / "model_settings.json")
     s = json.loads(disabled.read_text())
     assert s["cycles_drafter"] == 0 and s["settings"]["draft"] is None

@@ -35,7 +35,8 @@ def test_hit_is_a_trimmed_copy_and_output_is_unchanged(pipe):
     # a branch off the middle of the first prompt: trimmed, the entry untouched
     branch = a[:5] + pipe.encode("print(1)")
     short, n = cache.fetch(branch)
-    assert n == 5 and short.tokens == a[:5] and len(state_a.tokens) == len(a) + len(gen_a.tokens) - 1
+    assert n == 5 and short.tokens == a[:5]
+    assert len(state_a.tokens) == len(a) + len(gen_a.tokens) - 1
     for prompt, state in ((follow, got), (branch, short)):
         for options in ({}, {"temperature": 1.0, "seed": 4}):
             want = pipe.generate(prompt, max_tokens=12, block_size=6, **options)

@@ -152,8 +152,9 @@ def test_stop_strings_across_token_boundaries(pipe, oa):
     # a stop string that straddles two chunks (tokens) of the stream, not at the very start
     pieces = [c.text for c in pipe.stream(chat_ids(pipe, msgs), max_tokens=40)]
     bounds = [sum(map(len, pieces[:i])) for i in range(1, len(pieces))]
-    stop = next(full[b - 1: b + 1] for b in bounds
-                if b >= 1 and len(full[b - 1: b + 1]) == 2 and full.index(full[b - 1: b + 1]) == b - 1)
+    spans = [full[b - 1: b + 1] for b in bounds if b >= 1]
+    stop = next(s for b, s in zip([b for b in bounds if b >= 1], spans)
+                if len(s) == 2 and full.index(s) == b - 1)
     want = full[: full.index(stop)]
     got = oa.chat.completions.create(model="llama", messages=msgs, max_tokens=40,
                                      temperature=0, stop=[stop, "never-there"])
@@ -254,11 +255,15 @@ def test_full_queue_answers_429_and_the_server_recovers(server, oa):
     body = {"model": "llama", "max_tokens": CAP, "temperature": 0,
             "messages": [{"role": "user", "content": "count:"}]}
     headers = {"Authorization": f"Bearer {KEY}"}
-    with ThreadPoolExecutor(14) as pool:
-        codes = list(pool.map(lambda _: httpx.post(server.url + "/v1/chat/completions",
-                                                   json=body, headers=headers,
-                                                   timeout=120).status_code, range(14)))
+    # 32 at once against 1 running + 8 waiting: some must be turned away
+    with ThreadPoolExecutor(32) as pool:
+        replies = list(pool.map(lambda _: httpx.post(server.url + "/v1/chat/completions",
+                                                     json=body, headers=headers,
+                                                     timeout=120), range(32)))
+    codes = [r.status_code for r in replies]
     assert 429 in codes and 200 in codes and set(codes) <= {200, 429}, codes
+    busy = next(r.json()["error"] for r in replies if r.status_code == 429)
+    assert busy["type"] == "rate_limit_error" and busy["code"] == "queue_full"
     r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
     assert r.status_code == 200
 

@@ -76,6 +76,10 @@ def test_a_prompt_beyond_the_context_is_announced(llama_dir, capfd):
     with pytest.warns(dflash2_mlx.DFlashNotice, match=r"more than the model's context of 4096"):
         gen = pipe.generate("hello world " * 470, max_tokens=1, chat_template=False)
     assert gen.stats.prompt_tokens > 4096
-    (prefill,) = [line for line in lines if "prefill" in line]     # (and auto's calibration)
-    assert "prefill of" in prefill and "chunks of 1024" in prefill
+    (prefill,) = [line for line in lines if "prefill of" in line]  # (and auto's calibration)
+    assert "chunks of 1024" in prefill
+    n = gen.stats.prompt_tokens
+    steps = [line for line in lines if line.startswith("prefill ") and "/" in line]
+    assert steps == [f"prefill {d}/{n} prompt tokens ({100 * d // n}%)"
+                     for d in (1024, 2048, 3072, 4096, n - 1)]
     assert "Token indices sequence length" not in capfd.readouterr().err

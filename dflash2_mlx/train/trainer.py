@@ -194,14 +194,7 @@ def windows_of(drafter: Drafter) -> list:
 
 def head_matrix(adapter) -> mx.array:
     """The target's output projection as a [V, H] matrix (lm_head or the tied embedding)."""
-    module = adapter.model
-    for name in (None,) + tuple(adapter.path):
-        module = module if name is None else module[name]
-        if "lm_head" in module:
-            head = module["lm_head"]
-            break
-    else:
-        head = adapter.embed_tokens
+    head = adapter.head_module()
     if isinstance(head, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
         raise ValueError("the target's head is quantized: load the target in float32 to train")
     return head.weight
