@@ -27,13 +27,14 @@ needs_launch = pytest.mark.skipif(not (mx.distributed.is_available() and LAUNCH.
                                   reason="mx.distributed or mlx.launch unavailable")
 
 
-def launch(args: list[str], tmp: Path, timeout: float = 150) -> subprocess.CompletedProcess:
-    """Two ranks on loopback, importing this checkout; calibration cache in `tmp`."""
+def launch(args: list[str], tmp: Path, timeout: float = 150,
+           ranks: int = 2) -> subprocess.CompletedProcess:
+    """`ranks` ranks on loopback, importing this checkout; calibration cache in `tmp`."""
     port = random.Random(os.getpid() + time.time_ns()).randrange(20000, 60000, 2)
     # one BLAS thread per rank: the two ranks share this machine's cores
     env = {"PYTHONPATH": str(ROOT), "DFLASH2_CACHE": str(tmp / "cache"),
            "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    cmd = [str(LAUNCH), "--backend", "ring", "-n", "2", "--starting-port", str(port),
+    cmd = [str(LAUNCH), "--backend", "ring", "-n", str(ranks), "--starting-port", str(port),
            "--python", sys.executable]
     for k, v in env.items():
         cmd += ["--env", f"{k}={v}"]
@@ -41,8 +42,8 @@ def launch(args: list[str], tmp: Path, timeout: float = 150) -> subprocess.Compl
                           env={**os.environ, **env}, cwd=tmp)
 
 
-def rank_reports(tmp: Path) -> list[dict]:
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+def rank_reports(tmp: Path, ranks: int = 2) -> list[dict]:
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(ranks)]
 
 
 # --------------------------------------------------------------------------- no launch
@@ -223,6 +224,39 @@ def test_each_rank_holds_about_half_of_the_weights(exactness_run):
     assert abs((w0 + w1) - total) < 0.5                 # together: the whole target, once
     assert abs(w1 - layers / 2) < 0.5                    # rank 1: its 15 layers, nothing else
     assert abs(w0 - (total - layers / 2)) < 0.5          # rank 0: 15 layers + embedding, norm
+
+
+@needs_launch
+def test_three_ranks_pass_control_and_features_along_the_ring(tmp_path, llama_dir,
+                                                              dflash2_dir):
+    """Split 1,2,1: rank 1 forwards the control word to rank 2 and its feature layer (2)
+    rides on to rank 0 in rank 2's message; rollbacks reach both followers."""
+    cases = [dict(prompt=PROMPT, max_tokens=24, block_size=5, oracle_seed=2),
+             dict(prompt=PROMPT * 2, max_tokens=16, block_size=4, lookup=True)]
+    refs = single_process(str(llama_dir), str(dflash2_dir), [dict(cases[0], oracle=True),
+                                                             cases[1]])
+    cases[0]["truth"] = refs[0]
+    plan = {"timeout": 30, "jobs": [{"name": "llama", "model": str(llama_dir),
+                                     "draft": str(dflash2_dir), "split": "1,2,1",
+                                     "cases": cases}]}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    proc = launch([str(RANK_SCRIPT), str(tmp_path / "plan.json")], tmp_path, ranks=3)
+    assert (tmp_path / "rank0.json").exists(), proc.stderr[-3000:]
+    r0, r1, r2 = rank_reports(tmp_path, 3)
+    assert "error" not in r0, r0["error"]
+    done = r0["jobs"][0]["cases"]
+    assert [c["tokens"] for c in done] == refs
+    accepted = done[0]["stats"]["accepted_per_cycle"]
+    assert max(accepted) > 0 and min(accepted) < 4           # rollbacks happened
+    forwards = sum(c["forwards"] for c in done)
+    sent1, sent2 = r1["jobs"][0]["sent"], r2["jobs"][0]["sent"]
+    assert r1["jobs"][0]["layers"] == [1, 2] and r2["jobs"][0]["layers"] == [3]
+    assert sent1["2/control"][0] == sent1["2/hidden"][0] == sent2["0/hidden"][0] == forwards
+    assert "0/control" not in sent2
+    # 1 -> 2 carries h and layer 2's features; 2 -> 0 the same (layer 3 is not a feature)
+    assert sent1["2/hidden"][1] == sent2["0/hidden"][1] == 2 * 64 * 4 * sum(
+        c["stats"]["prompt_tokens"] + sum(c["stats"]["widths"]) +
+        c["stats"]["plain_steps"] for c in done)
 
 
 # --------------------------------------------------------------------------- faults
