@@ -228,7 +228,8 @@ def main() -> None:
            "--env", f"PYTHONPATH={ROOT}", "--python", sys.executable, __file__, "--rank",
            "--rank-out", str(rank_out), "--widths", ",".join(map(str, args.widths)),
            "--reps", str(args.reps), "--context", str(args.context)]
-    for var in ("OPENBLAS_NUM_THREADS", "DFLASH2_CACHE"):     # the ranks run like this process
+    # the ranks run like this process
+    for var in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "DFLASH2_BLAS", "DFLASH2_CACHE"):
         if var in os.environ:
             cmd[1:1] = ["--env", f"{var}={os.environ[var]}"]
     for flag in ("model", "draft", "split"):

@@ -297,9 +297,9 @@ def generate(
             stats_json.write_text(json.dumps(report, indent=2) + "\n")
 
 
-def _pipeline_group(pipeline: bool, split: str | None, timeout: float):
-    """--pipeline: the launched group (bounded wait for the other ranks); ranks > 0 print
-    only their own errors, tagged with the rank."""
+def _pipeline_group(pipeline: bool, split: str | None, timeout: float, grace: float = 2.0):
+    """--pipeline: the launched group (bounded wait for the other ranks; `grace`: seconds to
+    stop after SIGTERM); ranks > 0 print only their own errors, tagged with the rank."""
     global _WHO
     if not pipeline:
         if split is not None:
@@ -307,7 +307,7 @@ def _pipeline_group(pipeline: bool, split: str | None, timeout: float):
         return None
     from .distributed import init_group
 
-    group = init_group(timeout)
+    group = init_group(timeout, grace=grace)
     if group.size() == 1:
         _say("note: --pipeline: one rank (not started by mlx.launch): the whole target runs "
              "here")
@@ -505,10 +505,18 @@ def serve(
     shutdown_timeout: float = typer.Option(
         5.0, "--shutdown-timeout", min=0.0, help="Seconds in-flight requests get to finish "
         "on Ctrl-C / SIGTERM before they are cancelled"),
+    pipeline: bool = typer.Option(False, "--pipeline", help="Split the target's layers across "
+                                  "the ranks started by mlx.launch (rank 0 serves)"),
+    pipeline_split: Optional[str] = typer.Option(
+        None, "--pipeline-split", metavar="N,N,...", help="Layers per rank (default: even)"),
+    pipeline_timeout: float = typer.Option(60.0, "--pipeline-timeout", min=1.0,
+                                           help="Seconds a rank may wait for another"),
     verbose: bool = typer.Option(False, "--verbose", help="Debug logs, tracebacks"),
 ):
     """Serve OpenAI- and Anthropic-compatible HTTP APIs (needs the `serve` extra)."""
     with _errors(verbose):
+        group = _pipeline_group(pipeline, pipeline_split, pipeline_timeout,
+                                grace=shutdown_timeout + 5.0)
         try:
             from . import server
         except ImportError as e:
@@ -522,7 +530,10 @@ def serve(
                             format=f"{PROG}: %(levelname)s %(name)s: %(message)s")
         pipe = _load_pipeline(model, draft, omlx_settings, model_id, block_size, lookup,
                               draft_bits=draft_bits, draft_group_size=draft_group_size,
-                              dtype=dtype)
+                              dtype=dtype, pipeline=group, pipeline_split=pipeline_split,
+                              pipeline_timeout=pipeline_timeout)
+        if pipe is None:                     # a rank > 0: it served rank 0 until it closed
+            return
         context = context_length or getattr(getattr(pipe.target, "args", None),
                                            "max_position_embeddings", None)
         config = server.ServerConfig(

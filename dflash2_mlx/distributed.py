@@ -173,70 +173,109 @@ def read_gguf_header(path: Path) -> dict:
 
 _WATCHDOG = r"""
 import os, select, signal, sys, time
-parent, deadline, what = int(sys.argv[1]), None, ""
+parent, term_fd, prefix, GRACE = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+deadline, what, quiet, term_at = None, "", False, None
+STOPPED = ("stopped: mlx.launch ends every rank when one exits with an error (the other "
+           "rank's line says why)")
+
+def end(line):
+    if not quiet:
+        sys.stderr.write(prefix + line + "\n")
+        sys.stderr.flush()
+    os.kill(parent, signal.SIGKILL)
+    sys.exit(1)
+
 while True:
-    wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-    ready, _, _ = select.select([sys.stdin], [], [], wait)
-    if ready:
+    ends = [t for t in (deadline, term_at and term_at + GRACE) if t]
+    wait = max(0.0, min(ends) - time.monotonic()) if ends else None
+    ready, _, _ = select.select([sys.stdin] + ([term_fd] if term_at is None else []), [], [],
+                                wait)
+    if term_fd in ready:                  # SIGTERM: let the rank say why it stops, then end it
+        os.read(term_fd, 64)
+        term_at = time.monotonic()
+    elif ready:
         line = sys.stdin.readline()
         if not line:
-            sys.exit(0)                               # the rank ended: nothing to watch
+            sys.exit(0)                   # the rank ended: nothing to watch
+        if line == "quiet\n":
+            quiet = True
+            continue
         seconds, _, what = line.rstrip("\n").partition(" ")
         deadline = None if seconds == "-" else time.monotonic() + float(seconds)
-    elif deadline is not None:
-        sys.stderr.write(what + "\n")
-        sys.stderr.flush()
-        os.kill(parent, signal.SIGKILL)
-        sys.exit(1)
+    elif term_at and time.monotonic() >= term_at + GRACE:
+        end(STOPPED)
+    elif deadline is not None and time.monotonic() >= deadline:
+        end(what)
 """
 
 
 class Watchdog:
-    """Ends this rank with one error line when a distributed step outlasts `timeout`.
+    """Ends this rank with one error line when a distributed step outlasts its bound.
 
     A child process, because the blocking step may hold the GIL (`mx.distributed.init` does),
-    so no thread of ours would run; arming and disarming are one pipe write each."""
+    so no thread of ours would run; arming and disarming are one pipe write each. It also
+    takes over SIGTERM, which `mlx.launch` sends every rank as soon as one fails: the rank gets
+    a moment to print its own line (a lost connection) before the watchdog ends it, so rank 0's
+    reason is never cut off, and a rank that cannot answer still ends (`grace` seconds after
+    SIGTERM: a server's graceful shutdown needs longer). `quiet()` (at exit): the rank has
+    said what it had to say."""
 
-    def __init__(self, prefix: str):
-        self.prefix = prefix
-        self.proc = subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid())],
-                                     stdin=subprocess.PIPE, text=True, env={})
+    def __init__(self, prefix: str, grace: float = 2.0):
+        import signal
+
+        read, write = os.pipe()
+        self.proc = subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid()),
+                                      str(read), prefix, str(grace)], stdin=subprocess.PIPE,
+                                     text=True, env={}, pass_fds=(read,))
+        os.close(read)
+        os.set_blocking(write, False)
+        try:       # the C-level handler writes the signal to `write` even while MLX blocks
+            signal.signal(signal.SIGTERM, lambda signum, frame: None)
+            signal.set_wakeup_fd(write)
+        except ValueError:            # not the main thread: SIGTERM keeps its default
+            os.close(write)
+        atexit.register(self.quiet)
+
+    def _write(self, line: str) -> None:
+        try:
+            self.proc.stdin.write(line)
+            self.proc.stdin.flush()
+        except (BrokenPipeError, ValueError):
+            pass
 
     def arm(self, seconds: float, what: str) -> None:
-        self.proc.stdin.write(f"{seconds} {self.prefix}{what}\n")
-        self.proc.stdin.flush()
+        self._write(f"{seconds} {what}\n")
 
     def disarm(self) -> None:
-        self.proc.stdin.write("- \n")
-        self.proc.stdin.flush()
+        self._write("- \n")
 
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            self.proc.wait()
+    def quiet(self) -> None:
+        self._write("quiet\n")
 
 
 _watchdog: Watchdog | None = None
 
 
-def watchdog(rank: int | None = None) -> Watchdog:
+def watchdog(rank: int | None = None, grace: float = 2.0) -> Watchdog:
     global _watchdog
     if _watchdog is None:
         who = "" if rank in (None, 0) else f" (rank {rank})"
-        _watchdog = Watchdog(f"dflash2-mlx: error{who}: pipeline: ")
+        _watchdog = Watchdog(f"dflash2-mlx: error{who}: pipeline: ", grace)
     return _watchdog
 
 
-def init_group(timeout: float = DEFAULT_TIMEOUT, backend: str = "any") -> mx.distributed.Group:
+def init_group(timeout: float = DEFAULT_TIMEOUT, backend: str = "any",
+               grace: float = 2.0) -> mx.distributed.Group:
     """`mx.distributed.init` bounded by `timeout` (it waits forever for a rank that never
-    connects). Outside mlx.launch: a group of one."""
+    connects). Outside mlx.launch: a group of one. grace: seconds a rank may take to stop
+    after SIGTERM (see `Watchdog`)."""
     if not mx.distributed.is_available():
         raise PipelineError("--pipeline: this MLX build has no distributed backend")
     launched = any(k in os.environ for k in ("MLX_HOSTFILE", "MLX_RANK", "OMPI_COMM_WORLD_RANK",
                                              "PMI_RANK", "MLX_JACCL_DEVICES"))
     if not launched:
         return mx.distributed.init(strict=False)
-    dog = watchdog(int(os.environ.get("MLX_RANK", 0)))
+    dog = watchdog(int(os.environ.get("MLX_RANK", 0)), grace)
     dog.arm(timeout, f"could not connect to all ranks within {timeout:g} s (a host is down, "
                      "unreachable, or was not started); stopping")
     group = mx.distributed.init(strict=True, backend=backend)
@@ -279,6 +318,7 @@ class Link:
     # per forward and boundary), "op" (a cache copied or dropped, "stop")
     sent: dict = field(default_factory=dict)
     seconds: dict = field(default_factory=dict)   # "send hidden", "recv hidden", ...: time
+    broken: bool = False                          # a peer went away: nothing more to send
 
     @property
     def rank(self) -> int:
@@ -297,6 +337,7 @@ class Link:
             return fn()
         except RuntimeError as e:
             if "[ring]" in str(e) or "[mpi]" in str(e) or "[jaccl]" in str(e):
+                self.broken = True
                 raise PipelineError(f"pipeline: lost the connection to another rank while "
                                     f"{what} ({e}); a rank exited or its host went away") \
                     from None
@@ -598,6 +639,8 @@ class ShardedTarget:
         self.forwards = 0
 
     def __getattr__(self, name):      # embed, head, head_rows, embed_tokens, hidden_size, ...
+        if name == "local":           # not set yet (copying, unpickling): no recursion
+            raise AttributeError(name)
         return getattr(self.local, name)
 
     @property
@@ -663,7 +706,7 @@ class ShardedTarget:
 
     def close(self) -> None:
         """Tell the other ranks to stop (idempotent)."""
-        if self.plan.size > 1 and not self._closed:
+        if self.plan.size > 1 and not self._closed and not self.link.broken:
             self._closed = True
             self._flush_ops()
             self._send_control(STOP)
@@ -888,6 +931,8 @@ class FollowerTarget:
         self.local, self.stage = TargetAdapter(model), stage
 
     def __getattr__(self, name):
+        if name in ("local", "stage"):
+            raise AttributeError(name)
         if name in ("forward", "make_cache"):
             raise ValueError(f"rank {self.stage.rank} of {self.stage.size} runs layers "
                              f"{self.stage.plan.start}..{self.stage.plan.end - 1} for rank 0: "

@@ -315,9 +315,10 @@ def load(model: str | None = None, draft: str | None = None, *,
     kernels: "metal", "ops" or None (auto). lookup: draft from the context too, by default
     (`Pipeline.generate(lookup=...)` overrides it per call). progress: called with one line per
     loading step.
-    pipeline: an `mx.distributed` group: the target's layers are split across its ranks
-    (`pipeline_split`, e.g. "20,12"; even by default), each loading only its own; rank 0
-    generates, the others call `pipe.stage.follow()` (see `distributed`).
+    pipeline: an `mx.distributed` group (`distributed.init_group()`): the target's layers are
+    split across its ranks (`pipeline_split`, e.g. "20,12"; even by default), each loading only
+    its own; rank 0 generates, the others call `pipe.stage.follow()` (docs/distributed.md). A
+    group of one loads as usual.
     Notices (fallbacks, overrides) are issued as `DFlashNotice` warnings.
     """
     say = progress or (lambda _line: None)

@@ -6,13 +6,16 @@
 
 Every rank runs this script. Each loads only its own layers; rank 0 also holds the embedding,
 the head and the drafter, generates and prints; the others serve their layers until rank 0
-closes the pipeline (`pipe.stage.close()`, also run at exit).
+closes the pipeline (`pipe.stage.close()`, also run at exit). Run without mlx.launch, it is
+one process holding the whole target.
+
+    test-args: --model {llama} --draft {dflash2} --max-tokens 8 --block-size 4
 """
 
 import argparse
 
 import dflash2_mlx
-from dflash2_mlx.distributed import init_group
+from dflash2_mlx.distributed import follow_unless_leader, init_group
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", help="target (default: the embedded SmolLM2-135M-Instruct)")
@@ -27,14 +30,14 @@ args = parser.parse_args()
 
 group = init_group(timeout=60)          # bounded: a rank that never connects is an error
 pipe = dflash2_mlx.load(args.model, args.draft, pipeline=group, pipeline_split=args.split)
-if not pipe.stage.leader:
-    pipe.stage.follow()                 # returns when rank 0 closes the pipeline
-else:
+if not follow_unless_leader(pipe):      # ranks > 0 return from it when rank 0 closes
     b = args.block_size
     gen = pipe.generate(args.prompt, max_tokens=args.max_tokens,
                         block_size=int(b) if b and b.isdigit() else b)
     print(gen.text)
-    print(f"rank 0 of {pipe.stage.size}: layers {pipe.stage.layers}, weights per rank "
-          f"{pipe.stage.weight_mib} MiB, tau {gen.stats.tau:.2f}, {gen.stats.decode_tps:.1f} "
-          "tok/s")
-    pipe.stage.close()
+    stage = pipe.stage                  # None: one process, not launched
+    where = (f"rank 0 of {stage.size}: layers {stage.layers}, weights per rank "
+             f"{stage.weight_mib} MiB" if stage else "one process")
+    print(f"{where}, tau {gen.stats.tau:.2f}, {gen.stats.decode_tps:.1f} tok/s")
+    if stage:
+        stage.close()

@@ -27,13 +27,14 @@ needs_launch = pytest.mark.skipif(not (mx.distributed.is_available() and LAUNCH.
                                   reason="mx.distributed or mlx.launch unavailable")
 
 
-def launch(args: list[str], tmp: Path, timeout: float = 150) -> subprocess.CompletedProcess:
-    """Two ranks on loopback, importing this checkout; calibration cache in `tmp`."""
+def launch(args: list[str], tmp: Path, timeout: float = 150,
+           ranks: int = 2) -> subprocess.CompletedProcess:
+    """`ranks` ranks on loopback, importing this checkout; calibration cache in `tmp`."""
     port = random.Random(os.getpid() + time.time_ns()).randrange(20000, 60000, 2)
     # one BLAS thread per rank: the two ranks share this machine's cores
     env = {"PYTHONPATH": str(ROOT), "DFLASH2_CACHE": str(tmp / "cache"),
-           "OPENBLAS_NUM_THREADS": "1"}
-    cmd = [str(LAUNCH), "--backend", "ring", "-n", "2", "--starting-port", str(port),
+           "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    cmd = [str(LAUNCH), "--backend", "ring", "-n", str(ranks), "--starting-port", str(port),
            "--python", sys.executable]
     for k, v in env.items():
         cmd += ["--env", f"{k}={v}"]
@@ -41,8 +42,8 @@ def launch(args: list[str], tmp: Path, timeout: float = 150) -> subprocess.Compl
                           env={**os.environ, **env}, cwd=tmp)
 
 
-def rank_reports(tmp: Path) -> list[dict]:
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+def rank_reports(tmp: Path, ranks: int = 2) -> list[dict]:
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(ranks)]
 
 
 # --------------------------------------------------------------------------- no launch
@@ -135,11 +136,11 @@ def exactness_run(tmp_path_factory, llama_dir, dflash2_dir, qwen35_dir, monkeypa
     ]
     pair = smollm2_pair()
     if pair is not None:
-        ids = "Write a Python function that checks whether a number is prime."
+        prompt = "Write a Python function that checks whether a number is prime."
         jobs.append(("smollm2", *pair, None, [
-            dict(prompt=ids, max_tokens=12, block_size=6, lookup=True)]))
+            dict(prompt=prompt, max_tokens=12, block_size=6, lookup=True)]))
     plan = {"timeout": 30, "jobs": []}
-    refs, start = {}, time.perf_counter()
+    refs = {}
     for name, model, draft, split, cases in jobs:
         cases = [dict(c) for c in cases]            # jobs share case dicts; truths differ
         refs[name] = single_process(model, draft, cases)
@@ -149,15 +150,12 @@ def exactness_run(tmp_path_factory, llama_dir, dflash2_dir, qwen35_dir, monkeypa
         plan["jobs"].append({"name": name, "model": model, "draft": draft, "split": split,
                              "cases": cases})
     (tmp / "plan.json").write_text(json.dumps(plan))
-    tic = time.perf_counter()
-    print(f"references: {tic - start:.1f} s")
     proc = launch([str(RANK_SCRIPT), str(tmp / "plan.json")], tmp)
-    print(f"launch: {time.perf_counter() - tic:.1f} s")
     assert (tmp / "rank0.json").exists(), proc.stderr[-3000:]
     reports = rank_reports(tmp)
     # (mlx.launch exits 0 even when a rank failed: the reports say)
     assert "error" not in reports[0], reports[0]["error"]
-    return plan, refs, reports, time.perf_counter() - tic
+    return plan, refs, reports
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +167,7 @@ def monkeypatch_module():
 
 @needs_launch
 def test_two_ranks_equal_one_process(exactness_run):
-    plan, refs, (rank0, rank1), _ = exactness_run
+    plan, refs, (rank0, rank1) = exactness_run
     assert [j["name"] for j in rank0["jobs"]] == [j["name"] for j in plan["jobs"]]
     for job, done in zip(plan["jobs"], rank0["jobs"]):
         for case, ref, got in zip(job["cases"], refs[job["name"]], done["cases"]):
@@ -178,7 +176,7 @@ def test_two_ranks_equal_one_process(exactness_run):
             assert got["tokens"] == ref, label
             assert len(set(ref)) > 3, f"{label}: a degenerate reference proves little"
             accepted = got["stats"]["accepted_per_cycle"]
-            if "truth" in case:     # rollbacks on both ranks: partial and full acceptances
+            if "truth" in case:     # rollbacks on both ranks: partial acceptances forced
                 b = case["block_size"]
                 assert max(accepted) > 0 and min(accepted) < b - 1, label
                 assert any(0 < a < b - 1 for a in accepted) or b == 2, label
@@ -192,7 +190,7 @@ def test_two_ranks_equal_one_process(exactness_run):
 def test_messages_per_cycle_and_boundary_do_not_depend_on_the_width(exactness_run):
     """Rank 0 -> 1: one control word and one hidden state per target forward; 1 -> 0: one
     hidden state (with the features). A forward is one per cycle, whatever its width."""
-    plan, _, (rank0, rank1), _ = exactness_run
+    plan, _, (rank0, rank1) = exactness_run
     for job, done, follower in zip(plan["jobs"], rank0["jobs"], rank1["jobs"]):
         per_forward = set()
         for case, got in zip(job["cases"], done["cases"]):
@@ -213,7 +211,7 @@ def test_messages_per_cycle_and_boundary_do_not_depend_on_the_width(exactness_ru
 
 @needs_launch
 def test_each_rank_holds_about_half_of_the_weights(exactness_run):
-    _, _, (rank0, rank1), _ = exactness_run
+    _, _, (rank0, _) = exactness_run
     jobs = {j["name"]: j for j in rank0["jobs"]}
     if "smollm2" not in jobs:
         pytest.skip("SmolLM2 pair not available")
@@ -226,6 +224,39 @@ def test_each_rank_holds_about_half_of_the_weights(exactness_run):
     assert abs((w0 + w1) - total) < 0.5                 # together: the whole target, once
     assert abs(w1 - layers / 2) < 0.5                    # rank 1: its 15 layers, nothing else
     assert abs(w0 - (total - layers / 2)) < 0.5          # rank 0: 15 layers + embedding, norm
+
+
+@needs_launch
+def test_three_ranks_pass_control_and_features_along_the_ring(tmp_path, llama_dir,
+                                                              dflash2_dir):
+    """Split 1,2,1: rank 1 forwards the control word to rank 2 and its feature layer (2)
+    rides on to rank 0 in rank 2's message; rollbacks reach both followers."""
+    cases = [dict(prompt=PROMPT, max_tokens=24, block_size=5, oracle_seed=2),
+             dict(prompt=PROMPT * 2, max_tokens=16, block_size=4, lookup=True)]
+    refs = single_process(str(llama_dir), str(dflash2_dir), [dict(cases[0], oracle=True),
+                                                             cases[1]])
+    cases[0]["truth"] = refs[0]
+    plan = {"timeout": 30, "jobs": [{"name": "llama", "model": str(llama_dir),
+                                     "draft": str(dflash2_dir), "split": "1,2,1",
+                                     "cases": cases}]}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    proc = launch([str(RANK_SCRIPT), str(tmp_path / "plan.json")], tmp_path, ranks=3)
+    assert (tmp_path / "rank0.json").exists(), proc.stderr[-3000:]
+    r0, r1, r2 = rank_reports(tmp_path, 3)
+    assert "error" not in r0, r0["error"]
+    done = r0["jobs"][0]["cases"]
+    assert [c["tokens"] for c in done] == refs
+    accepted = done[0]["stats"]["accepted_per_cycle"]
+    assert max(accepted) > 0 and min(accepted) < 4           # rollbacks happened
+    forwards = sum(c["forwards"] for c in done)
+    sent1, sent2 = r1["jobs"][0]["sent"], r2["jobs"][0]["sent"]
+    assert r1["jobs"][0]["layers"] == [1, 2] and r2["jobs"][0]["layers"] == [3]
+    assert sent1["2/control"][0] == sent1["2/hidden"][0] == sent2["0/hidden"][0] == forwards
+    assert "0/control" not in sent2
+    # 1 -> 2 carries h and layer 2's features; 2 -> 0 the same (layer 3 is not a feature)
+    assert sent1["2/hidden"][1] == sent2["0/hidden"][1] == 2 * 64 * 4 * sum(
+        c["stats"]["prompt_tokens"] + sum(c["stats"]["widths"]) +
+        c["stats"]["plain_steps"] for c in done)
 
 
 # --------------------------------------------------------------------------- faults
@@ -282,16 +313,88 @@ def test_cli_rank_0_writes_text_summary_and_stats_json(tmp_path, llama_dir, dfla
     assert proc.stdout.strip() == ref.text.strip()        # once: only rank 0 writes text
 
 
+def test_bad_split_refused_before_any_weight_loads(llama_dir, monkeypatch):
+    """The split is checked from config.json before anything else, even the other ranks."""
+    from dflash2_mlx import distributed
+
+    class TwoRanks:
+        def size(self):
+            return 2
+
+        def rank(self):
+            return 0
+
+    reads = []
+    monkeypatch.setattr(mx, "load", lambda *a, **k: reads.append(a))
+    monkeypatch.setattr(distributed, "Link", None)        # no message may be sent either
+    with pytest.raises(ValueError, match=r"--pipeline-split 3,3: expected 2 positive layer "
+                                         r"counts .* summing to the target's 4 layers"):
+        distributed.prepare(TwoRanks(), llama_dir, None, "3,3", "float32")
+    assert reads == []
+
+
 @needs_launch
-def test_cli_bad_split_refused_before_any_weight_loads(tmp_path, llama_dir, dflash2_dir):
+def test_serve_pipeline_answers_like_one_process_and_stops_on_sigterm(tmp_path, llama_dir,
+                                                                      dflash2_dir):
+    """Rank 0 serves (prefix cache included: the second request reuses the first's rows on
+    both ranks); SIGTERM to rank 0 stops both ranks."""
+    import signal
+    import urllib.request
+
+    pytest.importorskip("uvicorn")
     shim = tmp_path / "cli.py"
     shim.write_text("from dflash2_mlx.cli import main\nmain()\n")
-    proc = launch([str(shim), "generate", "--pipeline", "--pipeline-split", "3,3", "--model",
-                   str(llama_dir), "--draft", str(dflash2_dir), "--prompt", "hi"], tmp_path)
-    lines = [l for l in proc.stderr.splitlines() if l.startswith("dflash2-mlx: error: ")]
-    assert len(lines) == 1 and "--pipeline-split 3,3" in lines[0], proc.stderr[-2000:]
-    assert "summing to the target's 4 layers" in lines[0]
-    assert "loading target" not in proc.stderr
+    http = random.Random(time.time_ns()).randrange(20000, 60000)
+    port = random.Random(os.getpid() + time.time_ns()).randrange(20000, 60000, 2)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OPENBLAS_NUM_THREADS": "1",
+           "MKL_NUM_THREADS": "1"}
+    cmd = [str(LAUNCH), "--backend", "ring", "-n", "2", "--starting-port", str(port),
+           "--env", f"PYTHONPATH={ROOT}", "--python", sys.executable, str(shim), "serve",
+           "--pipeline", "--model", str(llama_dir), "--draft", str(dflash2_dir), "--port",
+           str(http), "--block-size", "4", "--shutdown-timeout", "1"]
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env)
+
+    def complete(prompt):
+        body = json.dumps({"model": "llama", "prompt": prompt, "max_tokens": 10,
+                           "temperature": 0}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{http}/v1/completions", body,
+                                     {"content-type": "application/json"})
+        return json.loads(urllib.request.urlopen(req, timeout=60).read())
+
+    try:
+        for _ in range(120):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{http}/v1/models", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.5)
+        first, second = complete("def add"), complete("def add(a, b)")
+        single = dflash2_mlx.load(str(llama_dir), str(dflash2_dir))
+        for got, prompt in ((first, "def add"), (second, "def add(a, b)")):
+            want = single.generate(prompt, max_tokens=10, block_size=4, chat_template=False)
+            assert got["choices"][0]["text"] == want.text
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        ranks = {}
+        for pid in os.listdir("/proc"):
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if str(shim).encode() in cmdline and f"{http}".encode() in cmdline:
+                rank = [e for e in environ if e.startswith(b"MLX_RANK=")]
+                if rank:
+                    ranks[int(rank[0].split(b"=")[1])] = int(pid)
+        assert set(ranks) == {0, 1}
+        os.kill(ranks[0], signal.SIGTERM)
+        launcher.wait(timeout=30)
+        for pid in ranks.values():
+            assert not Path(f"/proc/{pid}").exists() or \
+                Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
 
 
 def test_a_rank_that_never_connects_is_an_error_within_the_timeout(tmp_path, llama_dir):
