@@ -205,16 +205,42 @@ def _load_pipeline(model, draft, omlx_settings, model_id, block_size, lookup, **
     return pipe
 
 
+# Flags that `generate` and `serve` share (one definition each; typer reads them per command)
+MODEL = typer.Option(None, "--model", help="Target: mlx-lm model folder, hub id or .gguf file "
+                     "(default: the embedded default)")
+DRAFT = typer.Option(None, "--draft", "--draft-model", help="DFlash / DFlash 2 drafter folder "
+                     "or hub id (default: the oMLX setting, else the embedded default's)")
+BLOCK_SIZE = typer.Option(
+    None, "--block-size", callback=_flag(check.block_size), metavar="{1..B,auto}",
+    help="Rows verified per cycle, 1..the widest block of the drafter (B) or the lookup (16), "
+    "or 'auto' to choose source and width each cycle (default: the oMLX setting, else auto)")
+LOOKUP = typer.Option(True, "--lookup/--no-lookup",
+                      help="Also draft by lookup in the context (default: on)")
+DRAFT_BITS = typer.Option(None, "--draft-bits", callback=_flag(check.draft_bits),
+                          metavar="{4,8,16}", help="Drafter weight bits; 16 = unquantized "
+                          "(default: 4 on Metal, 16 on CPU)")
+DRAFT_GROUP_SIZE = typer.Option(None, "--draft-group-size", metavar="{32,64,128}",
+                                callback=_flag(check.draft_group_size),
+                                help="Quantization group size (default: 64)")
+DTYPE = typer.Option(None, "--dtype", callback=_flag(check.dtype),
+                     metavar="{float32,float16,bfloat16}",
+                     help="Float weight dtype (default: float32 on CPU, as stored on Metal)")
+OMLX_SETTINGS = typer.Option(
+    None, "--omlx-settings", metavar="[PATH]", help="Read oMLX's model_settings.json (PATH, or "
+    "$OMLX_BASE_PATH/~/.omlx when no PATH is given); flags override it")
+MODEL_ID = typer.Option(None, "--model-id", help="Entry in the oMLX settings (default: --model)")
+PIPELINE_SPLIT = typer.Option(None, "--pipeline-split", metavar="N,N,...",
+                              help="Layers per rank (default: even)")
+PIPELINE_TIMEOUT = typer.Option(60.0, "--pipeline-timeout", min=1.0,
+                                help="Seconds a rank may wait for another")
+
+
 # --------------------------------------------------------------------------- generate
 
 @app.command()
 def generate(
-    model: Optional[str] = typer.Option(
-        None, "--model", help="Target: mlx-lm model folder, hub id or .gguf file "
-        "(default: the embedded default)"),
-    draft: Optional[str] = typer.Option(
-        None, "--draft", "--draft-model", help="DFlash / DFlash 2 drafter folder or hub id "
-        "(default: the oMLX setting, else the embedded default's)"),
+    model: Optional[str] = MODEL,
+    draft: Optional[str] = DRAFT,
     prompt: str = typer.Option("hello", "--prompt", "-p", callback=_prompt_flag,
                                help="Prompt text; '-' reads stdin"),
     system: Optional[str] = typer.Option(None, "--system", "--system-prompt",
@@ -229,40 +255,21 @@ def generate(
                               help="Keep the k likeliest; 0 = all"),
     seed: Optional[int] = typer.Option(None, "--seed", callback=_flag(check.seed),
                                        help="Random seed for sampling, 0..2**64-1"),
-    block_size: Optional[str] = typer.Option(
-        None, "--block-size", callback=_flag(check.block_size), metavar="{1..B,auto}",
-        help="Rows verified per cycle, 1..the widest block of the drafter (B) or the lookup "
-        "(16), or 'auto' to choose source and width each cycle (default: the oMLX setting, "
-        "else auto)"),
-    lookup: bool = typer.Option(True, "--lookup/--no-lookup",
-                                help="Also draft by lookup in the context (default: on)"),
-    draft_bits: Optional[str] = typer.Option(
-        None, "--draft-bits", callback=_flag(check.draft_bits),
-        metavar="{4,8,16}", help="Drafter weight bits; 16 = unquantized "
-        "(default: 4 on Metal, 16 on CPU)"),
-    draft_group_size: Optional[str] = typer.Option(
-        None, "--draft-group-size", metavar="{32,64,128}",
-        callback=_flag(check.draft_group_size),
-        help="Quantization group size (default: 64)"),
-    dtype: Optional[str] = typer.Option(
-        None, "--dtype", callback=_flag(check.dtype),
-        metavar="{float32,float16,bfloat16}",
-        help="Float weight dtype (default: float32 on CPU, as stored on Metal)"),
+    block_size: Optional[str] = BLOCK_SIZE,
+    lookup: bool = LOOKUP,
+    draft_bits: Optional[str] = DRAFT_BITS,
+    draft_group_size: Optional[str] = DRAFT_GROUP_SIZE,
+    dtype: Optional[str] = DTYPE,
     no_chat_template: bool = typer.Option(False, "--no-chat-template", "--ignore-chat-template",
                                           help="Use the prompt as raw text"),
-    omlx_settings: Optional[str] = typer.Option(
-        None, "--omlx-settings", metavar="[PATH]", help="Read oMLX's model_settings.json "
-        "(PATH, or $OMLX_BASE_PATH/~/.omlx when no PATH is given); flags override it"),
-    model_id: Optional[str] = typer.Option(None, "--model-id",
-                                           help="Entry in the oMLX settings (default: --model)"),
+    omlx_settings: Optional[str] = OMLX_SETTINGS,
+    model_id: Optional[str] = MODEL_ID,
     stats_json: Optional[Path] = typer.Option(None, "--stats-json", metavar="PATH",
                                               help="Write statistics and effective settings"),
     pipeline: bool = typer.Option(False, "--pipeline", help="Split the target's layers across "
                                   "the ranks started by mlx.launch (rank 0 writes the output)"),
-    pipeline_split: Optional[str] = typer.Option(
-        None, "--pipeline-split", metavar="N,N,...", help="Layers per rank (default: even)"),
-    pipeline_timeout: float = typer.Option(60.0, "--pipeline-timeout", min=1.0,
-                                           help="Seconds a rank may wait for another"),
+    pipeline_split: Optional[str] = PIPELINE_SPLIT,
+    pipeline_timeout: float = PIPELINE_TIMEOUT,
     verbose: bool = typer.Option(False, "--verbose", help="Effective settings, tracebacks"),
 ):
     """Generate text; it streams to stdout, one summary line goes to stderr."""
@@ -459,33 +466,17 @@ def bench(
 
 @app.command()
 def serve(
-    model: Optional[str] = typer.Option(
-        None, "--model", help="Target: mlx-lm model folder, hub id or .gguf file "
-        "(default: the embedded default)"),
-    draft: Optional[str] = typer.Option(
-        None, "--draft", "--draft-model", help="DFlash / DFlash 2 drafter folder or hub id "
-        "(default: the oMLX setting, else the embedded default's)"),
+    model: Optional[str] = MODEL,
+    draft: Optional[str] = DRAFT,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on"),
     port: int = typer.Option(8080, "--port", min=0, max=65535, help="Port; 0 = any free one"),
-    block_size: Optional[str] = typer.Option(
-        None, "--block-size", callback=_flag(check.block_size), metavar="{1..B,auto}",
-        help="Rows verified per cycle, 1..the widest block of the drafter or the lookup, or "
-        "'auto' (default: the oMLX setting, else auto)"),
-    lookup: bool = typer.Option(True, "--lookup/--no-lookup",
-                                help="Also draft by lookup in the context (default: on)"),
-    draft_bits: Optional[str] = typer.Option(
-        None, "--draft-bits", callback=_flag(check.draft_bits), metavar="{4,8,16}",
-        help="Drafter weight bits; 16 = unquantized"),
-    draft_group_size: Optional[str] = typer.Option(
-        None, "--draft-group-size", metavar="{32,64,128}",
-        callback=_flag(check.draft_group_size), help="Quantization group size"),
-    dtype: Optional[str] = typer.Option(
-        None, "--dtype", callback=_flag(check.dtype), metavar="{float32,float16,bfloat16}",
-        help="Float weight dtype"),
-    omlx_settings: Optional[str] = typer.Option(
-        None, "--omlx-settings", metavar="[PATH]", help="Read oMLX's model_settings.json"),
-    model_id: Optional[str] = typer.Option(None, "--model-id",
-                                           help="Entry in the oMLX settings (default: --model)"),
+    block_size: Optional[str] = BLOCK_SIZE,
+    lookup: bool = LOOKUP,
+    draft_bits: Optional[str] = DRAFT_BITS,
+    draft_group_size: Optional[str] = DRAFT_GROUP_SIZE,
+    dtype: Optional[str] = DTYPE,
+    omlx_settings: Optional[str] = OMLX_SETTINGS,
+    model_id: Optional[str] = MODEL_ID,
     api_key: Optional[str] = typer.Option(
         None, "--api-key", envvar="DFLASH2_API_KEY", help="Require this key (Authorization: "
         "Bearer KEY or x-api-key: KEY); also read from $DFLASH2_API_KEY"),
@@ -507,10 +498,8 @@ def serve(
         "on Ctrl-C / SIGTERM before they are cancelled"),
     pipeline: bool = typer.Option(False, "--pipeline", help="Split the target's layers across "
                                   "the ranks started by mlx.launch (rank 0 serves)"),
-    pipeline_split: Optional[str] = typer.Option(
-        None, "--pipeline-split", metavar="N,N,...", help="Layers per rank (default: even)"),
-    pipeline_timeout: float = typer.Option(60.0, "--pipeline-timeout", min=1.0,
-                                           help="Seconds a rank may wait for another"),
+    pipeline_split: Optional[str] = PIPELINE_SPLIT,
+    pipeline_timeout: float = PIPELINE_TIMEOUT,
     verbose: bool = typer.Option(False, "--verbose", help="Debug logs, tracebacks"),
 ):
     """Serve OpenAI- and Anthropic-compatible HTTP APIs (needs the `serve` extra)."""
