@@ -5,6 +5,9 @@
 
 The second turn reuses the first turn's caches (`usage.prompt_tokens_details.cached_tokens`);
 `usage.dflash2` carries the acceptance figures of each request.
+
+test-server: --model {llama} --draft {dflash2}
+test-args: --base-url {base_url} --max-tokens 8
 """
 
 import argparse

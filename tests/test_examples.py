@@ -3,16 +3,22 @@ would run it. An example says how in its module docstring, on lines of its own:
 
     test-args: --model {llama} --draft {dflash2} --max-tokens 8
     test-stdin: first line\\nsecond line\\n
+    test-server: --model {llama} --draft {dflash2}
 
 {llama} and {dflash2} are the tiny fixture target and drafter (other fixtures: {qwen3},
 {dflash}); an example without a `test-args:` line runs with no arguments (the embedded
-default pair).
+default pair). `test-server:` starts `dflash2-mlx serve` with those flags on a free loopback
+port first, and `{base_url}` in `test-args:` is its address.
 """
 
 import ast
+import contextlib
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,9 +31,33 @@ def invocation(path: Path) -> tuple[str | None, str | None]:
     found = {}
     for line in doc.splitlines():
         key, _, value = line.strip().partition(":")
-        if key in ("test-args", "test-stdin") and value:
+        if key in ("test-args", "test-stdin", "test-server") and value:
             found[key] = value.strip()
-    return found.get("test-args"), found.get("test-stdin")
+    return found.get("test-args"), found.get("test-stdin"), found.get("test-server")
+
+
+@contextlib.contextmanager
+def served(flags: list[str], env: dict):
+    """`dflash2-mlx serve FLAGS --port 0` until the block ends; yields its /v1 base URL."""
+    proc = subprocess.Popen([sys.executable, "-m", "dflash2_mlx.cli", "serve", *flags,
+                             "--port", "0"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                            text=True, env=env)
+    try:
+        deadline, url = time.monotonic() + 180, None
+        while url is None and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            if not line:
+                break
+            found = re.search(r"serving \S+ on (http://\S+)", line)
+            url = found and found.group(1)
+        assert url, "the server never said where it listens"
+        yield url.rstrip("/") + "/v1"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def test_examples_exist():
@@ -37,14 +67,16 @@ def test_examples_exist():
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_example_runs(path, llama_dir, qwen3_dir, dflash2_dir, dflash_dir):
-    args, stdin = invocation(path)
+    args, stdin, server = invocation(path)
     fixtures = {"llama": llama_dir, "qwen3": qwen3_dir, "dflash2": dflash2_dir,
                 "dflash": dflash_dir}
-    argv = [a.format(**fixtures) for a in (args or "").split()]
     text = stdin.encode().decode("unicode_escape") if stdin else ""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, str(path), *argv], input=text, capture_output=True,
-                          text=True, timeout=600, env=env)
+    with (served([f.format(**fixtures) for f in server.split()], env) if server
+          else contextlib.nullcontext(None)) as base_url:
+        argv = [a.format(**fixtures, base_url=base_url) for a in (args or "").split()]
+        proc = subprocess.run([sys.executable, str(path), *argv], input=text,
+                              capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and proc.stdout.strip(), (proc.stdout, proc.stderr)
 
