@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import settings
-from .settings import DRAFT_BITS, DRAFT_GROUP_SIZES, DTYPES  # noqa: F401  (re-exported)
 
 
 def on_metal() -> bool:

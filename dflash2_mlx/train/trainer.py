@@ -13,7 +13,6 @@ every `ckpt_every` steps and at the end; `train` resumes from the newest one.
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import time
