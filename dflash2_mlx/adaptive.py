@@ -89,6 +89,11 @@ class FixedWidth:
                 return source, min(self.width, available[source])
         return PLAIN, 1
 
+    def next_plain(self, available: dict[str, int]) -> bool:
+        """Whether the next cycle will surely be a plain step: only at width 1 (a fixed width
+        drafts whenever a source can, the lookup included)."""
+        return self.width == 1
+
     def update(self, source: str, width: int, accepted: int, seconds: float | None = None,
                match_n: int = 0) -> None:
         pass
@@ -164,25 +169,38 @@ class AdaptiveWidth:
         """available: the widest block each source can draft this cycle (default: every source
         at its widest); match_n: the lookup's recurring suffix length -> (source, width);
         (PLAIN, 1) is always a choice."""
-        if available is None:
-            available = dict(self.widths)
-        rate = {(PLAIN, 1): 1.0 / self.cycle_cost(1)}
-        for source, most in available.items():
-            for w in range(2, min(most, self.widths[source]) + 1):
-                rate[(source, w)] = (self.expected_tokens(w, source, match_n)
-                                     / self.cycle_cost(w, source))
+        rate = self._rates(dict(self.widths) if available is None else available, match_n)
         best = max(rate, key=rate.get)
         if best[1] > 1 or len(rate) == 1:
             self.plain_run = 0
             return best
         self.plain_run += 1
-        # probes cost: far from paying (drafting's best rate < `far` x plain's), probe `slow`
-        # times more rarely
-        far = max(r for c, r in rate.items() if c[1] > 1) < self.far * rate[(PLAIN, 1)]
-        if self.plain_run >= self.probe_every * (self.slow if far else 1):
+        if self.plain_run >= self._probe_gap(rate):
             self.plain_run = 0
             return next((s, 2) for s in (LOOKUP, DRAFTER) if (s, 2) in rate)
         return best
+
+    def next_plain(self, available: dict[str, int]) -> bool:
+        """Whether the next cycle will be a plain step unless the lookup finds a match: plain
+        is the best choice without it, and no probe is due (nothing is changed)."""
+        rate = self._rates({s: w for s, w in available.items() if s != LOOKUP}, 0)
+        best = max(rate, key=rate.get)
+        return best[1] == 1 and (len(rate) == 1 or self.plain_run + 1 < self._probe_gap(rate))
+
+    def _rates(self, available: dict[str, int], match_n: int) -> dict[tuple[str, int], float]:
+        """Expected tokens per second of each (source, width) on offer, plain included."""
+        rate = {(PLAIN, 1): 1.0 / self.cycle_cost(1)}
+        for source, most in available.items():
+            for w in range(2, min(most, self.widths[source]) + 1):
+                rate[(source, w)] = (self.expected_tokens(w, source, match_n)
+                                     / self.cycle_cost(w, source))
+        return rate
+
+    def _probe_gap(self, rate: dict) -> int:
+        """Plain cycles between probes: `slow` times more while drafting is far from paying
+        (its best rate < `far` x plain's), since probes cost a little each time."""
+        far = max(r for c, r in rate.items() if c[1] > 1) < self.far * rate[(PLAIN, 1)]
+        return self.probe_every * (self.slow if far else 1)
 
     def update(self, source: str, width: int, accepted: int, seconds: float | None = None,
                match_n: int = 0) -> None:

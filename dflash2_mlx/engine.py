@@ -267,57 +267,79 @@ def generate_tokens(target: TargetAdapter, drafter: Drafter | None, prompt: list
     tic = time.perf_counter()
     yield list(tokens)
 
-    while len(tokens) < max_tokens and tokens[-1] not in stop_ids:
-        cycle_tic = time.perf_counter()
-        room = max_tokens - len(tokens)
-        available = {DRAFTER: min(drafter.args.block_size, room)} if drafter is not None else {}
-        found = index.propose(min(lookup.max_width, room) - 1) if index and room > 1 else None
-        match_n, guess = found or (0, None)                 # recurring suffix length, drafts
-        if guess:
-            available[LOOKUP] = min(lookup.max_width, room)
-        source, width = policy.choose(available, match_n)
-        key, k_draft, k_accept = mx.random.split(key, 3)
-        if source == PLAIN:
-            logits, feats = target.forward(anchor, state.cache)                # [1, 1, V]
-            bonus = sampling.sample(logits[:, -1], k_accept)
-            a, kept = 0, [tokens[-1]]
-        else:
-            if source == DRAFTER:
-                proposal = drafter.propose(target, anchor, state.take_features(),
-                                           state.dcache, width, sampling, k_draft)
-                # start drafting now: the device computes while Python builds the verify
-                mx.async_eval(proposal.tokens, *(() if proposal.q is None else (proposal.q,)))
+    ahead = None       # a plain step already launched on the anchor: (feats, token)
+    try:
+        while len(tokens) < max_tokens and tokens[-1] not in stop_ids:
+            cycle_tic = time.perf_counter()
+            room = max_tokens - len(tokens)
+            available = ({DRAFTER: min(drafter.args.block_size, room)} if drafter is not None
+                         else {})
+            found = (index.propose(min(lookup.max_width, room) - 1) if index and room > 1
+                     else None)
+            match_n, guess = found or (0, None)             # recurring suffix length, drafts
+            if guess:
+                available[LOOKUP] = min(lookup.max_width, room)
+            source, width = policy.choose(available, match_n)
+            wanted = source
+            if ahead is not None:        # launched last step: it is this cycle, a plain step
+                source, width = PLAIN, 1
+            key, k_draft, k_accept = mx.random.split(key, 3)
+            if source == PLAIN:
+                if ahead is None:
+                    logits, feats = target.forward(anchor, state.cache)        # [1, 1, V]
+                    bonus = sampling.sample(logits[:, -1], k_accept)
+                else:
+                    (feats, bonus), ahead = ahead, None
+                # mlx-lm's double buffering: when the next step will be plain too, launch it
+                # before reading this one's token, so building its graph overlaps computing
+                # (not when the policy wanted to draft here: the next step may)
+                if room > 1 and wanted == PLAIN and policy.next_plain(available):
+                    nxt_logits, nxt_feats = target.forward(
+                        bonus.reshape(1, 1).astype(mx.uint32), state.cache)
+                    ahead = (nxt_feats, sampling.sample(nxt_logits[:, -1], k_draft))
+                    mx.async_eval(ahead[1])
+                a, kept = 0, [tokens[-1]]
             else:
-                ids = mx.array([guess[: width - 1]], dtype=mx.uint32)           # [1, w-1]
-                proposal = Proposal(ids, mx.ones((1, width - 1, 1)), ids[..., None])  # q: 1
-            drafts = proposal.tokens.astype(mx.uint32)                          # [1, w-1]
-            snapshot = target.snapshot(state.cache)
-            logits, feats = target.forward(mx.concatenate([anchor, drafts], axis=1),
-                                           state.cache)                 # [1, w, V], [1, w, F]
-            if sampling.greedy:
-                a, bonus = greedy_accept(drafts[0],
-                                         mx.argmax(logits[0], axis=-1).astype(mx.uint32))
-            else:
-                q = proposal.dense_q(logits.shape[-1])[0]                       # [w-1, V]
-                a, bonus = rejection_accept(drafts[0], sampling.probs(logits[0]), q, k_accept)
-            mx.eval(a, bonus, drafts)
-            a = a.item()
-            snapshot.rollback(a + 1, width)
-            kept = [tokens[-1]] + drafts[0, :a].tolist()        # the rows the target keeps
-        new = kept[1:] + [bonus.item()]
-        state.tokens.extend(kept)
-        state.add_features(None if feats is None else feats[:, : a + 1], keep)
-        stats.steps.append(Cycle(source, width, a))
-        policy.update(source, width, a, time.perf_counter() - cycle_tic, match_n)
-        stop_at = next((i for i, t in enumerate(new) if t in stop_ids), None)
-        if stop_at is not None:
-            new = new[: stop_at + 1]
-        tokens.extend(new)
-        if index is not None:
-            index.extend(new)
-        stats.generated_tokens = len(tokens)
-        stats.decode_s = time.perf_counter() - tic
-        anchor = bonus.reshape(1, 1).astype(mx.uint32)
-        yield new
-        if len(tokens) // 256 != (len(tokens) - len(new)) // 256:
-            mx.clear_cache()
+                if source == DRAFTER:
+                    proposal = drafter.propose(target, anchor, state.take_features(),
+                                               state.dcache, width, sampling, k_draft)
+                    # start drafting now: the device computes while Python builds the verify
+                    mx.async_eval(proposal.tokens, *(() if proposal.q is None else (proposal.q,)))
+                else:
+                    ids = mx.array([guess[: width - 1]], dtype=mx.uint32)           # [1, w-1]
+                    proposal = Proposal(ids, mx.ones((1, width - 1, 1)), ids[..., None])  # q: 1
+                drafts = proposal.tokens.astype(mx.uint32)                          # [1, w-1]
+                snapshot = target.snapshot(state.cache)
+                logits, feats = target.forward(mx.concatenate([anchor, drafts], axis=1),
+                                               state.cache)                 # [1, w, V], [1, w, F]
+                if sampling.greedy:
+                    a, bonus = greedy_accept(drafts[0],
+                                             mx.argmax(logits[0], axis=-1).astype(mx.uint32))
+                else:
+                    q = proposal.dense_q(logits.shape[-1])[0]                       # [w-1, V]
+                    a, bonus = rejection_accept(drafts[0], sampling.probs(logits[0]), q, k_accept)
+                mx.eval(a, bonus, drafts)
+                a = a.item()
+                snapshot.rollback(a + 1, width)
+                kept = [tokens[-1]] + drafts[0, :a].tolist()        # the rows the target keeps
+            new = kept[1:] + [bonus.item()]
+            state.tokens.extend(kept)
+            state.add_features(None if feats is None else feats[:, : a + 1], keep)
+            stats.steps.append(Cycle(source, width, a))
+            policy.update(source, width, a, time.perf_counter() - cycle_tic, match_n)
+            stop_at = next((i for i, t in enumerate(new) if t in stop_ids), None)
+            if stop_at is not None:
+                new = new[: stop_at + 1]
+            tokens.extend(new)
+            if index is not None:
+                index.extend(new)
+            stats.generated_tokens = len(tokens)
+            stats.decode_s = time.perf_counter() - tic
+            anchor = bonus.reshape(1, 1).astype(mx.uint32)
+            yield new
+            if len(tokens) // 256 != (len(tokens) - len(new)) // 256:
+                mx.clear_cache()
+    finally:           # a launched step's row is in the cache: the state must say so
+        if ahead is not None:
+            state.tokens.append(tokens[-1])
+            state.add_features(ahead[0], keep)

@@ -170,3 +170,36 @@ def test_draft_vocabulary_proposes_only_its_ids_and_stays_exact(pipelines, kind)
         assert len(sampled.tokens) == 20
     finally:
         pipe.drafter.draft_vocab = None
+
+
+def test_plain_steps_run_ahead_and_leave_the_state_whole(pipelines):
+    """Plain steps launch the next one before reading their token (mlx-lm's double buffering).
+    The output stays mlx-lm's, and the DecodeState counts the row of a launched step when the
+    generation ends on a stop token or is abandoned, so a prefix cache can reuse it."""
+    from dflash2_mlx.engine import DecodeState
+
+    pipe = pipelines[("llama", "dflash2")]
+    ids = pipe.encode(PROMPTS[0])
+    ref = mlx_lm_greedy(pipe.target, ids, MAX_TOKENS)
+    # a stop token that a plain step produces (not the first token, which prefill gives)
+    stop = next(t for i, t in enumerate(ref) if i >= 3 and t not in ref[:i])
+
+    def whole(state):
+        rows = state.dcache[0].offset + sum(p.shape[1] for p in state.pending)
+        return state.cache[0].offset == len(state.tokens) == rows
+
+    for stop_tokens, want, fed in (([], ref, ref[:-1]),
+                                   ([stop], ref[: ref.index(stop) + 1],
+                                    ref[: ref.index(stop) + 1])):
+        state = DecodeState.new(pipe.adapter, pipe.drafter)
+        gen = pipe.generate(ids, max_tokens=MAX_TOKENS, block_size=1, stop_tokens=stop_tokens,
+                            state=state)
+        assert gen.tokens == want
+        assert state.tokens == ids + fed and whole(state)
+    state = DecodeState.new(pipe.adapter, pipe.drafter)
+    chunks = pipe.stream(ids, max_tokens=MAX_TOKENS, block_size=1, state=state)
+    got = [next(chunks).tokens[0] for _ in range(5)]
+    chunks.close()                                   # a client that went away
+    assert got == ref[:5] and whole(state) and state.tokens[: len(ids) + 4] == ids + ref[:4]
+    again = pipe.generate(ids + ref[:5], max_tokens=8, block_size=1, state=state)
+    assert again.tokens == mlx_lm_greedy(pipe.target, ids + ref[:5], 8)
