@@ -106,26 +106,25 @@ def seed(value, name: str = "seed") -> int | None:
     return value
 
 
-def draft_bits(value, name: str = "draft_bits") -> int | None:
+def _int_choice(value, name: str, allowed: tuple, expected: str) -> int | None:
+    """None, or one of `allowed` (strings of digits accepted: flags); the error quotes what
+    the user wrote."""
     if value is None:
         return None
-    given = value                       # the error quotes what the user wrote
+    given = value
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value)
-    if not _is_int(value) or value not in DRAFT_BITS:
-        raise SettingError(name, given, "one of 4, 8, 16 (16 = unquantized)")
+    if not _is_int(value) or value not in allowed:
+        raise SettingError(name, given, expected)
     return value
+
+
+def draft_bits(value, name: str = "draft_bits") -> int | None:
+    return _int_choice(value, name, DRAFT_BITS, "one of 4, 8, 16 (16 = unquantized)")
 
 
 def draft_group_size(value, name: str = "draft_group_size") -> int | None:
-    if value is None:
-        return None
-    given = value                       # the error quotes what the user wrote
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value)
-    if not _is_int(value) or value not in DRAFT_GROUP_SIZES:
-        raise SettingError(name, given, "one of 32, 64, 128")
-    return value
+    return _int_choice(value, name, DRAFT_GROUP_SIZES, "one of 32, 64, 128")
 
 
 def dtype(value, name: str = "dtype") -> str | None:
