@@ -191,9 +191,12 @@ class AdaptiveWidth:
         """Expected tokens per second of each (source, width) on offer, plain included."""
         rate = {(PLAIN, 1): 1.0 / self.cycle_cost(1)}
         for source, most in available.items():
-            for w in range(2, min(most, self.widths[source]) + 1):
-                rate[(source, w)] = (self.expected_tokens(w, source, match_n)
-                                     / self.cycle_cost(w, source))
+            tokens, p = 1.0, 1.0               # E(w), accumulated over the widths in turn
+            for w, alpha in zip(range(2, min(most, self.widths[source]) + 1),
+                                self.alphas(source, match_n)):
+                p *= alpha
+                tokens += p
+                rate[(source, w)] = tokens / self.cycle_cost(w, source)
         return rate
 
     def _probe_gap(self, rate: dict) -> int:
