@@ -253,9 +253,12 @@ def test_training_reduces_the_loss_and_exports_an_exact_drafter(tmp_path, tiny_t
     pipe = dflash2_mlx.load(str(llama_dir), str(out))
     plain = dflash2_mlx.load(str(llama_dir))
     for prompt in (PROMPTS[0], PROMPTS[1]):
-        got = pipe.generate(prompt, max_tokens=20)
-        assert got.tokens == plain.generate(prompt, max_tokens=20).tokens
-        assert got.stats.cycles > 0
+        want = plain.generate(prompt, max_tokens=20).tokens
+        assert pipe.generate(prompt, max_tokens=20).tokens == want
+        # `auto` may rightly decode a drafter this cheap target outpaces plainly (it did on
+        # CI's machine); the trained block size makes the drafter draft every cycle.
+        got = pipe.generate(prompt, max_tokens=20, block_size=4)
+        assert got.tokens == want and got.stats.cycles > 0
 
 
 def test_training_resumes_exactly(tmp_path, tiny_target, tiny_store):
@@ -347,9 +350,9 @@ def test_demo_pair_greedy_equals_mlx_lm():
             ref.append(int(t))
             if int(t) in pipe.tokenizer.eos_token_ids or len(ref) == 32:
                 break
-        got = pipe.generate(prompt, max_tokens=32)
-        assert got.tokens == ref
-        assert got.stats.cycles > 0
+        assert pipe.generate(prompt, max_tokens=32).tokens == ref
+        got = pipe.generate(prompt, max_tokens=32, block_size=8)
+        assert got.tokens == ref and got.stats.cycles > 0
 
 
 def test_recipe_trains_and_exports_from_a_store(tmp_path, tiny_store, llama_dir):
