@@ -6,6 +6,7 @@ pair) and the faults get one launch each."""
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -40,6 +41,16 @@ def launch(args: list[str], tmp: Path, timeout: float = 150,
         cmd += ["--env", f"{k}={v}"]
     return subprocess.run(cmd + args, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **env}, cwd=tmp)
+
+
+def error_lines(stderr: str) -> list[str]:
+    """Our one-line errors in a launch's stderr. mlx.launch relays a failed rank's last output
+    as its own warning (colour codes and "[WARN] " before the line), so match inside lines."""
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", stderr)
+    return [l[l.index(ERROR):] for l in plain.splitlines() if ERROR in l]
+
+
+ERROR = "dflash2-mlx: error: "
 
 
 def rank_reports(tmp: Path, ranks: int = 2) -> list[dict]:
@@ -273,7 +284,7 @@ def test_a_rank_killed_mid_generation_stops_rank_0_with_one_line(tmp_path, llama
     tic = time.perf_counter()
     proc = launch([str(RANK_SCRIPT), str(tmp_path / "plan.json")], tmp_path, timeout=90)
     elapsed = time.perf_counter() - tic
-    lines = [l for l in proc.stderr.splitlines() if l.startswith("dflash2-mlx: error: ")]
+    lines = error_lines(proc.stderr)
     assert len(lines) == 1, proc.stderr[-2000:]
     assert "pipeline:" in lines[0] and ("lost the connection" in lines[0]
                                         or "no answer" in lines[0]), lines[0]
@@ -289,7 +300,7 @@ def test_a_rank_with_another_drafter_is_refused_before_loading(tmp_path, llama_d
         "draft_by_rank": {"1": str(dflash_dir)}, "cases": []}]}
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     proc = launch([str(RANK_SCRIPT), str(tmp_path / "plan.json")], tmp_path, timeout=90)
-    lines = [l for l in proc.stderr.splitlines() if l.startswith("dflash2-mlx: error: ")]
+    lines = error_lines(proc.stderr)
     assert len(lines) == 1 and "rank 1 has a different drafter than rank 0" in lines[0], \
         proc.stderr[-2000:]
 
@@ -410,6 +421,6 @@ def test_a_rank_that_never_connects_is_an_error_within_the_timeout(tmp_path, lla
                           capture_output=True, text=True, env=env, timeout=60)
     assert time.perf_counter() - tic < 30
     assert proc.returncode != 0
-    lines = [l for l in proc.stderr.splitlines() if l.startswith("dflash2-mlx: error: ")]
+    lines = error_lines(proc.stderr)
     assert lines == ["dflash2-mlx: error: pipeline: could not connect to all ranks within 3 s "
                      "(a host is down, unreachable, or was not started); stopping"], proc.stderr
