@@ -21,6 +21,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 from .config import DrafterArgs
 from .kernels import KernelPath, path_walk, short_conv
 from .sampling import Sampling
+from .topk import top_k_indices
 
 
 class ContextCache:
@@ -208,7 +209,7 @@ class CandidateSelector(nn.Module):
 
     def candidates(self, logits: mx.array) -> tuple[mx.array, mx.array]:
         """logits [B, L, V] -> top-K ids [B, L, K] and their logits (unary scores) [B, L, K]."""
-        cand = mx.argpartition(logits, -self.top_k, axis=-1)[..., -self.top_k:]
+        cand = top_k_indices(logits, self.top_k)
         return cand, mx.take_along_axis(logits, cand, axis=-1)
 
     def walk(self, h: mx.array, logits: mx.array, anchor: mx.array, temperature: float,

@@ -38,6 +38,12 @@ def train_command(
                                      help="Prompts: CPython documentation topics."),
     self_chat: int = typer.Option(DEFAULT_COUNTS["self_chat"],
                                   help="Prompts: user turns sampled from the target."),
+    doctest_functions: int = typer.Option(DEFAULT_COUNTS["doctest_function"],
+                                          help="Prompts: functions with >>> examples (stdlib "
+                                          "and installed packages)."),
+    package_functions: int = typer.Option(DEFAULT_COUNTS["package_function"],
+                                          help="Prompts: installed packages' signatures + "
+                                          "docstrings."),
     exclude_prompts: list[str] = typer.Option([], "--exclude-prompts", metavar="FILE",
                                               help="An earlier run's "
                                               "prompts.jsonl: its prompts are not drawn again "
@@ -82,7 +88,8 @@ def train_command(
     recipe = Recipe(
         run=run, model=model, data=tuple(data) or None, out=out,
         counts={"stdlib_function": stdlib_functions, "stdlib_task": stdlib_tasks,
-                "pydoc_topic": pydoc_topics, "self_chat": self_chat},
+                "pydoc_topic": pydoc_topics, "self_chat": self_chat,
+                "doctest_function": doctest_functions, "package_function": package_functions},
         exclude_prompts=tuple(exclude_prompts),
         sampled_fraction=sampled_fraction, max_prompt_tokens=max_prompt_tokens,
         max_new_tokens=max_new_tokens, gen_batch=gen_batch, layers=layers,

@@ -59,8 +59,10 @@ def _topk(logits, k: int):
     """logits [B, V] (mx) -> ids [B, k] uint16, log-probs [B, k] fp16, as numpy; descending."""
     import mlx.core as mx
 
+    from ..topk import top_k_indices
+
     logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    ids = mx.argpartition(-logp, k - 1, axis=-1)[:, :k]
+    ids = top_k_indices(logp, k)
     lp = mx.take_along_axis(logp, ids, axis=-1)
     order = mx.argsort(-lp, axis=-1)
     ids, lp = mx.take_along_axis(ids, order, -1), mx.take_along_axis(lp, order, -1)

@@ -29,6 +29,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..drafter import Drafter
+from ..topk import top_k_indices
 from .data import FeatureStore
 from .trainer import Batcher, TrainConfig, head_matrix, windows_of
 from .packed import packed_hidden
@@ -76,7 +77,7 @@ def eval_sequence(drafter: Drafter, batcher: Batcher, head_w: mx.array, i: int,
         part = slice(s, s + ROW_CHUNK)
         logits = drafter.logits(hr[part], lambda z: z @ head_w.T)
         lab = batch.label_ids[part]
-        cand = mx.argpartition(-logits, 15, axis=-1)[:, :16]
+        cand = top_k_indices(logits, 16)
         vals = mx.take_along_axis(logits, cand, axis=-1)
         first = mx.take_along_axis(cand, mx.argmax(vals, -1)[:, None], -1)[:, 0]
         top1.append(first == lab)
@@ -89,7 +90,7 @@ def eval_sequence(drafter: Drafter, batcher: Batcher, head_w: mx.array, i: int,
         alpha.append(mx.minimum(p, q).sum(-1))
         if sel is not None:
             K16 = sel.top_k
-            c = cand if K16 == 16 else mx.argpartition(-logits, K16 - 1, axis=-1)[:, :K16]
+            c = cand if K16 == 16 else top_k_indices(logits, K16)
             u = mx.take_along_axis(logits, c, axis=-1)
             sc = selector_scores(u, sel.hidden_projection(hr[part]),
                                  sel.predecessor_codebook(batch.prev_ids[part]),

@@ -12,6 +12,22 @@ from __future__ import annotations
 import mlx.core as mx
 
 
+@mx.custom_function
+def log_normaliser(logits: mx.array) -> tuple[mx.array, mx.array]:
+    """logits [R, V] -> (log Z [R], softmax [R, V]) with one `exp` of the logits for forward
+    and backward together (MLX's CPU `exp` costs ~20 multiplies; `mx.logsumexp` would redo it
+    in its gradient). log Z = max(logits) - log max(softmax): the largest probability is at
+    least 1/V, so its log is exact where a label's might underflow. The softmax output is for
+    the gradient only: it carries none of its own."""
+    p = mx.softmax(logits, axis=-1, precise=True)
+    return logits.max(-1) - mx.log(p.max(-1)), p
+
+
+@log_normaliser.vjp
+def _log_normaliser_vjp(primals, cotangents, outputs):
+    return (cotangents[0][:, None] * outputs[1],)
+
+
 def weighted_mean(values: mx.array, weights: mx.array) -> mx.array:
     return (values * weights).sum() / mx.maximum(weights.sum(), 1e-9)
 
@@ -25,7 +41,7 @@ def block_loss(logits: mx.array, labels: mx.array, weights: mx.array,
     -> (loss, per-row CE of the hard label [R]). loss = weighted mean of
     (1 - soft) * CE(label) + soft * CE(teacher top-k distribution).
     """
-    logz = mx.logsumexp(logits, axis=-1)
+    logz, _ = log_normaliser(logits)
     ce = logz - mx.take_along_axis(logits, labels[:, None], axis=-1)[:, 0]
     row = ce
     if soft > 0 and teacher_ids is not None:

