@@ -24,10 +24,13 @@ def main(argv=None) -> int:
     p.add_argument("--seqs", type=int, default=4)
     p.add_argument("--anchors", type=int, default=64)
     p.add_argument("--target-layer-ids", default="1,8,15,22,27")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="mx.compile the step (default: TrainConfig's)")
     a = p.parse_args(argv)
 
     import dflash2_mlx
     import mlx.core as mx
+    import mlx.nn as nn
     import numpy as np
 
     from dflash2_mlx.target import TargetAdapter
@@ -55,10 +58,12 @@ def main(argv=None) -> int:
     windows = T.windows_of(drafter)
     opt = T.make_optimizer(cfg)
     opt.init(drafter.trainable_parameters())
-    step = T.make_step(drafter, opt, head_w, vocab_mx, cfg, windows)
+    compile = cfg.compile if a.compile is None else a.compile
+    step = T.make_step(drafter, opt, head_w, vocab_mx, cfg, windows, compile=compile)
     batches = [batcher.make(np.random.default_rng([0, s]), windows=windows)
                for s in range(a.steps + 1)]
-    print(f"vocab {len(vocab)}, rows per step {int((batches[0].position > 0).sum())}",
+    print(f"vocab {len(vocab)}, rows per step {int((batches[0].position > 0).sum())}, "
+          f"compiled {compile}",
           file=sys.stderr)
 
     def timed(fn, batch):
@@ -83,11 +88,19 @@ def main(argv=None) -> int:
             return loss + selector_loss(scores, cand, batch.labels, batch.weights)[0]
         return mx.value_and_grad(f)(hr)
 
+    def body_grad(batch):
+        def f(model):
+            h = packed_hidden(model, batch.x, batch.feats, batch.anchors, batch.ctx_visible,
+                              batch.block_visible)
+            return (h * h).sum()
+        return nn.value_and_grad(drafter, f)(drafter)
+
     timed(whole, batches[0])                  # compile
-    res = {"step": [], "body forward": [], "head + losses fwd+bwd": []}
+    res = {"step": [], "body forward": [], "body fwd+bwd": [], "head + losses fwd+bwd": []}
     for b in batches[1:]:
         res["step"].append(timed(whole, b))
         res["body forward"].append(timed(body, b))
+        res["body fwd+bwd"].append(timed(body_grad, b))
         hr = mx.stop_gradient(body(b)[:, :, 1:].reshape(-1, args.hidden_size))
         mx.eval(hr)
         res["head + losses fwd+bwd"].append(timed(lambda bb: head(bb, hr), b))

@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .host_exp import softmax_forward
+
 
 @mx.custom_function
 def log_normaliser(logits: mx.array) -> tuple[mx.array, mx.array]:
     """logits [R, V] -> (log Z [R], softmax [R, V]) with one `exp` of the logits for forward
-    and backward together (MLX's CPU `exp` costs ~20 multiplies; `mx.logsumexp` would redo it
-    in its gradient). log Z = max(logits) - log max(softmax): the largest probability is at
+    and backward together (`mx.logsumexp` would redo it in its gradient; on the CPU backend
+    numpy's, see `host_exp`). log Z = max(logits) - log max(softmax): the largest probability is at
     least 1/V, so its log is exact where a label's might underflow. The softmax output is for
     the gradient only: it carries none of its own."""
-    p = mx.softmax(logits, axis=-1, precise=True)
+    p = softmax_forward(logits)
     return logits.max(-1) - mx.log(p.max(-1)), p
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..drafter import DecoderLayer, Drafter
+from . import host_exp
 
 NEG = -1e9
 
@@ -70,7 +71,7 @@ def packed_attention(attn, x: mx.array, ctx: mx.array, anchors: mx.array, ctx_vi
     s_ctx = mx.where(ctx_visible[:, None, None], s_ctx, NEG).reshape(N, nkv, rep, A, B, S)
     s_blk = q @ kb.swapaxes(-1, -2)                                       # [N, nkv, rep, A, B, B]
     s_blk = mx.where(block_visible, s_blk, NEG)
-    p = mx.softmax(mx.concatenate([s_ctx, s_blk], axis=-1), axis=-1, precise=True)
+    p = host_exp.softmax(mx.concatenate([s_ctx, s_blk], axis=-1))
     p_ctx, p_blk = p[..., :S], p[..., S:]
     out = (p_ctx.reshape(N, nkv, rep, A * B, S) @ vc).reshape(N, nkv, rep, A, B, d)
     out = out + p_blk @ vb
@@ -98,12 +99,15 @@ def packed_hidden(drafter: Drafter, x: mx.array, feats: mx.array, anchors: mx.ar
                                    block_visible, args.rope_theta)
             return out.reshape(N * A, B, H)
 
+        def mlp(y, m=layer.mlp):            # the drafter's MLP, its SiLU through host_exp
+            return m.down_proj(host_exp.swiglu(m.gate_proj(y), m.up_proj(y))[0])
+
         if layer.has_conv:
             h = DecoderLayer._conv_sublayer(h, layer.input_layernorm, layer.attention_conv,
                                             sublayer)
             h = DecoderLayer._conv_sublayer(h, layer.post_attention_layernorm, layer.mlp_conv,
-                                            layer.mlp)
+                                            mlp)
         else:
             h = h + sublayer(layer.input_layernorm(h))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = h + mlp(layer.post_attention_layernorm(h))
     return drafter.norm(h).reshape(N, A, B, H)
