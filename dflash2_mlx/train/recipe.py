@@ -47,6 +47,7 @@ class Recipe:
     selector: bool = True
     selector_rank: int = 128
     init_from_target: bool = True
+    init_layers: tuple | None = None         # target layers copied; None: the last `layers`
     # training (see trainer.TrainConfig)
     steps: int = 1500
     lr: float = 1e-3
@@ -100,7 +101,13 @@ def load_target_for_training(model: str | None):
 def copy_layers_for(recipe: Recipe, num_layers: int) -> list[int] | None:
     if not recipe.init_from_target:
         return None
-    return list(range(num_layers - recipe.layers, num_layers))
+    if recipe.init_layers is None:
+        return list(range(num_layers - recipe.layers, num_layers))
+    layers = [int(i) for i in recipe.init_layers]
+    if len(layers) != recipe.layers or not all(0 <= i < num_layers for i in layers):
+        raise ValueError(f"--init-layers {','.join(map(str, layers))}: expected {recipe.layers} "
+                         f"target layer(s) (one per drafter layer) in 0..{num_layers - 1}")
+    return layers
 
 
 def run_recipe(recipe: Recipe, log=print) -> Path:
