@@ -84,11 +84,10 @@ def _progress(desc: str):
 
 
 def load_target_for_training(model: str | None):
-    """(adapter without taps, tokenizer, model path): the target in float32."""
+    """(target model, tokenizer, model path): the target in float32."""
     import mlx.core as mx
 
     from ..loading import load_target
-    from ..target import TargetAdapter
 
     if model is None:
         from ..assets import smollm2_gguf
