@@ -33,13 +33,18 @@ def active() -> bool:
     return not _off and mx.default_device() == mx.cpu
 
 
+def _numpy(x: mx.array) -> np.ndarray:
+    """x evaluated, as a float32 numpy view of the same memory (CPU backend)."""
+    x = x.astype(mx.float32)
+    mx.eval(x)
+    return np.asarray(memoryview(x))
+
+
 def softmax_forward(x: mx.array) -> mx.array:
     """softmax over the last axis, float32, without a gradient of its own."""
     if not active():
         return mx.softmax(x, axis=-1, precise=True)
-    x = x.astype(mx.float32)
-    mx.eval(x)
-    a = np.asarray(memoryview(x))
+    a = _numpy(x)
     out = a - a.max(-1, keepdims=True)
     np.exp(out, out=out)
     out /= out.sum(-1, keepdims=True)
@@ -64,9 +69,7 @@ def swiglu(gate: mx.array, up: mx.array) -> tuple[mx.array, mx.array]:
     if not active():
         sig = mx.sigmoid(gate)
     else:
-        gate = gate.astype(mx.float32)
-        mx.eval(gate)
-        s = np.negative(np.asarray(memoryview(gate)))
+        s = np.negative(_numpy(gate))
         np.exp(s, out=s)
         s += 1.0
         np.reciprocal(s, out=s)
