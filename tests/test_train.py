@@ -407,6 +407,45 @@ def test_recipe_trains_and_exports_from_a_store(tmp_path, tiny_store, llama_dir)
         plain.generate(PROMPTS[1], max_tokens=12).tokens
 
 
+def test_a_run_can_start_from_a_drafter_folder(tmp_path, tiny_store, llama_dir):
+    """`--init-from`: fine-tuning an exported drafter starts from its weights, and a drafter
+    of another shape is refused naming the flag and the differing keys."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from dflash2_mlx.loading import load_drafter, load_target
+    from dflash2_mlx.target import TargetAdapter
+    from dflash2_mlx.train import train_drafter
+    from dflash2_mlx.train.init import drafter_args_for, init_drafter
+    from dflash2_mlx.train.recipe import drafter_to_continue
+
+    shape = dict(target_layer_ids=(1, 2), selector_rank=32)
+    out = train_drafter(tmp_path / "a", model=str(llama_dir), data=tiny_store.folder, steps=2,
+                        anchors=8, **shape)
+    model, _, _ = load_target(str(llama_dir), mx.float32)
+    plain = TargetAdapter(model)
+    args = drafter_args_for(plain, layers=2, block_size=8, mask_token_id=383, conv=True,
+                            selector=True, **shape)
+    start = dict(tree_flatten(drafter_to_continue(str(out), args, plain).parameters()))
+    saved = dict(tree_flatten(load_drafter(out, hidden_size=plain.hidden_size,
+                                           vocab_size=plain.vocab_size,
+                                           num_layers=plain.num_layers,
+                                           dtype=mx.float32).parameters()))
+    fresh = dict(tree_flatten(init_drafter(args, plain, [2, 3]).parameters()))
+    assert start.keys() == saved.keys()
+    assert all(mx.array_equal(start[k], saved[k]).item() for k in start)
+    assert not all(mx.array_equal(start[k], fresh[k]).item() for k in start)
+
+    with pytest.raises(ValueError, match=r"--init-from .*selector_rank 32 \(the recipe's 64\)"):
+        train_drafter(tmp_path / "b", model=str(llama_dir), data=tiny_store.folder, steps=1,
+                      anchors=8, init_from=out, target_layer_ids=(1, 2), selector_rank=64,
+                      stop_after="train")
+    again = train_drafter(tmp_path / "c", model=str(llama_dir), data=tiny_store.folder, steps=1,
+                          anchors=8, init_from=out, stop_after="train", **shape)
+    assert json.loads((again / "recipe.json").read_text())["init_from"] == str(out)
+    assert (again / "ckpt" / "step_000001").is_dir()
+
+
 def test_a_missing_store_leaves_no_run_folder(tmp_path, llama_dir):
     """`train --data` with a missing store left a run folder with recipe.json behind."""
     from dflash2_mlx.train import train_drafter

@@ -65,6 +65,10 @@ def train_command(
     init_layers: Optional[str] = typer.Option(None, "--init-layers",
                                               help="Target layers the drafter's layers start "
                                               "from (one each; default: the last ones)."),
+    init_from: Optional[str] = typer.Option(None, "--init-from", metavar="DRAFTER",
+                                            help="Start from a drafter folder's weights "
+                                            "instead (fine-tuning; e.g. the shipped one, "
+                                            "dflash2_mlx/defaults)."),
     steps: int = typer.Option(R.steps),
     lr: float = typer.Option(R.lr),
     seqs: int = typer.Option(R.seqs, help="Sequences per step."),
@@ -100,6 +104,7 @@ def train_command(
         mask_token_id=mask_token_id, conv=conv, selector=selector, selector_rank=selector_rank,
         init_from_target=init_from_target,
         init_layers=_ints(init_layers, "--init-layers") if init_layers else None,
+        init_from=init_from,
         steps=steps, lr=lr, seqs=seqs, anchors=anchors,
         gamma=gamma, soft=soft, ckpt_every=ckpt_every, snapshot_every=snapshot_every,
         max_minutes=max_minutes, seed=seed, bits=bits,

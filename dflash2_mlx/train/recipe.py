@@ -48,6 +48,7 @@ class Recipe:
     selector_rank: int = 128
     init_from_target: bool = True
     init_layers: tuple | None = None         # target layers copied; None: the last `layers`
+    init_from: str | None = None             # a drafter folder to continue from (same shape)
     # training (see trainer.TrainConfig)
     steps: int = 1500
     lr: float = 1e-3
@@ -66,7 +67,7 @@ class Recipe:
     def __post_init__(self):
         # paths may come as Path objects from Python callers; recipe.json needs strings
         self.run = str(self.run)
-        for name in ("model", "out"):
+        for name in ("model", "out", "init_from"):
             if getattr(self, name) is not None:
                 setattr(self, name, str(getattr(self, name)))
         if self.data is not None:
@@ -107,6 +108,31 @@ def copy_layers_for(recipe: Recipe, num_layers: int) -> list[int] | None:
         raise ValueError(f"--init-layers {','.join(map(str, layers))}: expected {recipe.layers} "
                          f"target layer(s) (one per drafter layer) in 0..{num_layers - 1}")
     return layers
+
+
+def drafter_to_continue(folder: str, args, adapter):
+    """A published drafter folder's weights (dequantized to float32) as the starting point of
+    a run: fine-tuning the shipped drafter on new data. Its shape must be the recipe's."""
+    import mlx.core as mx
+
+    from ..loading import load_drafter
+
+    drafter = load_drafter(folder, hidden_size=adapter.hidden_size, vocab_size=adapter.vocab_size,
+                           num_layers=adapter.num_layers, dtype=mx.float32)
+    have, want = _flat(drafter.args.to_config()), _flat(args.to_config())
+    differ = [f"{k} {have.get(k)} (the recipe's {want.get(k)})"
+              for k in sorted(have.keys() | want.keys()) if have.get(k) != want.get(k)]
+    if differ:
+        raise ValueError(f"--init-from {folder}: its config.json differs from this run's drafter "
+                         f"flags: {'; '.join(differ)}")
+    drafter.train()
+    return drafter
+
+
+def _flat(config: dict) -> dict:
+    out = {k: v for k, v in config.items() if k not in ("dflash_config", "quantization")}
+    out.update(config.get("dflash_config", {}))
+    return out
 
 
 def run_recipe(recipe: Recipe, log=print) -> Path:
@@ -165,7 +191,8 @@ def run_recipe(recipe: Recipe, log=print) -> Path:
                             target_layer_ids=recipe.target_layer_ids, mask_token_id=mask_id,
                             conv=recipe.conv, selector=recipe.selector,
                             selector_rank=recipe.selector_rank)
-    drafter = init_drafter(args, plain, copy_layers, seed=recipe.seed)
+    drafter = (init_drafter(args, plain, copy_layers, seed=recipe.seed)
+               if recipe.init_from is None else drafter_to_continue(recipe.init_from, args, plain))
     cfg = TrainConfig(steps=recipe.steps, lr=recipe.lr, seqs=recipe.seqs, anchors=recipe.anchors,
                       gamma=recipe.gamma, soft=recipe.soft, ckpt_every=recipe.ckpt_every,
                       snapshot_every=recipe.snapshot_every, max_minutes=recipe.max_minutes,
