@@ -4,7 +4,8 @@
         --max-tokens 128 --out docs/humaneval_tau.json
 
 Default target: the embedded SmolLM2-135M-Instruct. Prompts: every k-th of the 164 HumanEval
-problems (an even spread), each as one user turn through the chat template. Greedy and T = 1.
+problems (an even spread), each as one user turn through the chat template. Greedy and T = 1, each
+with the drafter alone and with lookup (hybrid).
 Evaluation only: HumanEval is never training data.
 """
 
@@ -39,11 +40,13 @@ def main(argv=None) -> int:
     every = max(1, 164 // a.prompts)
     prompts = humaneval_prompts()[::every][: a.prompts]
     results = {}
-    for t in (float(x) for x in a.temperatures.split(",")):
+    runs = [(float(t), lookup) for t in a.temperatures.split(",") for lookup in (False, True)]
+    for t, lookup in runs:
         r = real_eval(pipe, prompts, max_tokens=a.max_tokens, temperature=t,
-                      block_size=a.block_size, seed=0)
-        results[f"T={t:g}"] = r
-        print(f"T={t:g}: tau {r['tau']:.3f} over {r['prompts']} prompts, {r['tokens']} tokens, "
+                      block_size=a.block_size, seed=0, lookup=lookup)
+        name = f"T={t:g}" + (" hybrid" if lookup else "")       # drafter alone / with lookup
+        results[name] = r
+        print(f"{name}: tau {r['tau']:.3f} over {r['prompts']} prompts, {r['tokens']} tokens, "
               f"{r['decode_tps']:.1f} tok/s, position acceptance "
               f"{[round(x, 2) for x in r['position_acceptance']]}", file=sys.stderr, flush=True)
     results["setup"] = {"draft": a.draft, "model": model, "prompts": len(prompts),

@@ -11,10 +11,11 @@ cycles actually timed (a busy machine, a longer context, per-cycle bookkeeping t
 does not see): a (source, width) timed a few times costs what it took, one not yet timed its
 calibration scaled by what the timed cycles took over theirs. The alphas are running
 estimates per source: counts of the recent tries of each position (older tries decay), so a
-change of content - code to chat - shows within tens of cycles. While the policy decodes
-plainly nothing is learnt, so after `probe_every` such cycles it drafts one token to notice
-when drafting pays again (3x more rarely while drafting looks far from paying: probes cost a
-little each time).
+change of content - code to chat - shows within tens of cycles. The lookup's proposals
+that no cycle verified are scored against the tokens that committed (`ShadowLookup`), so its
+estimates stay current for free; the drafter's cannot be, so while the policy decodes plainly,
+after `probe_every` such cycles it drafts one token to notice when drafting pays again (3x more
+rarely while drafting looks far from paying: probes cost a little each time).
 """
 
 from __future__ import annotations
@@ -175,17 +176,18 @@ class AdaptiveWidth:
             self.plain_run = 0
             return best
         self.plain_run += 1
-        if self.plain_run >= self._probe_gap(rate):
-            self.plain_run = 0
-            return next((s, 2) for s in (LOOKUP, DRAFTER) if (s, 2) in rate)
+        if self.plain_run >= self._probe_gap(rate) and (DRAFTER, 2) in rate:
+            self.plain_run = 0           # the lookup needs no probes: see ShadowLookup
+            return DRAFTER, 2
         return best
 
     def next_plain(self, available: dict[str, int]) -> bool:
         """Whether the next cycle will be a plain step unless the lookup finds a match: plain
-        is the best choice without it, and no probe is due (nothing is changed)."""
+        is the best choice without it, and no drafter probe is due (nothing is changed)."""
         rate = self._rates({s: w for s, w in available.items() if s != LOOKUP}, 0)
         best = max(rate, key=rate.get)
-        return best[1] == 1 and (len(rate) == 1 or self.plain_run + 1 < self._probe_gap(rate))
+        return best[1] == 1 and ((DRAFTER, 2) not in rate
+                                 or self.plain_run + 1 < self._probe_gap(rate))
 
     def _rates(self, available: dict[str, int], match_n: int) -> dict[tuple[str, int], float]:
         """Expected tokens per second of each (source, width) on offer, plain included."""
@@ -221,6 +223,38 @@ class AdaptiveWidth:
             self.load_s = self.load_s * self.decay + seconds
             self.load_calibrated = (self.load_calibrated * self.decay
                                     + self.cost.cycle(width, source))
+
+
+class ShadowLookup:
+    """Learns the lookup's acceptance for free: a proposal that no cycle verified (the policy
+    decoded plainly or drafted from the drafter) is scored against the tokens that did commit,
+    and the policy is told what a lookup cycle would have accepted (`update` without seconds).
+    Greedy, that is exactly the acceptance; sampling, a committed token equals the proposed one
+    with probability p(token), the point-mass acceptance, so the estimate is unbiased. One
+    proposal is followed at a time, as cycles would (no overlapping, correlated copies), so
+    the lookup is never probed with a verify that costs time."""
+
+    def __init__(self, policy):
+        self.policy = policy
+        self.open: tuple[list[int], int] | None = None     # (proposal, match_n)
+        self.seen: list[int] = []                          # tokens committed since
+
+    def offer(self, guess: list[int] | None, match_n: int) -> None:
+        """A proposal this cycle does not verify (ignored while one is followed)."""
+        if guess and self.open is None:
+            self.open, self.seen = (list(guess), match_n), []
+
+    def commit(self, new: list[int]) -> None:
+        if self.open is None:
+            return
+        guess, match_n = self.open
+        self.seen.extend(new)
+        a = next((i for i, (g, t) in enumerate(zip(guess, self.seen)) if g != t), None)
+        if a is None and len(self.seen) < len(guess):
+            return                                         # all agree so far: keep following
+        self.policy.update(LOOKUP, len(guess) + 1, len(guess) if a is None else a,
+                           None, match_n)
+        self.open = None
 
 
 # --------------------------------------------------------------------------- calibration

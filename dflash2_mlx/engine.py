@@ -25,7 +25,7 @@ from typing import Callable, Iterator
 
 import mlx.core as mx
 
-from .adaptive import DRAFTER, LOOKUP, PLAIN, PositionCounts
+from .adaptive import DRAFTER, LOOKUP, PLAIN, PositionCounts, ShadowLookup
 from .drafter import Drafter, Proposal
 from .lookup import LookupConfig, LookupIndex
 from .sampling import Sampling, greedy_accept, rejection_accept
@@ -263,6 +263,7 @@ def generate_tokens(target: TargetAdapter, drafter: Drafter | None, prompt: list
     anchor = sampling.sample(logits, k).reshape(1, 1).astype(mx.uint32)
     tokens = anchor.reshape(-1).tolist()                      # the generated tokens
     index = LookupIndex(lookup, prompt + tokens) if lookup is not None else None
+    shadow = ShadowLookup(policy)          # lookup proposals no cycle verified, scored anyway
     stats.prefill_s, stats.generated_tokens = time.perf_counter() - tic, 1
     tic = time.perf_counter()
     yield list(tokens)
@@ -283,6 +284,8 @@ def generate_tokens(target: TargetAdapter, drafter: Drafter | None, prompt: list
             wanted = source
             if ahead is not None:        # launched last step: it is this cycle, a plain step
                 source, width = PLAIN, 1
+            if source != LOOKUP:
+                shadow.offer(guess, match_n)
             key, k_draft, k_accept = mx.random.split(key, 3)
             if source == PLAIN:
                 if ahead is None:
@@ -333,6 +336,7 @@ def generate_tokens(target: TargetAdapter, drafter: Drafter | None, prompt: list
             tokens.extend(new)
             if index is not None:
                 index.extend(new)
+                shadow.commit(new)
             stats.generated_tokens = len(tokens)
             stats.decode_s = time.perf_counter() - tic
             anchor = bonus.reshape(1, 1).astype(mx.uint32)

@@ -12,7 +12,7 @@ from mlx_lm.generate import generate_step
 
 import dflash2_mlx
 from dflash2_mlx.adaptive import (DRAFTER, LOOKUP, PLAIN, AdaptiveWidth, CycleCost, FixedWidth,
-                                  load_or_measure_costs)
+                                  ShadowLookup, load_or_measure_costs)
 
 # A verify of w rows costs 100 + 5w ms, a draft 30 ms: roughly this CPU's shape.
 COST = CycleCost(draft=tuple([0.0] + [0.030] * 15), verify=tuple(0.100 + 0.005 * w
@@ -100,6 +100,37 @@ def test_probes_while_decoding_plainly():
     far = AdaptiveWidth(COST, prior=0.01, strength=1e9)         # drafting never pays
     choices = [far.choose()[1] for _ in range(96)]
     assert choices.count(2) == 96 // (far.probe_every * far.slow) and set(choices) == {1, 2}
+
+
+def test_lookup_proposals_nobody_verified_are_scored_against_what_committed():
+    policy = AdaptiveWidth(COST, {DRAFTER: 8, LOOKUP: 16}, decay=1.0)
+    shadow = ShadowLookup(policy)
+    c = policy.counts_for(LOOKUP, 3)
+    shadow.offer([5, 6, 7, 8], 3)
+    shadow.offer([1, 2], 3)          # one proposal at a time: ignored while one is followed
+    shadow.commit([5])
+    shadow.commit([6, 7])            # three agree so far: still open, nothing learnt yet
+    assert c.tries == [0] * 15
+    shadow.commit([9, 4])            # the fourth disagrees: a cycle would have taken 3
+    assert c.tries[:5] == [1, 1, 1, 1, 0] and c.hits[:4] == [1, 1, 1, 0]
+    shadow.offer([4, 4], 3)
+    shadow.commit([4, 4, 4])         # all accepted: both positions count, none beyond
+    assert c.tries[:3] == [2, 2, 1] and c.hits[:3] == [2, 2, 1]
+    shadow.offer([1], 2)
+    shadow.commit([0])
+    assert policy.counts_for(LOOKUP, 2).tries[:2] == [1, 0]
+    assert policy.counts_for(LOOKUP, 2).hits[0] == 0
+
+
+def test_the_lookup_is_never_probed():
+    """Its acceptance is learnt from shadows; only the drafter is probed, and a pipeline with
+    no drafter decodes plainly until the evidence says a lookup pays."""
+    policy = AdaptiveWidth(COST, {DRAFTER: 8, LOOKUP: 16}, prior=0.01, strength=1e9)
+    choices = [policy.choose({DRAFTER: 8, LOOKUP: 16}, 2) for _ in range(96)]
+    assert {s for s, w in choices if w > 1} == {DRAFTER}
+    alone = AdaptiveWidth(COST, {LOOKUP: 16}, prior=0.01, strength=1e9)
+    assert {alone.choose({LOOKUP: 16}, 2) for _ in range(96)} == {(PLAIN, 1)}
+    assert alone.next_plain({LOOKUP: 16})
 
 
 @pytest.fixture

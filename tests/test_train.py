@@ -190,6 +190,9 @@ def test_stores_read_together_as_one(tmp_path, tiny_target):
         D.FeatureStore(tmp_path / "a", tmp_path / "c")
     with pytest.raises(FileNotFoundError, match="not a feature store"):
         D.FeatureStore(tmp_path / "a", tmp_path / "missing")
+    # a run folder (`--stop-after data` wrote run/data) stands for its store
+    D.FeatureStore.create(tmp_path / "run" / "data", (0,), adapter.hidden_size, 4, 384)
+    assert D.FeatureStore(tmp_path / "a", tmp_path / "run").folders[1] == tmp_path / "run" / "data"
 
 
 def test_doctest_and_package_sources_hold_no_evaluation_material(tmp_path):

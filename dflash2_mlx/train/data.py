@@ -155,7 +155,10 @@ class FeatureStore:
     store holds, and new shards are written to the first."""
 
     def __init__(self, folder: str | Path, *more: str | Path):
-        self.folders = [Path(f) for f in (folder, *more)]
+        # a run folder stands for its store (`train --run R --stop-after data` writes R/data)
+        self.folders = [Path(f) / "data" if not (Path(f) / MANIFEST).is_file()
+                        and (Path(f) / "data" / MANIFEST).is_file() else Path(f)
+                        for f in (folder, *more)]
         self.folder = self.folders[0]
         manifests = []
         for f in self.folders:

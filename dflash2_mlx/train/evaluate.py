@@ -172,15 +172,16 @@ def summarize(results: list[SeqResult], has_selector: bool) -> dict:
 
 def real_eval(pipeline, prompts: Sequence[str], *, max_tokens: int = 256,
               temperature: float = 0.0, block_size: int | None = None, seed: int = 0,
-              progress=None) -> dict:
+              lookup: bool | None = None, progress=None) -> dict:
     """Generate with `pipeline` (a `dflash2_mlx.Pipeline`) on each prompt; tau per request,
-    then averaged (as the DFlash papers report it), per-position acceptance and decode speed."""
+    then averaged (as the DFlash papers report it), per-position acceptance and decode speed.
+    lookup: False for the drafter alone (None: the pipeline's default)."""
     taus, acc, tps, cycles, gen_tokens, secs = [], [], [], 0, 0, 0.0
     it = progress(prompts) if progress else prompts
     for j, prompt in enumerate(it):
         t = time.perf_counter()
         g = pipeline.generate(prompt, max_tokens=max_tokens, temperature=temperature,
-                              block_size=block_size, seed=seed + j)
+                              block_size=block_size, seed=seed + j, lookup=lookup)
         secs += time.perf_counter() - t
         taus.append(g.stats.tau)
         acc.append(g.stats.position_acceptance)
