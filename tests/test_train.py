@@ -73,6 +73,20 @@ def test_block_loss_by_hand():
     assert float(loss) == pytest.approx((row * w).sum() / w.sum(), rel=1e-5)
 
 
+def test_copy_rows_by_hand():
+    """Rows a lookup cycle would accept: 'a b c' recurs, so after the second 'a b' the lookup
+    proposes 'c d', and the sequence goes on 'c x'."""
+    from dflash2_mlx.train.trainer import copy_rows
+
+    a, b, c, d, x = 1, 2, 3, 4, 5
+    toks = np.array([a, b, c, d, a, b, c, x, x])
+    got = copy_rows(toks, start=4, rows=3)
+    assert got.shape == (9, 3) and not got[:4].any()          # before start: never
+    assert got[5].tolist() == [True, False, False]            # after 'a b': 'c' right, 'd' wrong
+    assert got[4].tolist() == [False, False, False]           # after 'a' alone: no 2-gram match
+    assert got[6].tolist() == [False, False, False]           # 'b c' -> 'd', but 'x' came
+
+
 def test_selector_loss_skips_rows_without_the_true_token():
     rng = np.random.default_rng(0)
     unary, g = rng.normal(size=(3, 4)), rng.normal(size=(3, 5))
@@ -249,6 +263,37 @@ def tiny_store(tmp_path_factory, tiny_target):
     store = D.FeatureStore.create(folder, (0, 1, 2), adapter.hidden_size, 8, 384)
     return D.generate_store(adapter, prompts, store,
                             D.GenConfig(max_new_tokens=24, batch_size=12, topk=8), {2})
+
+
+def test_copy_weight_raises_the_rows_a_lookup_would_copy(tiny_target, tiny_store):
+    from dflash2_mlx.target import TargetAdapter
+    from dflash2_mlx.train.init import drafter_args_for
+    from dflash2_mlx.train.trainer import Batcher, TrainConfig, copy_rows
+
+    _, _, adapter = tiny_target
+    plain = TargetAdapter(adapter.model)
+    args = drafter_args_for(plain, layers=1, block_size=4, target_layer_ids=(1, 2),
+                            mask_token_id=383, conv=False, selector=False)
+    seqs = list(range(len(tiny_store)))
+    copies = {i: copy_rows(np.asarray(tiny_store.tokens(i)), tiny_store.prompt_len(i), 3)
+              for i in seqs}
+    assert sum(c.sum() for c in copies.values()) > 0       # the tiny target repeats itself
+    pick = [i for i in seqs if copies[i].any()][:2]
+    plain_w, copy_w = (np.array(Batcher(tiny_store, seqs, args, TrainConfig(copy_weight=cw),
+                                        None, plain.embed)
+                                .make(None, pick, all_anchors=True).weights)
+                       for cw in (0.0, 2.0))
+    # the batch's rows: [N, A, B-1] over every anchor, those with a label kept
+    spans = [(tiny_store.prompt_len(i), len(tiny_store.tokens(i))) for i in pick]
+    A = max(T - 1 - P for P, T in spans)
+    expected, valid = np.zeros((len(pick), A, 3), bool), np.zeros((len(pick), A, 3), bool)
+    for n, (i, (P, T)) in enumerate(zip(pick, spans)):
+        cand = np.arange(P, T - 1)
+        expected[n, : len(cand)] = copies[i][cand]
+        valid[n, : len(cand)] = cand[:, None] + np.arange(1, 4) < T
+    expected = expected.reshape(-1)[valid.reshape(-1)]
+    assert expected.any()
+    np.testing.assert_allclose(copy_w / plain_w, np.where(expected, 3.0, 1.0), rtol=1e-6)
 
 
 def _train(tiny_target, store, run, steps, dflash2=True, log=None, init=True):

@@ -75,6 +75,8 @@ def train_command(
     anchors: int = typer.Option(R.anchors, help="Random anchors per sequence per step."),
     gamma: Optional[float] = typer.Option(None, help="Position decay (default 4 for b=8)."),
     soft: float = typer.Option(R.soft, help="Weight of the distillation term (0: hard labels)."),
+    copy_weight: float = typer.Option(R.copy_weight, help="Extra loss weight of the block rows "
+                                      "a context lookup would copy (0: none)."),
     ckpt_every: int = typer.Option(R.ckpt_every),
     snapshot_every: int = typer.Option(R.snapshot_every,
                                        help="Also keep the weights every N steps (trend)."),
@@ -106,7 +108,7 @@ def train_command(
         init_layers=_ints(init_layers, "--init-layers") if init_layers else None,
         init_from=init_from,
         steps=steps, lr=lr, seqs=seqs, anchors=anchors,
-        gamma=gamma, soft=soft, ckpt_every=ckpt_every, snapshot_every=snapshot_every,
+        gamma=gamma, soft=soft, copy_weight=copy_weight, ckpt_every=ckpt_every, snapshot_every=snapshot_every,
         max_minutes=max_minutes, seed=seed, bits=bits,
         stop_after=stop_after)
     folder = run_recipe(recipe, log=lambda line: typer.echo(line, err=True))

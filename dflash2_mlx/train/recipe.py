@@ -56,6 +56,7 @@ class Recipe:
     anchors: int = 64
     gamma: float | None = None
     soft: float = 0.5
+    copy_weight: float = 0.0                 # extra loss weight of rows a lookup would copy
     ckpt_every: int = 100
     snapshot_every: int = 0
     max_minutes: float | None = None         # training wall-time limit for this session
@@ -194,7 +195,8 @@ def run_recipe(recipe: Recipe, log=print) -> Path:
     drafter = (init_drafter(args, plain, copy_layers, seed=recipe.seed)
                if recipe.init_from is None else drafter_to_continue(recipe.init_from, args, plain))
     cfg = TrainConfig(steps=recipe.steps, lr=recipe.lr, seqs=recipe.seqs, anchors=recipe.anchors,
-                      gamma=recipe.gamma, soft=recipe.soft, ckpt_every=recipe.ckpt_every,
+                      gamma=recipe.gamma, soft=recipe.soft, copy_weight=recipe.copy_weight,
+                      ckpt_every=recipe.ckpt_every,
                       snapshot_every=recipe.snapshot_every, max_minutes=recipe.max_minutes,
                       seed=recipe.seed)
     seqs = D.dedupe(store)

@@ -29,6 +29,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..config import DrafterArgs
 from ..drafter import Drafter, DraftVocab
+from ..lookup import LookupConfig, LookupIndex
 from ..topk import top_k_indices
 from . import host_exp
 from .data import FeatureStore
@@ -52,6 +53,7 @@ class TrainConfig:
     gamma: float | None = None      # None: default_gamma(block_size)
     soft: float = Recipe.soft       # weight of the distillation term (target's top-k)
     soft_k: int = 8                 # teacher ids used by the distillation term
+    copy_weight: float = Recipe.copy_weight  # rows a lookup would copy weigh 1 + this
     selector_weight: float = 1.0
     vocab: str = "data"             # "data": restricted training softmax; "full"
     ckpt_every: int = Recipe.ckpt_every
@@ -81,6 +83,23 @@ class Batch:
 
 
 # --------------------------------------------------------------------------- data -> batches
+
+def copy_rows(tokens: np.ndarray, start: int, rows: int) -> np.ndarray:
+    """[T, rows] bool: row k of the block anchored at position p (p >= start) is one a lookup
+    cycle would accept - the lookup over tokens[: p + 1] (`LookupIndex`, default n-grams)
+    proposes tokens[p + 1 .. p + k], every row up to k agreeing. Where the target copies its
+    context: the positions the drafter is weakest at."""
+    out = np.zeros((len(tokens), rows), bool)
+    index = LookupIndex(LookupConfig(), tokens[:start].tolist())
+    for p in range(start, len(tokens) - 1):
+        index.extend([int(tokens[p])])
+        found = index.propose(rows)
+        for k, guess in enumerate(found[1] if found else []):
+            if p + k + 1 >= len(tokens) or guess != tokens[p + k + 1]:
+                break
+            out[p, k] = True
+    return out
+
 
 def build_vocab(store: FeatureStore, seqs: Sequence[int], soft_k: int,
                 extra: Sequence[int] = ()) -> np.ndarray:
@@ -119,6 +138,13 @@ class Batcher:
             self.index = np.arange(V)
         self.weights = position_weights(args.block_size,
                                         cfg.gamma or default_gamma(args.block_size))
+        self._copies: dict[int, np.ndarray] = {}       # sequence -> copy_rows, on first use
+
+    def copies(self, i: int) -> np.ndarray:
+        if i not in self._copies:
+            self._copies[i] = copy_rows(np.asarray(self.store.tokens(i)).astype(np.int64),
+                                        self.store.prompt_len(i), self.args.block_size - 1)
+        return self._copies[i]
 
     def pick(self, rng: np.random.Generator) -> list[int]:
         """`cfg.seqs` sequences of similar length (a random window of the length-sorted list)."""
@@ -147,6 +173,7 @@ class Batcher:
         labels = np.zeros((N, A, B - 1), np.int64)
         prev = np.zeros((N, A, B - 1), np.int64)
         valid = np.zeros((N, A, B - 1), bool)
+        copied = np.zeros((N, A, B - 1), bool)
         kt = min(self.cfg.soft_k, int(store.manifest["topk"]))
         t_ids = np.zeros((N, A, B - 1, kt), np.int64)
         t_lp = np.zeros((N, A, B - 1, kt), np.float32)
@@ -161,6 +188,8 @@ class Batcher:
             anchors[n, :m] = cand
             block[n, :m, 0] = toks[cand]
             ids, lp = store.topk(i)
+            if self.cfg.copy_weight:
+                copied[n, :m] = self.copies(i)[cand]
             for k in range(1, B):
                 p = np.minimum(cand + k, T - 1)
                 labels[n, :m, k - 1] = toks[p]
@@ -172,7 +201,8 @@ class Batcher:
         rows = np.nonzero(valid.reshape(-1))[0] if all_anchors else np.arange(N * A * (B - 1))
         lab = labels.reshape(-1)[rows]
         tid = t_ids.reshape(-1, kt)[rows]
-        weights = self.weights[position[rows] - 1] * valid.reshape(-1)[rows]
+        weights = (self.weights[position[rows] - 1] * valid.reshape(-1)[rows]
+                   * (1 + self.cfg.copy_weight * copied.reshape(-1)[rows]))
         vis = {w: mx.array(context_mask(anchors, B, S, w)) for w in windows}
         return Batch(
             x=self.embed(mx.array(block.reshape(N, A * B))).reshape(N, A, B, -1),
