@@ -150,8 +150,9 @@ class AdaptiveWidth:
         """Estimated alpha_k of a source (the lookup's: for suffix matches of length
         `match_n`). Position 1 starts from `prior` (the lookup's: from `prior` and position 1
         of every suffix length together, so a length seen for the first time is priced by what
-        the others did); a later position starts from the estimate of the one before it, so positions that are rarely reached (drafting goes badly) do
-        not keep an optimistic prior that has no evidence."""
+        the others did); a later position starts from the estimate of the one before it,
+        so positions that are rarely reached (drafting goes badly) do not keep an optimistic
+        prior that has no evidence."""
         c = self.counts_for(source, match_n)
         out, prior = [], self.prior_hits / self.prior_tries
         if source == LOOKUP:          # a suffix length not seen yet starts from all the others

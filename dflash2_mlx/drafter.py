@@ -224,7 +224,8 @@ class CandidateSelector(nn.Module):
         # between candidates become common. The tensors are tiny ([L, K, R]).
         f32 = lambda x: x.astype(mx.float32)
         g = f32(self.hidden_projection(h))
-        pred_rows, succ_rows = f32(self.predecessor_codebook(cand)), f32(self.successor_codebook(cand))
+        pred_rows = f32(self.predecessor_codebook(cand))
+        succ_rows = f32(self.successor_codebook(cand))
         anchor_pred = f32(self.predecessor_codebook(anchor))
         ids, q = path_walk(cand, f32(unary), g, pred_rows, succ_rows, anchor_pred,
                            temperature, uniforms, path=self.path)

@@ -108,7 +108,8 @@ def train_command(
         init_layers=_ints(init_layers, "--init-layers") if init_layers else None,
         init_from=init_from,
         steps=steps, lr=lr, seqs=seqs, anchors=anchors,
-        gamma=gamma, soft=soft, copy_weight=copy_weight, ckpt_every=ckpt_every, snapshot_every=snapshot_every,
+        gamma=gamma, soft=soft, copy_weight=copy_weight, ckpt_every=ckpt_every,
+        snapshot_every=snapshot_every,
         max_minutes=max_minutes, seed=seed, bits=bits,
         stop_after=stop_after)
     folder = run_recipe(recipe, log=lambda line: typer.echo(line, err=True))

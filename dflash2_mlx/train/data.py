@@ -422,7 +422,8 @@ def encode_prompts(tokenizer, rows: list[dict], max_prompt_tokens: int) -> list[
 
 # --------------------------------------------------------------------------- compact token data
 
-def save_token_ids(store: FeatureStore, path: str | Path, seqs: Sequence[int] | None = None) -> Path:
+def save_token_ids(store: FeatureStore, path: str | Path,
+                   seqs: Sequence[int] | None = None) -> Path:
     """The token ids of a store (prompt + response, uint16) and the prompt lengths, as one
     small `.npz`: enough to rebuild the features with `capture_store` (no generation)."""
     seqs = list(range(len(store))) if seqs is None else list(seqs)

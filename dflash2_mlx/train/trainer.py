@@ -118,8 +118,8 @@ def build_vocab(store: FeatureStore, seqs: Sequence[int], soft_k: int,
 class Batcher:
     """Draws training batches from a store (random anchors redrawn at every call)."""
 
-    def __init__(self, store: FeatureStore, seqs: Sequence[int], args: DrafterArgs, cfg: TrainConfig,
-                 vocab: np.ndarray | None, embed):
+    def __init__(self, store: FeatureStore, seqs: Sequence[int], args: DrafterArgs,
+                 cfg: TrainConfig, vocab: np.ndarray | None, embed):
         self.store, self.args, self.cfg, self.embed = store, args, cfg, embed
         store.check_layers(args.target_layer_ids)
         lengths = {i: len(store.tokens(i)) for i in seqs}
