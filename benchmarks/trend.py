@@ -3,7 +3,8 @@
     python benchmarks/trend.py runs/abl_b --seqs 8 --eval-store runs/eval_he/greedy \\
         --out runs/trend_b.json [--min-step 0]
 
-Snapshots come from `dflash2-mlx train --snapshot-every N` (`<run>/snapshots/step_*.safetensors`).
+Snapshots come from `dflash2-mlx train --snapshot-every N` (`<run>/snapshots/step_*.safetensors`);
+`--start DRAFTER` also evaluates the folder a continued run started from, as step 0.
 """
 
 from __future__ import annotations
@@ -32,12 +33,23 @@ def main(argv=None) -> int:
     p.add_argument("--seqs", type=int, default=8, help="an even spread of N stored sequences")
     p.add_argument("--min-step", type=int, default=0)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--start", default=None, metavar="DRAFTER",
+                   help="the drafter folder a run was continued from (`train --init-from`): "
+                   "evaluated as step 0")
     a = p.parse_args(argv)
     model, _, _ = loading.load_target(str(assets.smollm2_gguf()), mx.float32)
     adapter = TargetAdapter(model)
     store = D.FeatureStore(a.eval_store)
     seqs = list(range(0, len(store), max(1, len(store) // a.seqs)))[: a.seqs]
     points = []
+    if a.start:
+        start = loading.load_drafter(a.start, hidden_size=adapter.hidden_size,
+                                     vocab_size=adapter.vocab_size,
+                                     num_layers=adapter.num_layers, dtype=mx.float32)
+        r = E.offline_eval(start, adapter, store, seqs)
+        points.append({"step": 0, "blocks": 0, "tau_argmax": r["tau_argmax"],
+                       "tau_selector": r.get("tau_selector"), "recall1_k1": r["recall1"][0]})
+        print(points[-1], flush=True)
     for snap in sorted((a.run / "snapshots").glob("step_*.safetensors")):
         step = int(snap.stem.split("_")[1])
         if step < a.min_step:
@@ -48,6 +60,7 @@ def main(argv=None) -> int:
                        "tau_selector": r.get("tau_selector"), "recall1_k1": r["recall1"][0]})
         print(points[-1], flush=True)
         a.out.write_text(json.dumps({"eval_sequences": len(seqs), "points": points}, indent=1))
+    a.out.write_text(json.dumps({"eval_sequences": len(seqs), "points": points}, indent=1))
     return 0
 
 
