@@ -372,6 +372,22 @@ def test_offline_eval_counts_leading_matches(tiny_target, tiny_store):
     assert 1.0 <= res["tau"] <= 4.0 and all(0 <= r <= 1 for r in res["recall16"])
 
 
+def test_real_eval_averages_the_generations(llama_dir, dflash2_dir):
+    """humaneval_tau.py's measurement; it broke when position_acceptance became a method."""
+    import dflash2_mlx
+    from dflash2_mlx.train.evaluate import real_eval
+
+    pipe = dflash2_mlx.load(str(llama_dir), str(dflash2_dir))
+    for lookup in (False, True):
+        r = real_eval(pipe, PROMPTS[:2], max_tokens=10, block_size=4, lookup=lookup)
+        gens = [pipe.generate(p, max_tokens=10, block_size=4, lookup=lookup, seed=j)
+                for j, p in enumerate(PROMPTS[:2])]
+        assert r["tau"] == pytest.approx(np.mean([g.stats.tau for g in gens]))
+        assert r["cycles"] == sum(g.stats.cycles for g in gens) > 0
+        assert len(r["position_acceptance"]) == 3
+        assert all(x is None or 0 <= x <= 1 for x in r["position_acceptance"])
+
+
 def test_offline_summary_by_hand():
     """tau per request then averaged; recall per row over the rows that have a label."""
     from dflash2_mlx.train.evaluate import SeqResult, summarize

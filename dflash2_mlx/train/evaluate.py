@@ -184,12 +184,13 @@ def real_eval(pipeline, prompts: Sequence[str], *, max_tokens: int = 256,
                               block_size=block_size, seed=seed + j, lookup=lookup)
         secs += time.perf_counter() - t
         taus.append(g.stats.tau)
-        acc.append(g.stats.position_acceptance)
+        acc.append(g.stats.position_acceptance())
         tps.append(g.stats.decode_tps)
         cycles += g.stats.cycles
         gen_tokens += g.stats.generated_tokens
     width = max(len(a) for a in acc) if acc else 0
-    pos = [float(np.mean([a[k] for a in acc if len(a) > k])) for k in range(width)]
+    seen = [[a[k] for a in acc if len(a) > k and a[k] is not None] for k in range(width)]
+    pos = [float(np.mean(xs)) if xs else None for xs in seen]        # None: never tried
     return {"prompts": len(taus), "tau": float(np.mean(taus)), "position_acceptance": pos,
             "decode_tps": float(np.mean(tps)), "cycles": cycles, "tokens": gen_tokens,
             "seconds": secs, "temperature": temperature}
