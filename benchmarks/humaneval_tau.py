@@ -48,7 +48,8 @@ def main(argv=None) -> int:
         results[name] = r
         print(f"{name}: tau {r['tau']:.3f} over {r['prompts']} prompts, {r['tokens']} tokens, "
               f"{r['decode_tps']:.1f} tok/s, position acceptance "
-              f"{[round(x, 2) for x in r['position_acceptance']]}", file=sys.stderr, flush=True)
+              f"{[None if x is None else round(x, 2) for x in r['position_acceptance']]}",
+              file=sys.stderr, flush=True)
     results["setup"] = {"draft": a.draft, "model": model, "prompts": len(prompts),
                         "prompt_stride": every, "max_tokens": a.max_tokens,
                         "block_size": a.block_size}
