@@ -148,17 +148,11 @@ class AdaptiveWidth:
 
     def alphas(self, source: str = DRAFTER, match_n: int = 0) -> list[float]:
         """Estimated alpha_k of a source (the lookup's: for suffix matches of length
-        `match_n`). Position 1 starts from `prior` (the lookup's: from `prior` and position 1
-        of every suffix length together, so a length seen for the first time is priced by what
-        the others did); a later position starts from the estimate of the one before it,
-        so positions that are rarely reached (drafting goes badly) do not keep an optimistic
-        prior that has no evidence."""
+        `match_n`). Position 1 starts from `prior`; a later position starts from the estimate
+        of the one before it, so positions that are rarely reached (drafting goes badly) do
+        not keep an optimistic prior that has no evidence."""
         c = self.counts_for(source, match_n)
         out, prior = [], self.prior_hits / self.prior_tries
-        if source == LOOKUP:          # a suffix length not seen yet starts from all the others
-            pooled = [n for k, n in self.counts.items() if k.startswith(LOOKUP)]
-            prior = ((sum(n.hits[0] for n in pooled) + self.prior_hits)
-                     / (sum(n.tries[0] for n in pooled) + self.prior_tries))
         for h, t in zip(c.hits, c.tries):
             prior = (h + prior * self.prior_tries) / (t + self.prior_tries)
             out.append(prior)
