@@ -42,25 +42,23 @@ def main(argv=None) -> int:
     store = D.FeatureStore(a.eval_store)
     seqs = list(range(0, len(store), max(1, len(store) // a.seqs)))[: a.seqs]
     points = []
-    if a.start:
-        start = loading.load_drafter(a.start, hidden_size=adapter.hidden_size,
-                                     vocab_size=adapter.vocab_size,
-                                     num_layers=adapter.num_layers, dtype=mx.float32)
-        r = E.offline_eval(start, adapter, store, seqs)
-        points.append({"step": 0, "blocks": 0, "tau_argmax": r["tau_argmax"],
-                       "tau_selector": r.get("tau_selector"), "recall1_k1": r["recall1"][0]})
-        print(points[-1], flush=True)
-    for snap in sorted((a.run / "snapshots").glob("step_*.safetensors")):
-        step = int(snap.stem.split("_")[1])
-        if step < a.min_step:
-            continue
-        blocks = int(mx.load(str(snap), return_metadata=True)[1]["blocks"])
-        r = E.offline_eval(load_run(a.run, snap), adapter, store, seqs)
+
+    def add(step: int, blocks: int, drafter) -> None:
+        r = E.offline_eval(drafter, adapter, store, seqs)
         points.append({"step": step, "blocks": blocks, "tau_argmax": r["tau_argmax"],
                        "tau_selector": r.get("tau_selector"), "recall1_k1": r["recall1"][0]})
         print(points[-1], flush=True)
         a.out.write_text(json.dumps({"eval_sequences": len(seqs), "points": points}, indent=1))
-    a.out.write_text(json.dumps({"eval_sequences": len(seqs), "points": points}, indent=1))
+
+    if a.start:
+        add(0, 0, loading.load_drafter(a.start, hidden_size=adapter.hidden_size,
+                                       vocab_size=adapter.vocab_size,
+                                       num_layers=adapter.num_layers, dtype=mx.float32))
+    for snap in sorted((a.run / "snapshots").glob("step_*.safetensors")):
+        step = int(snap.stem.split("_")[1])
+        if step >= a.min_step:
+            blocks = int(mx.load(str(snap), return_metadata=True)[1]["blocks"])
+            add(step, blocks, load_run(a.run, snap))
     return 0
 
 

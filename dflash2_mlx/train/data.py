@@ -147,6 +147,14 @@ def generate_batch(adapter, prompts: Sequence[Sequence[int]], cfg: GenConfig, st
 
 # --------------------------------------------------------------------------- the on-disk store
 
+def _store_folder(folder: Path) -> Path:
+    """A run folder stands for its store (`train --run R --stop-after data` writes R/data)."""
+    inner = folder / "data"
+    if not (folder / MANIFEST).is_file() and (inner / MANIFEST).is_file():
+        return inner
+    return folder
+
+
 class FeatureStore:
     """A folder of shards (see the module docstring); arrays are memory-mapped on read.
 
@@ -155,10 +163,7 @@ class FeatureStore:
     store holds, and new shards are written to the first."""
 
     def __init__(self, folder: str | Path, *more: str | Path):
-        # a run folder stands for its store (`train --run R --stop-after data` writes R/data)
-        self.folders = [Path(f) / "data" if not (Path(f) / MANIFEST).is_file()
-                        and (Path(f) / "data" / MANIFEST).is_file() else Path(f)
-                        for f in (folder, *more)]
+        self.folders = [_store_folder(Path(f)) for f in (folder, *more)]
         self.folder = self.folders[0]
         manifests = []
         for f in self.folders:
