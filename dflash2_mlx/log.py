@@ -1,0 +1,82 @@
+"""One logging system for the package: `logging` under the "dflash2_mlx" logger, a rank
+filter for pipeline-sharded runs, and one progress helper (tqdm) for long work.
+
+A library does not configure logging: `setup()` is called by the CLI (and may be called by an
+app) to print the package's records as `dflash2-mlx: message` lines on stderr. Without it, the
+records go wherever the embedding app's logging sends them.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Iterable, Iterator, TypeVar
+
+PROG = "dflash2-mlx"
+ROOT = "dflash2_mlx"
+T = TypeVar("T")
+
+
+def get(name: str) -> logging.Logger:
+    """The package logger for module `name` (`__name__`): a child of "dflash2_mlx"."""
+    return logging.getLogger(name if name.startswith(ROOT) else f"{ROOT}.{name}")
+
+
+class RankFilter(logging.Filter):
+    """On the ranks > 0 of a pipeline only errors pass, tagged "(rank r)": rank 0 reports."""
+
+    def __init__(self, rank: int):
+        super().__init__()
+        self.rank = rank
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.rank == 0:
+            return True
+        if record.levelno < logging.ERROR:
+            return False
+        record.rank_tag = f" (rank {self.rank})"
+        return True
+
+
+class _LineFormatter(logging.Formatter):
+    """`dflash2-mlx: line`; warnings as `note: line`, errors as `error: line`."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        tag = getattr(record, "rank_tag", "")
+        message = record.getMessage()
+        if record.levelno >= logging.ERROR:
+            return f"{PROG}: error{tag}: {message}"
+        if record.levelno >= logging.WARNING:
+            return f"{PROG}: note: {message}"
+        return f"{PROG}: {message}"
+
+
+_HANDLER: logging.Handler | None = None
+
+
+def setup(level: int = logging.INFO, rank: int = 0) -> logging.Logger:
+    """Print the package's records on stderr, one line each (idempotent; a later call changes
+    the level and the rank)."""
+    global _HANDLER
+    logger = logging.getLogger(ROOT)
+    if _HANDLER is None:
+        _HANDLER = logging.StreamHandler(sys.stderr)
+        _HANDLER.setFormatter(_LineFormatter())
+        logger.addHandler(_HANDLER)
+        logger.propagate = False
+    for f in list(_HANDLER.filters):
+        _HANDLER.removeFilter(f)
+    _HANDLER.addFilter(RankFilter(rank))
+    logger.setLevel(level)
+    return logger
+
+
+def progress(items: Iterable[T], desc: str, total: int | None = None, unit: str = "it",
+             **kw) -> Iterator[T]:
+    """`items` with a progress bar on stderr (tqdm), shown only when the package logs at INFO
+    or below (the CLI's default; quiet in embedding apps that did not ask for it)."""
+    from tqdm import tqdm
+
+    quiet = not logging.getLogger(ROOT).isEnabledFor(logging.INFO)
+    return tqdm(items, desc=desc, total=total, unit=unit, mininterval=2.0, dynamic_ncols=True,
+                file=sys.stderr, disable=quiet, leave=False, **kw)
