@@ -580,22 +580,25 @@ def test_train_flags_reach_the_recipe(monkeypatch, tmp_path):
     from click.testing import CliRunner
 
     from dflash2_mlx.train import recipe as R
-    from dflash2_mlx.train.config import DrafterShape, TrainConfig
+    from dflash2_mlx.train.config import DrafterShape, Recipe, TrainConfig
 
     got = []
     monkeypatch.setattr(R, "run_recipe", lambda recipe: got.append(recipe) or tmp_path)
     monkeypatch.setattr("dflash2_mlx.log.setup", lambda: None)   # keep this process's logging
     command, runner = _train_cli(), CliRunner()
+    assert runner.invoke(command, ["--run", "r"]).exit_code == 0
+    assert got.pop() == Recipe(run="r")                 # the flags' defaults are the fields'
     args = ["--run", "r", "--steps", "7", "--target-layer-ids", "1, 2", "--no-conv",
             "--random-init", "--init-layers", "3,4", "--data", "a", "--data", "b", "--seed", "5",
-            "--self-chat", "0", "--bits", "4", "--stop-after", "train"]
+            "--self-chat", "0", "--bits", "4", "--stop-after", "train", "--model", "m",
+            "--mask-token-id", "5", "--gamma", "2.5"]
     result = runner.invoke(command, args)
     assert result.exit_code == 0, result.output
     r = got[0]
-    assert r.train == TrainConfig(steps=7, seed=5)
-    assert r.drafter == DrafterShape(target_layer_ids=(1, 2), conv=False)
-    assert (r.run, r.data, r.init_from_target, r.init_layers, r.bits, r.stop_after) == \
-        ("r", ("a", "b"), False, (3, 4), 4, "train")
+    assert r.train == TrainConfig(steps=7, seed=5, gamma=2.5)
+    assert r.drafter == DrafterShape(target_layer_ids=(1, 2), conv=False, mask_token_id=5)
+    assert (r.run, r.model, r.data, r.init_from_target, r.init_layers, r.bits, r.stop_after) == \
+        ("r", "m", ("a", "b"), False, (3, 4), 4, "train")
     assert r.counts["self_chat"] == 0 and r.counts["stdlib_function"] == 400
     for bad, flag in ((["--bits", "3"], "--bits"), (["--stop-after", "x"], "--stop-after"),
                       (["--seed", "-1"], "--seed"), (["--max-new-tokens", "0"], "--max-new-tokens"),

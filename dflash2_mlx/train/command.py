@@ -15,7 +15,7 @@ from typing import Optional
 
 import typer
 
-from .. import settings as check
+from .. import settings
 from .config import PARTS, Recipe, flat_fields
 
 
@@ -38,7 +38,7 @@ def _callback(flag: str, validate, parse=None):
             return value
         try:
             return validate(value, flag)
-        except check.SettingError as e:
+        except settings.SettingError as e:
             raise typer.BadParameter(e.problem) from None
     return callback
 
@@ -71,7 +71,7 @@ def _parameter(field: dataclasses.Field, hint) -> inspect.Parameter:
         annotation = hint
     info = typer.Option(default, *([meta["flag"]] if meta["flag"] else []), help=meta["help"],
                         metavar=meta["metavar"],
-                        callback=_callback(flag.split("/")[0], meta["check"], parse))
+                        callback=_callback(flag.split("/")[0], meta["validate"], parse))
     return inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=info,
                              annotation=annotation)
 

@@ -16,26 +16,26 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Callable
 
-from .. import settings as check
+from .. import settings
 
 STAGES = ("data", "train", "export")
 EXPORT_BITS = (4, 8)
 
 
 def option(default=MISSING, help: str = "", *, flag: str | None = None,
-           metavar: str | None = None, check: Callable | None = None, **kw):
+           metavar: str | None = None, validate: Callable | None = None):
     """A dataclass field that is also a flag. flag: the declaration when the field's name does
-    not give it (e.g. "--init-from-target/--random-init"); check(value, name) -> value: the
-    validator run on the Python value and on the flag."""
-    meta = {"help": help, "flag": flag, "metavar": metavar, "check": check}
-    return field(default=default, metadata=meta, **kw)
+    not give it (e.g. "--init-from-target/--random-init"); validate(value, name) -> value: run
+    on the Python value and on the flag's (a `settings` validator where one exists)."""
+    meta = {"help": help, "flag": flag, "metavar": metavar, "validate": validate}
+    return field(default=default, metadata=meta)
 
 
 def one_of(allowed: tuple, expected: str):
     """A validator for a setting with a few allowed values (None passes)."""
     def validate(value, name: str):
         if value is not None and value not in allowed:
-            raise check.SettingError(name, value, expected)
+            raise settings.SettingError(name, value, expected)
         return value
     return validate
 
@@ -43,7 +43,7 @@ def one_of(allowed: tuple, expected: str):
 def run_checks(obj) -> None:
     """Run every field's validator on its value (in `__post_init__`)."""
     for f in fields(obj):
-        validate = f.metadata.get("check")
+        validate = f.metadata.get("validate")
         if validate is not None:
             setattr(obj, f.name, validate(getattr(obj, f.name), f.name))
 
@@ -94,7 +94,7 @@ class TrainConfig:
     max_minutes: float | None = option(None, "Stop training (checkpointed, resumable) after "
                                        "this many minutes.")
     seed: int = option(0, "Seed of the run: prompts drawn, sampled answers, initialisation, "
-                       "anchors.", check=check.seed)
+                       "anchors.", validate=settings.seed)
     compile: bool = False           # no gain measured on CPU, and it needs host_exp off
 
     def __post_init__(self):
@@ -127,7 +127,7 @@ class Recipe:
     # generation
     sampled_fraction: float = option(0.25, "Share of prompts also answered at T=1.")
     max_prompt_tokens: int = option(320, "Longer prompts are dropped.")
-    max_new_tokens: int = option(160, "Tokens per answer, at most.", check=check.max_tokens)
+    max_new_tokens: int = option(160, "Tokens per answer, at most.", validate=settings.max_tokens)
     gen_batch: int = option(64, "Sequences per generation batch.")  # 117 new tok/s, 85 at 16
     capture_layers: tuple[int, ...] | None = None   # None: target_layer_ids + copied inputs
     drafter: DrafterShape = field(default_factory=DrafterShape)
@@ -142,9 +142,9 @@ class Recipe:
     train: TrainConfig = field(default_factory=TrainConfig)
     # export
     bits: int | None = option(None, "Export quantized: 4 or 8.",
-                              check=one_of(EXPORT_BITS, "4 or 8 (None: unquantized)"))
+                              validate=one_of(EXPORT_BITS, "4 or 8 (None: unquantized)"))
     stop_after: str = option("export", "data | train | export",
-                             check=one_of(STAGES, "one of data, train, export"))
+                             validate=one_of(STAGES, "one of data, train, export"))
 
     def __post_init__(self):
         # paths may come as Path objects from Python callers; recipe.json needs strings
