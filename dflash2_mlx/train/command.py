@@ -19,13 +19,13 @@ from .. import settings
 from .config import PARTS, Recipe, flat_fields
 
 
-def _ints(text: str | None, flag: str) -> tuple[int, ...] | None:
+def _ints(text: str | None) -> tuple[int, ...] | None:
     if text is None:
         return None
     try:
         return tuple(int(x) for x in text.replace(" ", "").split(",") if x)
     except ValueError:
-        raise typer.BadParameter(f"{flag} takes comma-separated integers, got {text!r}") from None
+        raise typer.BadParameter(f"expected comma-separated integers, got {text!r}") from None
 
 
 def _callback(flag: str, validate, parse=None):
@@ -33,7 +33,7 @@ def _callback(flag: str, validate, parse=None):
     a `SettingError` becomes click's "Invalid value for '--flag'" line."""
     def callback(value):
         if parse is not None:
-            value = parse(value, flag)
+            value = parse(value)
         if validate is None or value is None:
             return value
         try:

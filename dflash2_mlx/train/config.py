@@ -142,7 +142,7 @@ class Recipe:
     train: TrainConfig = field(default_factory=TrainConfig)
     # export
     bits: int | None = option(None, "Export quantized: 4 or 8.",
-                              validate=one_of(EXPORT_BITS, "4 or 8 (None: unquantized)"))
+                              validate=one_of(EXPORT_BITS, "4 or 8"))
     stop_after: str = option("export", "data | train | export",
                              validate=one_of(STAGES, "one of data, train, export"))
 
