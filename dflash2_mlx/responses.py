@@ -127,6 +127,7 @@ class ResponsesRequest(_Closed):
     store: Optional[bool] = None                       # false: true is refused below
     background: Optional[bool] = None                  # false: true is refused below
     metadata: Optional[dict[str, str]] = None          # echoed back
+    client_metadata: Optional[dict[str, str]] = None   # Codex sends it; not echoed
     parallel_tool_calls: Optional[bool] = None         # echoed; the model decides
     user: Optional[str] = None
     safety_identifier: Optional[str] = None

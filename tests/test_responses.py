@@ -360,6 +360,7 @@ def test_refused_fields_get_a_400_naming_them_and_the_server_recovers(server, oa
     fine = {**OK, "store": False, "metadata": {"run": "1"}, "parallel_tool_calls": False,
             "include": ["reasoning.encrypted_content"], "text": {"format": {"type": "text"}},
             "truncation": "disabled", "user": "u", "prompt_cache_key": "k",
+            "client_metadata": {"session": "s"}, "max_tool_calls": 3,
             "stream_options": None, "service_tier": "auto", "top_logprobs": 0}
     r = post(server, fine)
     assert r.status_code == 200, r.text
