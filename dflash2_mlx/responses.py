@@ -20,8 +20,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, RootModel, Tag, ValidationError
 
-from .server import (APIError, GenerationRequest, Piece, Service, _event_stream, _finish_reason,
-                     _openai_tool_calls, _sse, _text, _usage, _validation_error)
+from .server import (APIError, GenerationRequest, Job, Piece, Service, TextStream, _event_stream,
+                     _finish_reason, _openai_tool_calls, _sse, _text, _usage, _validation_error)
 from .settings import SEED_MAX
 
 # --------------------------------------------------------------------------- request schema
@@ -186,7 +186,8 @@ def parse_request(body: dict) -> ResponsesRequest:
             why = HINTS.get(name, "this server refuses fields it does not serve rather than "
                                   "ignore them (see docs/server.md)")
             raise APIError(400, f"{name}: unknown field of /v1/responses; {why}", param=name)
-    for i, tool in enumerate(body.get("tools") or []):
+    tools = body.get("tools")
+    for i, tool in enumerate(tools if isinstance(tools, list) else []):
         kind = tool.get("type") if isinstance(tool, dict) else None
         if isinstance(kind, str) and kind != "function":
             raise APIError(400, f"tools.{i}.type: '{kind}' is a built-in tool of OpenAI's hosted "
@@ -360,7 +361,7 @@ def _output_text(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def _status(final: dict, text) -> str:
+def _status(final: dict, text: TextStream) -> str:
     return "incomplete" if _finish_reason(final, text) == "length" else "completed"
 
 
@@ -410,7 +411,7 @@ def add_routes(app: FastAPI, service: Service, read) -> None:
     JSON), `await read(request, schema)`."""
 
     @app.post("/v1/responses")
-    async def responses(request: Request):
+    async def create_response(request: Request):
         req = parse_request((await read(request, _Body)).root)
         service.check_model(req.model)
         sampling = service.sampling(1.0 if req.temperature is None else req.temperature,
@@ -438,7 +439,8 @@ def add_routes(app: FastAPI, service: Service, read) -> None:
         return _response(head, status, out.items, final)
 
 
-async def _events(service: Service, job, text, head: dict) -> AsyncIterator[str]:
+async def _events(service: Service, job: Job, text: TextStream,
+                  head: dict) -> AsyncIterator[str]:
     """The typed event stream: response.created, response.in_progress, the events of each
     output item, then response.completed (or .incomplete; an error: error, response.failed)."""
     numbers = itertools.count()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -203,7 +204,8 @@ def test_a_string_input_a_cache_hit_and_max_output_tokens(oa):
     a = oa.responses.create(model="llama", instructions=INSTRUCTIONS, input="class Stack:",
                             max_output_tokens=3, temperature=0)
     b = oa.responses.create(model="llama", max_output_tokens=3, temperature=0, input=[
-        {"role": "developer", "content": INSTRUCTIONS}, {"role": "user", "content": "class Stack:"}])
+        {"role": "developer", "content": INSTRUCTIONS},
+        {"role": "user", "content": "class Stack:"}])
     assert a.usage.input_tokens == b.usage.input_tokens > first.usage.input_tokens
     assert a.output_text == b.output_text
 
@@ -391,3 +393,15 @@ def test_disconnect_mid_stream_cancels_then_next_request_works(server, oa):
     r = oa.responses.create(model="llama", input="def add(a, b):", max_output_tokens=4,
                             temperature=0)
     assert r.usage.output_tokens == 4
+
+
+def test_full_queue_answers_429(server):
+    body = {"model": "llama", "input": "count:", "max_output_tokens": CAP, "temperature": 0}
+    # 24 at once against 1 running + 8 waiting: some must be turned away
+    with ThreadPoolExecutor(24) as pool:
+        replies = list(pool.map(lambda _: post(server, body), range(24)))
+    codes = [r.status_code for r in replies]
+    assert 429 in codes and 200 in codes and set(codes) <= {200, 429}, codes
+    busy = next(r.json()["error"] for r in replies if r.status_code == 429)
+    assert busy["type"] == "rate_limit_error" and busy["code"] == "queue_full"
+    assert post(server, {**body, "max_output_tokens": 4}).status_code == 200
