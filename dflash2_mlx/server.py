@@ -4,7 +4,8 @@ The HTTP layer only: requests are checked and rendered into prompt ids here, the
 `Scheduler`, which owns the model and runs one generation at a time on its own thread. What the
 client sees (stop strings, tool calls) is cut out of the streamed text by `TextStream`.
 
-  OpenAI     GET /v1/models, POST /v1/chat/completions, POST /v1/completions, GET /health
+  OpenAI     GET /v1/models, POST /v1/chat/completions, POST /v1/completions, GET /health,
+             POST /v1/responses (the Responses API, in `responses.py`)
   Anthropic  POST /v1/messages
 
 Errors come in the shape of the API that was called (`{"error": {...}}` for OpenAI,
@@ -939,6 +940,8 @@ def create_app(pipe: Pipeline, config: ServerConfig, *, worker_thread: bool = Tr
         return {**head, "content": blocks, "stop_reason": reason, "stop_sequence": seq,
                 "usage": _anthropic_usage(final)}
 
+    from .responses import add_routes      # here: responses.py imports this module
+    add_routes(app, service, read)
     return app
 
 
