@@ -34,6 +34,7 @@ from .drafter import Drafter
 from .engine import DecodeState
 from .files import atomic_path
 from .log import get
+from .prompt_cache import common_prefix
 from .settings import PROMPT_CACHE_DISK_BYTES
 from .target import RollbackRotatingKVCache, TargetAdapter
 
@@ -311,6 +312,8 @@ def read_header(path: Path, ident: dict, vocab_size: int) -> Header:
         for name, dtype, shape in meta["tensors"]:
             entry = header[name]
             width = np.dtype(DTYPES[dtype][1]).itemsize
+            _expect(isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape),
+                    f"tensor {name} has shape {shape}")
             count = int(np.prod(shape, dtype=np.int64))
             _expect(entry["dtype"] == dtype and entry["shape"] == shape and
                     entry["data_offsets"] == [end, end + count * width],
@@ -336,14 +339,14 @@ def read_state(path: Path, ident: dict, target: TargetAdapter,
     digest = hashlib.sha256(head.body.encode())
     digest.update(data)
     _expect(digest.hexdigest() == head.digest, "checksum mismatch (corrupt)")
-    arrays = {}
-    for name, dtype, shape, begin, end in head.tensors:
-        mx_dtype, np_dtype = DTYPES[dtype]
-        x = np.frombuffer(data, dtype=np_dtype, count=(end - begin) // np.dtype(np_dtype).itemsize,
-                          offset=begin).reshape(shape)
-        a = mx.array(x)
-        arrays[name] = a.view(mx.bfloat16) if mx_dtype == mx.bfloat16 else a
     try:
+        arrays = {}
+        for name, dtype, shape, begin, end in head.tensors:
+            mx_dtype, np_dtype = DTYPES[dtype]
+            x = np.frombuffer(data, dtype=np_dtype, offset=begin,
+                              count=(end - begin) // np.dtype(np_dtype).itemsize).reshape(shape)
+            a = mx.array(x)
+            arrays[name] = a.view(mx.bfloat16) if mx_dtype == mx.bfloat16 else a
         return decode_state(head.meta["layout"], head.meta["tokens"], arrays, target, drafter)
     except (ValueError, KeyError, TypeError, IndexError) as e:
         raise Rejected(f"bad layout ({type(e).__name__}: {e})") from None
@@ -369,12 +372,6 @@ class DiskStats:
     rejected: int = 0           # files deleted as corrupt, truncated or foreign
     evicted: int = 0            # files deleted by the byte bound or a longer state
     reasons: Counter = field(default_factory=Counter)
-
-
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    differ = np.flatnonzero(a[:n] != b[:n])
-    return int(differ[0]) if len(differ) else n
 
 
 def prepare_folder(folder) -> Path:
@@ -421,6 +418,8 @@ class DiskCache:
         self._thread = threading.Thread(target=self._writer, name="dflash2-disk-cache",
                                         daemon=True)
         self._thread.start()
+
+    name_of = staticmethod(entry_name)
 
     # ---- the index
     def __len__(self) -> int:
@@ -638,7 +637,10 @@ class DiskCache:
         if self._closed:
             return
         self._closed = True
-        self._queue.put(None)
+        try:
+            self._queue.put(None, timeout=timeout)
+        except queue.Full:
+            pass
         self._thread.join(timeout)
         if self._thread.is_alive():
             log.warning("prompt cache: the disk writer did not finish within %.0f s", timeout)

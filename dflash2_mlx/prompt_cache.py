@@ -14,20 +14,23 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from .disk_cache import DiskCache, entry_name
+import numpy as np
+
 from .engine import DecodeState
+
+if TYPE_CHECKING:
+    from .disk_cache import DiskCache
 
 log = logging.getLogger("dflash2_mlx.prompt_cache")
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+def common_prefix(a, b) -> int:
+    """Length of the longest common prefix of two token sequences (lists or arrays)."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if len(differ) else n
 
 
 @dataclass
@@ -125,7 +128,7 @@ class PromptCache:
         name = None
         if self.disk is not None:
             self.disk.put(state)
-            name = entry_name(state.tokens)
+            name = self.disk.name_of(state.tokens)
         if self.max_entries == 0:
             return
         size = state.nbytes

@@ -309,6 +309,28 @@ def test_writes_happen_on_the_writer_thread_and_never_block(dense, tmp_path):
     reread.close()
 
 
+def test_entries_pushed_out_of_ram_go_to_disk_and_ram_wins_ties(dense, tmp_path):
+    disk = SlowDisk(tmp_path, 2**30, target=dense.adapter, drafter=dense.drafter,
+                    queue_size=2)
+    cache = PromptCache(1, disk=disk)
+    states = [dense.turn([first] + PROMPT[1:], n=4)[1] for first in (10, 20, 30, 40, 50)]
+    for s in states[:4]:        # 10 is being written, 20 and 30 wait, 40's write is dropped
+        cache.insert(s)
+        time.sleep(0.2)
+    assert disk.stats.dropped == 1 and len(cache) == 1
+    disk.release.set()
+    disk.flush()
+    assert entry_name(states[3].tokens) not in files(tmp_path)
+    cache.insert(states[4])     # pushes 40 out of RAM: written now
+    disk.flush()
+    assert files(tmp_path) == sorted(entry_name(s.tokens) for s in states)
+    hit, n = cache.fetch(states[3].tokens + [1])
+    assert n == len(states[3].tokens) and cache.stats.disk_hits == 1
+    hit, n = cache.fetch(states[4].tokens + [1])       # in RAM and on disk: RAM
+    assert n == len(states[4].tokens) and cache.stats.disk_hits == 1 and disk.stats.loads == 1
+    cache.close()
+
+
 # --------------------------------------------------------------------------- settings, CLI
 
 def test_byte_size_setting():
