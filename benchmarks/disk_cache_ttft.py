@@ -2,7 +2,8 @@
 cache's disk tier, against recomputing the whole prompt, at several context sizes, with the
 embedded SmolLM2 pair (`dflash2_mlx.load()`).
 
-    python benchmarks/disk_cache_ttft.py --contexts 1024,4096,8192 --reps 3 --out docs/bench/disk-cache
+    python benchmarks/disk_cache_ttft.py --contexts 1024,4096,8192 --reps 3 \
+        --out docs/bench/disk-cache
 
 Per context size: turn 1 is a chat prompt of about that many tokens (a system prompt made of
 the package's own source, then a question); after it, its `DecodeState` is written to a fresh
@@ -54,7 +55,7 @@ def render(pipe, messages: list[dict]) -> list[int]:
 def first_turn(pipe, context: int) -> list[dict]:
     """Messages of about `context` tokens: the system prompt cut to fit."""
     text = source_text()
-    chars = len(text)
+    chars = min(len(text), 4 * context)         # ~3 characters a token: refined below
     for _ in range(4):
         msgs = [{"role": "system", "content": f"You read code.\n```python\n{text[:chars]}\n```"},
                 {"role": "user", "content": QUESTIONS[0]}]

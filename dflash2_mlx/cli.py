@@ -490,7 +490,7 @@ def serve(
     queue_size: int = typer.Option(16, "--queue-size", min=1,
                                    help="Requests that may wait for the model; more get 429"),
     prompt_cache_size: int = typer.Option(8, "--prompt-cache-size", min=0,
-                                          help="Prefix-cache entries; 0 turns the cache off"),
+                                          help="Prefix-cache entries in RAM; 0: none"),
     prompt_cache_bytes: int = typer.Option(2 * 2**30, "--prompt-cache-bytes", min=0,
                                            help="Most bytes the prefix cache holds"),
     prompt_cache_dir: Optional[Path] = typer.Option(

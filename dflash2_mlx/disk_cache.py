@@ -301,8 +301,12 @@ def read_header(path: Path, ident: dict, vocab_size: int) -> Header:
         _expect(theirs.get(key) == ident[key], f"written for another {key} "
                 f"({theirs.get(key)}; this server: {ident[key]})")
     tokens = meta.get("tokens")
-    _expect(isinstance(tokens, list) and tokens and
-            all(type(t) is int and 0 <= t < vocab_size for t in tokens), "bad token ids")
+    try:
+        ids = np.asarray(tokens if isinstance(tokens, list) else [])
+    except (ValueError, OverflowError):
+        ids = np.asarray([])
+    _expect(ids.ndim == 1 and len(ids) and ids.dtype.kind == "i" and ids.min() >= 0 and
+            ids.max() < vocab_size, "bad token ids")
     _expect(path.name == entry_name(tokens), "its name does not match its token ids")
     layout = meta.get("layout")
     _expect(isinstance(layout, dict) and isinstance(layout.get("exact_only"), bool),

@@ -59,7 +59,7 @@ class ServerConfig:
     queue_size: int = 16                # requests waiting for the model, besides the running one
     api_key: str | None = None
     block_size: int | str | None = None     # None: the pipeline's default
-    prompt_cache_size: int = 8              # entries; 0: no prefix cache
+    prompt_cache_size: int = 8              # entries in RAM; 0: none (and no disk: no cache)
     prompt_cache_bytes: int = 2 * 2**30
     prompt_cache_dir: str | None = None     # the prefix cache's disk tier (None: RAM only)
     prompt_cache_disk_bytes: int = PROMPT_CACHE_DISK_BYTES

@@ -20,7 +20,7 @@ DTYPES = ("float32", "float16", "bfloat16")
 DRAFT_BITS = (4, 8, 16)             # 16 = unquantized
 DRAFT_GROUP_SIZES = (32, 64, 128)
 SEED_MAX = 2**64 - 1                # mx.random.key takes an unsigned 64-bit seed
-PROMPT_CACHE_DISK_BYTES = 8 * 2**30     # the prefix cache's disk tier, when only its folder is given
+PROMPT_CACHE_DISK_BYTES = 8 * 2**30     # the disk tier's bound when only its folder is given
 
 
 class SettingError(ValueError):
