@@ -34,7 +34,6 @@ from .drafter import Drafter
 from .engine import DecodeState
 from .files import atomic_path
 from .log import get
-from .prompt_cache import common_prefix
 from .settings import PROMPT_CACHE_DISK_BYTES
 from .target import RollbackRotatingKVCache, TargetAdapter
 
@@ -395,7 +394,7 @@ def prepare_folder(folder) -> Path:
 class DiskCache:
     """States on disk under `folder`, at most `max_bytes` of files, least recently used out.
 
-    The caller's thread (the scheduler's worker) calls `candidates`, `load` and `put`; the
+    The caller's thread (the scheduler's worker) calls `entries`, `load` and `put`; the
     writer thread writes and deletes files. The index is shared under a lock; file I/O happens
     outside it. Other files in the folder (any name but `<32 hex>.safetensors`) are left alone.
     """
@@ -422,8 +421,6 @@ class DiskCache:
         self._thread = threading.Thread(target=self._writer, name="dflash2-disk-cache",
                                         daemon=True)
         self._thread.start()
-
-    name_of = staticmethod(entry_name)
 
     # ---- the index
     def __len__(self) -> int:
@@ -515,13 +512,10 @@ class DiskCache:
             pass
 
     # ---- reading
-    def candidates(self, prompt) -> list[tuple[int, DiskEntry]]:
-        """(common prefix with `prompt`, entry) of the entries sharing one, longest first."""
-        p = np.asarray(prompt, dtype=np.uint32)
+    def entries(self) -> list[DiskEntry]:
+        """The entries now on disk, least recently used first."""
         with self._lock:
-            entries = list(self._index.values())
-        found = [(common_prefix(e.tokens, p), e) for e in entries]
-        return sorted(((n, e) for n, e in found if n), key=lambda f: f[0], reverse=True)
+            return list(self._index.values())
 
     def load(self, entry: DiskEntry) -> DecodeState | None:
         """The entry's state, or None (and the file deleted) when it does not check out."""
@@ -621,7 +615,7 @@ class DiskCache:
             if not entry.exact_only:
                 # a state that extends another serves its prompts too (it can be trimmed)
                 for old in [e for e in self._index.values() if len(e.tokens) <= len(tokens)
-                            and common_prefix(e.tokens, tokens) == len(e.tokens)]:
+                            and np.array_equal(e.tokens, tokens[: len(e.tokens)])]:
                     del self._index[old.name]
                     self.stats.evicted += 1
                     doomed.append(self.folder / old.name)

@@ -14,14 +14,10 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import numpy as np
 
+from .disk_cache import DiskCache, entry_name
 from .engine import DecodeState
-
-if TYPE_CHECKING:
-    from .disk_cache import DiskCache
 
 log = logging.getLogger("dflash2_mlx.prompt_cache")
 
@@ -85,8 +81,9 @@ class PromptCache:
                   for key, (state, _, _) in self._entries.items()]
         if self.disk is not None:
             in_ram = {name for _, _, name in self._entries.values()}
-            ranked += [(common, 0, -1, entry) for common, entry in self.disk.candidates(head)
-                       if entry.name not in in_ram]
+            ids = np.asarray(head, dtype=np.uint32)
+            ranked += [(common_prefix(entry.tokens, ids), 0, -1, entry)
+                       for entry in self.disk.entries() if entry.name not in in_ram]
         ranked.sort(key=lambda r: r[:3], reverse=True)
         for common, _, key, entry in ranked:
             if common == 0:
@@ -128,7 +125,7 @@ class PromptCache:
         name = None
         if self.disk is not None:
             self.disk.put(state)
-            name = self.disk.name_of(state.tokens)
+            name = entry_name(state.tokens)
         if self.max_entries == 0:
             return
         size = state.nbytes
