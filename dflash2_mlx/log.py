@@ -44,6 +44,8 @@ class _LineFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         tag = getattr(record, "rank_tag", "")
         message = record.getMessage()
+        if record.exc_info:           # log.exception: the traceback follows the line
+            message += "\n" + self.formatException(record.exc_info)
         if record.levelno >= logging.ERROR:
             return f"{PROG}: error{tag}: {message}"
         if record.levelno >= logging.WARNING:
@@ -56,7 +58,7 @@ _HANDLER: logging.Handler | None = None
 
 def setup(level: int = logging.INFO, rank: int = 0) -> logging.Logger:
     """Print the package's records on stderr, one line each (idempotent; a later call changes
-    the level and the rank)."""
+    the level and the rank, and writes to the `sys.stderr` of that moment)."""
     global _HANDLER
     logger = logging.getLogger(ROOT)
     if _HANDLER is None:
@@ -64,6 +66,7 @@ def setup(level: int = logging.INFO, rank: int = 0) -> logging.Logger:
         _HANDLER.setFormatter(_LineFormatter())
         logger.addHandler(_HANDLER)
         logger.propagate = False
+    _HANDLER.setStream(sys.stderr)
     for f in list(_HANDLER.filters):
         _HANDLER.removeFilter(f)
     _HANDLER.addFilter(RankFilter(rank))
@@ -71,10 +74,23 @@ def setup(level: int = logging.INFO, rank: int = 0) -> logging.Logger:
     return logger
 
 
-def progress(items: Iterable[T], desc: str, total: int | None = None, unit: str = "it",
+def teardown() -> None:
+    """Undo `setup()`: the package's records go where the app's logging sends them again (the
+    CLI's `main()` leaves a program that calls it as it found it)."""
+    global _HANDLER
+    logger = logging.getLogger(ROOT)
+    if _HANDLER is not None:
+        logger.removeHandler(_HANDLER)
+        _HANDLER = None
+    logger.propagate = True
+    logger.setLevel(logging.NOTSET)
+
+
+def progress(items: Iterable[T] | None, desc: str, total: int | None = None, unit: str = "it",
              **kw) -> Iterator[T]:
     """`items` with a progress bar on stderr (tqdm), shown only when the package logs at INFO
-    or below (the CLI's default; quiet in embedding apps that did not ask for it)."""
+    or below (the CLI's default; quiet in embedding apps that did not ask for it).
+    items=None: a bar moved by hand (`.update(n)`, `.n` so far, `.close()`) to `total`."""
     from tqdm import tqdm
 
     quiet = not logging.getLogger(ROOT).isEnabledFor(logging.INFO)

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sys
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from . import runtime, settings as check
+from . import blas, log, runtime, settings as check
 from .drafter import Drafter
 from .adaptive import DRAFTER, LOOKUP, AdaptiveWidth, FixedWidth, load_or_measure_costs
 from .engine import DecodeState, GenerationStats, generate_tokens
@@ -24,6 +23,8 @@ from .weights import quantized_layers
 from .omlx import OmlxSettings, OmlxSettingsError
 from .sampling import Sampling
 from .target import TargetAdapter
+
+_log = log.get(__name__)
 
 
 @dataclass
@@ -65,7 +66,6 @@ class Pipeline:
         self.lookup_config = LookupConfig()
         self.max_ctx = max_ctx
         self.info = dict(info or {})
-        self.progress = None                 # called with a line before slow one-off work
         self._policy: AdaptiveWidth | None = None
         self.stage = None                    # distributed.Stage of a pipeline-sharded target
         self.adapter = TargetAdapter(target, drafter.args.target_layer_ids if drafter else ())
@@ -115,16 +115,9 @@ class Pipeline:
         if ctx is not None and n > ctx:
             _notice(f"the prompt has {n} tokens, more than the model's context of {ctx} "
                     "positions: what the model produces past that point is unreliable")
-        if self.progress and n > self.prefill_step_size:
-            self.progress(f"prefill of {n} prompt tokens in {-(-n // self.prefill_step_size)} "
-                          f"chunks of {self.prefill_step_size} ...")
-
-    def _prefill_progress(self):
-        """A line per prefill chunk of a long prompt (minutes on a CPU), through `progress`."""
-        if self.progress is None:
-            return None
-        return lambda done, total: self.progress(f"prefill {done}/{total} prompt tokens "
-                                                 f"({100 * done // total}%)")
+        if n > self.prefill_step_size:
+            _log.info(f"prefill of {n} prompt tokens in {-(-n // self.prefill_step_size)} "
+                      f"chunks of {self.prefill_step_size} ...")
 
     def max_width(self, lookup: bool) -> int:
         """The widest block any source can draft: the drafter's block size, the lookup's."""
@@ -158,7 +151,7 @@ class Pipeline:
             widths = {LOOKUP: self.lookup_config.max_width}
             if self.drafter is not None:
                 widths[DRAFTER] = self.drafter.args.block_size
-            cost = load_or_measure_costs(self, self.max_width(True), self.progress)
+            cost = load_or_measure_costs(self, self.max_width(True))
             self._policy = AdaptiveWidth(cost, widths)
         return self._policy
 
@@ -204,20 +197,25 @@ class Pipeline:
         stats = GenerationStats(block_size=b)
         detok = self.tokenizer.detokenizer
         detok.reset()
+        bar = _PrefillBar()
         steps = generate_tokens(self.adapter, self.drafter, ids, max_tokens=max_tokens,
                                 sampling=sampling, policy=policy, stop_ids=stop_ids,
                                 lookup=self.lookup_config if lookup and b != 1 else None,
                                 seed=seed, prefill_step_size=self.prefill_step_size,
-                                stats=stats, state=state, progress=self._prefill_progress())
-        for new in steps:
-            for t in new:
-                if t not in stop_ids:
-                    detok.add_token(t)
-            finish = ("stop" if new[-1] in stop_ids else
-                      "length" if stats.generated_tokens >= max_tokens else None)
-            if finish:
-                detok.finalize()
-            yield Chunk(detok.last_segment, new, stats.copy(), finish)
+                                stats=stats, state=state, progress=bar)
+        try:
+            for new in steps:
+                bar.close()                  # the prefill is done once a token is out
+                for t in new:
+                    if t not in stop_ids:
+                        detok.add_token(t)
+                finish = ("stop" if new[-1] in stop_ids else
+                          "length" if stats.generated_tokens >= max_tokens else None)
+                if finish:
+                    detok.finalize()
+                yield Chunk(detok.last_segment, new, stats.copy(), finish)
+        finally:
+            bar.close()
 
     def generate(self, prompt: str | Sequence[int], **options) -> Generation:
         """Run to the end; options as for `stream`."""
@@ -228,6 +226,25 @@ class Pipeline:
             stats = chunk.stats
             finish = chunk.finish_reason or finish
         return Generation("".join(text), tokens, stats, finish)
+
+
+class _PrefillBar:
+    """The engine's prefill callback `(done, total)`, drawn as one `log.progress` bar (opened
+    by the first chunk: a prompt of one chunk shows none)."""
+
+    def __init__(self):
+        self.bar, self.done = None, 0
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None:
+            self.bar = log.progress(None, "prefill", total=total, unit="tok")
+        self.bar.update(done - self.done)
+        self.done = done
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
 
 def _settings_block_size(settings: OmlxSettings | None, drafter) -> int | str | None:
@@ -298,8 +315,7 @@ def _drafting_plan(draft: str | None, settings: OmlxSettings | None) -> str | No
 def load(model: str | None = None, draft: str | None = None, *,
          settings: OmlxSettings | None = None, draft_bits: int | None = None,
          draft_group_size: int | None = None, dtype=None, kernels: str | None = None,
-         lookup: bool = True, progress: Callable[[str], object] | None = None,
-         pipeline=None, pipeline_split: str | Sequence[int] | None = None,
+         lookup: bool = True, pipeline=None, pipeline_split: str | Sequence[int] | None = None,
          pipeline_timeout: float = 60.0) -> Pipeline:
     """Load a target (mlx-lm folder, hub id or .gguf file) and a DFlash / DFlash 2 drafter.
 
@@ -314,21 +330,21 @@ def load(model: str | None = None, draft: str | None = None, *,
     draft_bits: 4 | 8 | 16 (16: unquantized); draft_group_size: 32 | 64 | 128.
     settings: one model's oMLX settings (`load_omlx_settings`); explicit arguments override it.
     kernels: "metal", "ops" or None (auto). lookup: draft from the context too, by default
-    (`Pipeline.generate(lookup=...)` overrides it per call). progress: called with one line per
-    loading step.
+    (`Pipeline.generate(lookup=...)` overrides it per call).
     pipeline: an `mx.distributed` group (`distributed.init_group()`): the target's layers are
     split across its ranks (`pipeline_split`, e.g. "20,12"; even by default), each loading only
     its own; rank 0 generates, the others call `pipe.stage.follow()` (docs/distributed.md). A
     group of one loads as usual.
-    Notices (fallbacks, overrides) are issued as `DFlashNotice` warnings.
+    Makes MLX use a fast BLAS first (`use_fast_blas()`). Notices (fallbacks, overrides) are
+    issued as `DFlashNotice` warnings; each loading step is logged (`dflash2_mlx.log`).
     """
-    say = progress or (lambda _line: None)
+    chosen = blas.use_fast_blas()
+    if chosen.note:
+        _notice(chosen.note)
     if model is None:
         from .defaults import default_pair
 
-        # the one-off download announces itself even when loading is otherwise quiet
-        target_path, default_draft = default_pair(
-            progress=progress or (lambda line: print(line, file=sys.stderr)))
+        target_path, default_draft = default_pair()
         model, draft = str(target_path), str(default_draft) if draft is None else draft
     draft = _drafting_plan(draft, settings)
     s = settings or OmlxSettings(model_id=str(model))
@@ -346,7 +362,7 @@ def load(model: str | None = None, draft: str | None = None, *,
         plan, link = distributed.prepare(pipeline, resolve(model, "target model", ["*.json"]),
                                          draft_dir if draft else None, pipeline_split,
                                          repr(p), pipeline_timeout)
-    say(f"loading target {model} ({p.dtype or 'weights as stored'}) ...")
+    _log.info(f"loading target {model} ({p.dtype or 'weights as stored'}) ...")
     target, tokenizer, _ = load_target(model, runtime.parse_dtype(p.dtype),
                                        keep_quantized=p.keep_quantized, lazy=plan is not None)
     drafter = None
@@ -355,7 +371,7 @@ def load(model: str | None = None, draft: str | None = None, *,
         bits = (f"{p.draft_bits}-bit, group size {p.draft_group_size}" if p.draft_bits else
                 f"stored {stored['bits']}-bit, dequantized" if stored and p.draft_dtype else
                 f"{stored['bits']}-bit as stored" if stored else "unquantized")
-        say(f"loading drafter {draft} ({bits}, {p.draft_dtype or 'as stored'}) ...")
+        _log.info(f"loading drafter {draft} ({bits}, {p.draft_dtype or 'as stored'}) ...")
         adapter = TargetAdapter(target)
         drafter = load_drafter(draft_dir, hidden_size=adapter.hidden_size,
                                vocab_size=adapter.vocab_size, num_layers=adapter.num_layers,
@@ -381,7 +397,6 @@ def load(model: str | None = None, draft: str | None = None, *,
     pipe = Pipeline(target, tokenizer, drafter, max_ctx=s.max_ctx, info=info,
                     lookup=check.lookup(lookup) and s.verify_mode != "off",
                     block_size=_settings_block_size(settings, drafter))
-    pipe.progress = progress
     if plan is not None:
         pipe.stage = distributed.build(target, plan, link)
         pipe.adapter = pipe.stage.target or distributed.FollowerTarget(target, pipe.stage)

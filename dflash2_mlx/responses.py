@@ -20,9 +20,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, RootModel, Tag, ValidationError
 
-from .server import (APIError, GenerationRequest, Job, Piece, Service, TextStream, _event_stream,
-                     _finish_reason, _openai_tool_calls, _sse, _text, _usage, _validation_error)
-from .settings import SEED_MAX
+from .sampling import Sampling
+from .server import (APIError, GenerationRequest, Job, MaxTokens, Piece, Seed, Service,
+                     Temperature, TextStream, TopK, TopP, _event_stream, _finish_reason,
+                     _openai_tool_calls, _sse, _text, _usage, _validation_error)
 
 # --------------------------------------------------------------------------- request schema
 # Strict and closed: a field this server does not know is a 400 naming it. The optional fields
@@ -116,11 +117,11 @@ class ResponsesRequest(_Closed):
     instructions: Optional[str] = None
     tools: Optional[list[FunctionTool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], FunctionChoice, None] = None
-    max_output_tokens: Optional[int] = Field(None, ge=1)
-    temperature: Optional[float] = Field(None, allow_inf_nan=False)
-    top_p: Optional[float] = Field(None, allow_inf_nan=False)
-    top_k: int = 0                                     # extensions, as on chat completions
-    seed: Optional[int] = Field(None, ge=0, le=SEED_MAX)
+    max_output_tokens: Optional[MaxTokens] = None
+    temperature: Optional[Temperature] = None
+    top_p: Optional[TopP] = None
+    top_k: TopK = 0                                    # extensions, as on chat completions
+    seed: Optional[Seed] = None
     stream: Optional[bool] = None
     stream_options: Optional[StreamOptions] = None
     # accepted because they ask for nothing this server does differently
@@ -414,8 +415,8 @@ def add_routes(app: FastAPI, service: Service, read) -> None:
     async def create_response(request: Request):
         req = parse_request((await read(request, _Body)).root)
         service.check_model(req.model)
-        sampling = service.sampling(1.0 if req.temperature is None else req.temperature,
-                                    1.0 if req.top_p is None else req.top_p, req.top_k)
+        sampling = Sampling(1.0 if req.temperature is None else req.temperature,
+                            1.0 if req.top_p is None else req.top_p, req.top_k)
         tools = chat_tools(req)
         try:
             prompt = service.render_chat(chat_messages(req), tools)

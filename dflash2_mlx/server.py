@@ -18,27 +18,27 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import logging
 import queue
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Literal, Optional, Union
+from typing import Annotated, Any, AsyncIterator, Callable, Literal, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from . import log as logs
+from . import settings as check
 from .engine import DecodeState
 from .pipeline import Pipeline
 from .prompt_cache import PromptCache
 from .sampling import Sampling
-from .settings import PROMPT_CACHE_DISK_BYTES, SEED_MAX, SettingError, byte_size
 
-log = logging.getLogger("dflash2_mlx.server")
+log = logs.get(__name__)
 
 MAX_STOPS = 16
 # the acceptance figures of a request, reported as usage["dflash2"] (GenerationStats.to_dict)
@@ -51,7 +51,8 @@ USAGE_STATS = ("block_size", "tau", "cycles", "steps", "plain_steps", "mean_widt
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Limits and identity of one server. `model_id` is the only model name a request may use."""
+    """Limits and identity of one server. `model_id` is the only model name a request may use.
+    Each limit is checked by its `settings` validator (SettingError names it)."""
 
     model_id: str
     max_tokens: int = 4096              # most tokens one request may ask for
@@ -63,11 +64,14 @@ class ServerConfig:
     prompt_cache_size: int = 8              # entries in RAM; 0: none (and no disk: no cache)
     prompt_cache_bytes: int = 2 * 2**30
     prompt_cache_dir: str | None = None     # the prefix cache's disk tier (None: RAM only)
-    prompt_cache_disk_bytes: int = PROMPT_CACHE_DISK_BYTES
+    prompt_cache_disk_bytes: int = check.PROMPT_CACHE_DISK_BYTES
 
     def __post_init__(self):
-        object.__setattr__(self, "prompt_cache_disk_bytes",
-                           byte_size(self.prompt_cache_disk_bytes, "prompt_cache_disk_bytes"))
+        for name in ("max_tokens", "context_length", "max_body_bytes", "queue_size",
+                     "block_size", "prompt_cache_size", "prompt_cache_bytes"):
+            getattr(check, name)(getattr(self, name), name)
+        object.__setattr__(self, "prompt_cache_disk_bytes", check.byte_size(
+            self.prompt_cache_disk_bytes, "prompt_cache_disk_bytes"))
 
 
 class APIError(Exception):
@@ -101,7 +105,20 @@ def error_body(err: APIError, anthropic: bool) -> dict:
 
 # --------------------------------------------------------------------------- request schemas
 # Strict: a string where a number belongs is a 400, not a silent conversion. Unknown fields are
-# ignored, as the hosted APIs' clients send fields we do not use.
+# ignored, as the hosted APIs' clients send fields we do not use. Ranges are checked by the
+# `settings` validators, as for the CLI and the API (`_validation_error` words the 400).
+
+def _setting(validator):
+    """A field type's check by one of `settings`' validators (named by the 400, not by it)."""
+    return AfterValidator(lambda value: validator(value))
+
+
+MaxTokens = Annotated[int, _setting(check.max_tokens)]
+Temperature = Annotated[float, _setting(check.temperature)]
+TopP = Annotated[float, _setting(check.top_p)]
+TopK = Annotated[int, _setting(check.top_k)]
+Seed = Annotated[int, _setting(check.seed)]
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
@@ -148,11 +165,11 @@ class StreamOptions(_Strict):
 
 class _OpenAISampling(_Strict):
     model: str
-    max_tokens: Optional[int] = Field(None, ge=1)
-    temperature: float = Field(1.0, allow_inf_nan=False)
-    top_p: float = Field(1.0, allow_inf_nan=False)
-    top_k: int = 0                                     # extension, as mlx-lm's server
-    seed: Optional[int] = Field(None, ge=0, le=SEED_MAX)
+    max_tokens: Optional[MaxTokens] = None
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = 0                                    # extension, as mlx-lm's server
+    seed: Optional[Seed] = None
     stop: Union[str, list[str], None] = None
     n: int = 1
     stream: bool = False
@@ -162,7 +179,7 @@ class _OpenAISampling(_Strict):
 
 class ChatRequest(_OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[MaxTokens] = None
     tools: Optional[list[Tool]] = None
     tool_choice: Union[str, dict, None] = None
 
@@ -174,7 +191,6 @@ class CompletionRequest(_OpenAISampling):
 
 class AnthropicBlock(_Strict):
     """text, tool_use (assistant turns) and tool_result (user turns) content blocks."""
-    model_config = ConfigDict(strict=True, extra="ignore")
     type: Literal["text", "tool_use", "tool_result"]
     text: Optional[str] = None
     id: Optional[str] = None
@@ -198,11 +214,11 @@ class AnthropicTool(_Strict):
 class MessagesRequest(_Strict):
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
-    max_tokens: int = Field(ge=1)
+    max_tokens: MaxTokens
     system: Union[str, list[TextPart], None] = None
-    temperature: float = Field(1.0, allow_inf_nan=False)
-    top_p: float = Field(1.0, allow_inf_nan=False)
-    top_k: int = 0
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = 0
     stop_sequences: Optional[list[str]] = None
     stream: bool = False
     tools: Optional[list[AnthropicTool]] = None
@@ -219,6 +235,13 @@ def _field_path(loc: tuple) -> tuple:
         p in _UNION_TAGS or "[" in p or p[:1].isupper())))
 
 
+def _complaint(error: dict) -> str:
+    """pydantic's message, or a `settings` validator's own words (without pydantic's "Value
+    error, " and the validator's default name: the field is named by the caller)."""
+    cause = (error.get("ctx") or {}).get("error")
+    return cause.problem if isinstance(cause, check.SettingError) else error["msg"]
+
+
 def _validation_error(e: ValidationError) -> APIError:
     """The first bad field, named; where it failed every branch of a union, the deepest
     complaint (an image part in `content`: "...content.0.type: Input should be 'text'")."""
@@ -229,7 +252,7 @@ def _validation_error(e: ValidationError) -> APIError:
     path = next(_field_path(x["loc"]) for x in same if len(_field_path(x["loc"])) == depth)
     deepest = [x for x in same if _field_path(x["loc"]) == path]
     where = ".".join(str(p) for p in path)
-    msg = " or ".join(dict.fromkeys(x["msg"] for x in deepest))
+    msg = " or ".join(dict.fromkeys(_complaint(x) for x in deepest))
     return APIError(400, f"{where}: {msg}" if where else msg, param=where or None)
 
 
@@ -515,13 +538,6 @@ class Service:
             raise APIError(404, f"The model '{name}' does not exist; this server serves "
                            f"'{self.config.model_id}' (see GET /v1/models)", param="model",
                            code="model_not_found")
-
-    def sampling(self, temperature: float, top_p: float, top_k: int) -> Sampling:
-        """The API's own checks (`settings`, through `Sampling`), answered as a 400."""
-        try:
-            return Sampling(temperature, top_p, top_k)
-        except SettingError as e:
-            raise APIError(400, str(e), param=e.name) from None
 
     def max_tokens(self, asked: int | None, prompt_len: int, param: str = "max_tokens") -> int:
         c = self.config
@@ -857,7 +873,7 @@ def create_app(pipe: Pipeline, config: ServerConfig, *, worker_thread: bool = Tr
     async def chat(request: Request):
         req: ChatRequest = await read(request, ChatRequest)
         check_openai(req)
-        sampling = service.sampling(req.temperature, req.top_p, req.top_k)
+        sampling = Sampling(req.temperature, req.top_p, req.top_k)
         stops = service.stops(req.stop)
         tools = openai_tools(req)
         prompt = service.render_chat(openai_messages(req), tools)
@@ -892,7 +908,7 @@ def create_app(pipe: Pipeline, config: ServerConfig, *, worker_thread: bool = Tr
         check_openai(req)
         if req.echo:
             raise APIError(400, "echo is not supported by this server", param="echo")
-        sampling = service.sampling(req.temperature, req.top_p, req.top_k)
+        sampling = Sampling(req.temperature, req.top_p, req.top_k)
         stops = service.stops(req.stop)
         p = req.prompt
         if isinstance(p, list) and p and isinstance(p[0], str):
@@ -928,7 +944,7 @@ def create_app(pipe: Pipeline, config: ServerConfig, *, worker_thread: bool = Tr
     async def messages(request: Request):
         req: MessagesRequest = await read(request, MessagesRequest)
         service.check_model(req.model)
-        sampling = service.sampling(req.temperature, req.top_p, req.top_k)
+        sampling = Sampling(req.temperature, req.top_p, req.top_k)
         stops = service.stops(req.stop_sequences)
         tools = anthropic_tools(req)
         prompt = service.render_chat(anthropic_messages(req), tools)

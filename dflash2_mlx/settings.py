@@ -1,10 +1,11 @@
-"""One validator per user setting, shared by the CLI, the Python API and the oMLX settings file.
+"""One validator per user setting, shared by the CLI, the Python API, the server and the oMLX
+settings file: nothing else checks a setting's range.
 
 Each validator takes the value and the name to blame (a flag such as `--seed`, an argument such
 as `seed`, a settings key) and returns the value normalised, or raises `SettingError` naming
 it, the value and what is allowed. The CLI turns `problem` into click's "Invalid value for
-'--flag'" line; the API and the settings file raise the error as is. A new setting is one
-function here.
+'--flag'" line (`cli._flag`), the server into a 400 naming the field (`server._setting`); the
+API and the settings file raise the error as is. A new setting is one function here.
 
 This module must not import mlx (the CLI validates flags before anything heavy loads).
 """
@@ -21,6 +22,7 @@ DRAFT_BITS = (4, 8, 16)             # 16 = unquantized
 DRAFT_GROUP_SIZES = (32, 64, 128)
 SEED_MAX = 2**64 - 1                # mx.random.key takes an unsigned 64-bit seed
 PROMPT_CACHE_DISK_BYTES = 8 * 2**30     # the disk tier's bound when only its folder is given
+HUMANEVAL_PROBLEMS = 164            # the most prompts per set `dflash2-mlx bench` can draw
 
 
 class SettingError(ValueError):
@@ -37,6 +39,23 @@ _BYTES = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]i?B?|B)?\s*$", re.I)
 
 def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _integer(value, name: str, low: int, high: int | None = None, expected: str | None = None):
+    """An integer in low..high (no upper bound: high None); bools are not integers."""
+    if not _is_int(value) or value < low or (high is not None and value > high):
+        raise SettingError(name, value, expected or (
+            f"an integer >= {low}" if high is None else f"an integer in {low}..{high}"))
+    return value
+
+
+def _seconds(value, name: str, low: float) -> float:
+    """A finite number of seconds >= low."""
+    expected = f"a finite number of seconds >= {low:g}"
+    s = _number(value, name, expected)
+    if not math.isfinite(s) or s < low:
+        raise SettingError(name, value, expected)
+    return s
 
 
 def _number(value, name: str, expected: str) -> float:
@@ -91,24 +110,62 @@ def top_p(value, name: str = "top_p") -> float:
 
 
 def top_k(value, name: str = "top_k") -> int:
-    if not _is_int(value) or value < 0:
-        raise SettingError(name, value, "an integer >= 0 (0 = all tokens)")
-    return value
+    return _integer(value, name, 0, expected="an integer >= 0 (0 = all tokens)")
 
 
 def max_tokens(value, name: str = "max_tokens") -> int:
-    if not _is_int(value) or value < 1:
-        raise SettingError(name, value, "an integer >= 1")
-    return value
+    return _integer(value, name, 1)
 
 
 def seed(value, name: str = "seed") -> int | None:
     """None (a fresh random seed) or an integer 0..2**64-1."""
     if value is None:
         return None
-    if not _is_int(value) or not 0 <= value <= SEED_MAX:
-        raise SettingError(name, value, "an integer in 0..2**64-1")
-    return value
+    return _integer(value, name, 0, SEED_MAX, "an integer in 0..2**64-1")
+
+
+# ---- the server's limits (`dflash2-mlx serve`, `server.ServerConfig`)
+
+def port(value, name: str = "port") -> int:
+    """0..65535; 0: any free port."""
+    return _integer(value, name, 0, 65535, "an integer in 0..65535 (0 = any free port)")
+
+
+def context_length(value, name: str = "context_length") -> int:
+    """Prompt + completion tokens: at least one of each."""
+    return _integer(value, name, 2)
+
+
+def max_body_bytes(value, name: str = "max_body_bytes") -> int:
+    return _integer(value, name, 1024)
+
+
+def queue_size(value, name: str = "queue_size") -> int:
+    """Requests that may wait besides the running one (0 would make the queue unbounded)."""
+    return _integer(value, name, 1)
+
+
+def prompt_cache_size(value, name: str = "prompt_cache_size") -> int:
+    """Prefix-cache entries; 0 turns the cache off."""
+    return _integer(value, name, 0, expected="an integer >= 0 (0 = no prefix cache)")
+
+
+def prompt_cache_bytes(value, name: str = "prompt_cache_bytes") -> int:
+    return _integer(value, name, 0)
+
+
+def shutdown_timeout(value, name: str = "shutdown_timeout") -> float:
+    return _seconds(value, name, 0.0)
+
+
+def pipeline_timeout(value, name: str = "pipeline_timeout") -> float:
+    """Seconds a rank of a pipeline waits for another."""
+    return _seconds(value, name, 1.0)
+
+
+def prompts_per_set(value, name: str = "prompts") -> int:
+    """Prompts per set of `dflash2-mlx bench` (HumanEval's are spread over its 164)."""
+    return _integer(value, name, 1, HUMANEVAL_PROBLEMS)
 
 
 def _int_choice(value, name: str, allowed: tuple, expected: str) -> int | None:
@@ -186,6 +243,8 @@ def prompt(value, name: str = "prompt"):
     return [int(t) for t in ids]
 
 
-__all__ = ["SettingError", "block_size", "lookup", "temperature", "top_p", "top_k", "max_tokens", "seed",
+__all__ = ["SettingError", "block_size", "lookup", "temperature", "top_p", "top_k", "max_tokens",
+           "seed", "port", "context_length", "max_body_bytes", "queue_size", "prompt_cache_size",
+           "prompt_cache_bytes", "shutdown_timeout", "pipeline_timeout", "prompts_per_set",
            "draft_bits", "draft_group_size", "dtype", "byte_size", "text", "prompt", "DTYPES",
-           "DRAFT_BITS", "DRAFT_GROUP_SIZES", "PROMPT_CACHE_DISK_BYTES"]
+           "DRAFT_BITS", "DRAFT_GROUP_SIZES", "SEED_MAX", "PROMPT_CACHE_DISK_BYTES"]

@@ -3,7 +3,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import dflash2_mlx  # noqa: F401  (first: loads the fast BLAS before MLX is imported)
+import dflash2_mlx
+
+dflash2_mlx.use_fast_blas()      # before any test imports MLX: it binds to that BLAS as it loads
 
 import pytest
 

@@ -16,7 +16,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import dflash2_mlx  # noqa: E402  (first: OpenBLAS before MLX)
+import dflash2_mlx  # noqa: E402
+
+dflash2_mlx.use_fast_blas()      # before MLX loads: it binds to that BLAS as it loads
 import mlx.core as mx  # noqa: E402
 
 from dflash2_mlx.distributed import PipelineError, init_group  # noqa: E402

@@ -16,8 +16,7 @@ def test_run_bench_on_tiny_fixtures(llama_dir, tmp_path, monkeypatch):
     sets = {"code": ["def add(a, b):", "def add(a, b):\n    return a + b\ndef add(a, b):"],
             "chat": ["Hello there"]}
     results = run_bench(str(llama_dir), str(drafter), sets, block_sizes=(2, 4, 8, "auto"),
-                        temperatures=(0.0, 1.0), max_tokens=16, reference=False,
-                        progress=lambda _: None)
+                        temperatures=(0.0, 1.0), max_tokens=16, reference=False)
     greedy = results["code T=0"]
     assert greedy["greedy_identical"] and greedy["mismatches"] == []
     names = set(greedy["systems"])

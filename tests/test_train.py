@@ -436,7 +436,7 @@ def test_demo_pair_greedy_equals_mlx_lm():
     from mlx_lm.generate import generate_step
 
     pipe = dflash2_mlx.load()                  # no arguments: the embedded default pair
-    target, drafter = defaults.default_pair(progress=None)
+    target, drafter = defaults.default_pair()
     assert pipe.info["model"] == str(target) and pipe.info["draft"] == str(drafter)
     assert pipe.drafter is not None and pipe.drafter.draft_vocab is not None
     for prompt in ("Write a Python function that reverses a string.",

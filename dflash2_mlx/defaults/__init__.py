@@ -9,7 +9,6 @@ Kept free of MLX imports: `default_pair()` only resolves paths.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
 
 DRAFTER_DIR = Path(__file__).resolve().parent
 
@@ -22,14 +21,13 @@ def drafter_path() -> Path:
     return DRAFTER_DIR
 
 
-def default_pair(cache_dir: str | Path | None = None,
-                 progress: Callable[[str], object] | None = print) -> tuple[Path, Path]:
+def default_pair(cache_dir: str | Path | None = None) -> tuple[Path, Path]:
     """(target .gguf path, drafter folder) of the embedded default. The target is downloaded
-    into the package cache on first use (with a progress message), then read from there."""
+    into the package cache on first use (logged), then read from there."""
     from ..assets import smollm2_gguf
 
     drafter = drafter_path()
-    return smollm2_gguf(cache_dir, progress), drafter
+    return smollm2_gguf(cache_dir), drafter
 
 
 __all__ = ["default_pair", "drafter_path", "DRAFTER_DIR"]

@@ -1,0 +1,132 @@
+"""Random-weight checkpoints in the real formats, for the tests and the benchmarks.
+
+- targets: tiny mlx-lm model folders (config.json, model.safetensors, tokenizer.json + config),
+  with a small byte-level BPE tokenizer trained here;
+- drafters: DFlash / DFlash 2 folders in the published layout (BF16 safetensors,
+  `dflash_config`, bare selector codebook tensors): tiny ones for the tiny targets
+  (`drafter_args`), and ones shaped for the embedded SmolLM2-135M-Instruct target
+  (`smollm2_drafter_args`).
+
+Not imported by the package itself; needs `tokenizers` (a dependency) for the tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from dflash2_mlx.config import DFLASH, DFLASH2, DrafterArgs
+from dflash2_mlx.drafter import Drafter
+from dflash2_mlx.loading import save_drafter
+
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "The quick brown fox jumps over the lazy dog.",
+    "for i in range(10):\n    print(i * i)\n",
+    "Hello! How can I help you today? I am a small assistant.",
+    "import math\nprint(math.sqrt(2))\n",
+    "class Stack:\n    def push(self, x):\n        self.items.append(x)\n",
+] * 4
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+VOCAB = 384
+HIDDEN = 64
+TARGET_LAYERS = 4
+# A DFlash 2 drafter for SmolLM2-135M-Instruct (30 layers, hidden 576, vocabulary 49,152):
+# block 8, the features of 5 target layers spread over its depth.
+SMOLLM2_DRAFTER = dict(hidden_size=576, vocab_size=49152, num_attention_heads=9,
+                       num_key_value_heads=3, head_dim=64, intermediate_size=1536,
+                       layer_ids=(1, 8, 15, 22, 29), mask_token_id=0, num_target_layers=30,
+                       block_size=8)
+
+
+def write_tokenizer(folder: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None,
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "chat_template": CHAT_TEMPLATE, "model_max_length": 4096}))
+
+
+def target_config(family: str, **overrides) -> dict:
+    cfg = {"model_type": family, "hidden_size": HIDDEN, "num_hidden_layers": TARGET_LAYERS,
+           "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "rms_norm_eps": 1e-5, "vocab_size": VOCAB, "max_position_embeddings": 4096,
+           "rope_theta": 10000.0, "tie_word_embeddings": False,
+           "eos_token_id": 2}
+    if family in ("qwen3", "qwen2"):
+        cfg["head_dim"] = 16
+    cfg.update(overrides)
+    return cfg
+
+
+def write_target(folder: Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
+    """An mlx-lm model folder with random weights (scaled up so greedy output varies)."""
+    from mlx_lm.utils import _get_classes
+
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = target_config(family, **overrides)
+    model_class, args_class = _get_classes(cfg)
+    mx.random.seed(seed)
+    model = model_class(args_class.from_dict(cfg))
+    # Untied head and larger embeddings: a random model whose greedy output varies (a tied
+    # random model mostly repeats its input token).
+    params = dict(tree_flatten(model.parameters()))
+    params = {k: (v * 4 if "embed_tokens" in k else v) for k, v in params.items()}
+    mx.save_safetensors(str(folder / "model.safetensors"), params)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    write_tokenizer(folder)
+    return folder
+
+
+def drafter_args(*, dflash2: bool = True, block_size: int = 16, layer_ids=(0, 2),
+                 layers: int = 2, **overrides) -> DrafterArgs:
+    base = dict(hidden_size=HIDDEN, num_hidden_layers=layers, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=VOCAB,
+                block_size=block_size, target_layer_ids=tuple(layer_ids), mask_token_id=VOCAB - 1,
+                rms_norm_eps=1e-6, rope_theta=1e6, layer_types=("full_attention",) * layers,
+                num_target_layers=TARGET_LAYERS, architecture=DFLASH2 if dflash2 else DFLASH)
+    if dflash2:
+        base.update(conv_kernel_size=2, conv_group_size=16, selector_rank=32, selector_top_k=16)
+    base.update(overrides)
+    return DrafterArgs(**base)
+
+
+def smollm2_drafter_args(layers: int = 2, **overrides) -> DrafterArgs:
+    """A DFlash 2 drafter shaped for SmolLM2-135M-Instruct (`SMOLLM2_DRAFTER`), `layers`
+    full-attention layers unless `layer_types` says otherwise."""
+    shape = {**SMOLLM2_DRAFTER, "layer_types": ("full_attention",) * layers, **overrides}
+    return drafter_args(dflash2=True, layers=layers, **shape)
+
+
+def random_drafter(args: DrafterArgs, seed: int = 0) -> Drafter:
+    mx.random.seed(seed)
+    drafter = Drafter(args)
+    if args.has_conv:   # non-trivial convolution: identity plus noise
+        for layer in drafter.layers:
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                base = mx.random.normal(conv.base_kernel.shape) * 0.3
+                conv.base_kernel = base + mx.array([1.0, 0.0])[None, :, None]
+                conv.kernel_projection.weight = conv.kernel_projection.weight * 3
+    return drafter
+
+
+def write_drafter(folder: Path, args: DrafterArgs | None = None, seed: int = 0,
+                  dtype=mx.bfloat16) -> Path:
+    """A drafter folder in the published layout (BF16 by default)."""
+    return save_drafter(random_drafter(args or drafter_args(), seed), folder, dtype)
