@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-import dflash2_mlx  # noqa: F401  (first: OpenBLAS before MLX)
+import dflash2_mlx
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
@@ -185,4 +185,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    dflash2_mlx.use_fast_blas()      # MLX's float32 matmuls on MKL / OpenBLAS (Linux)
     raise SystemExit(main())

@@ -22,7 +22,7 @@ import argparse
 import statistics
 import time
 
-import dflash2_mlx  # noqa: F401  (loads the fast BLAS on Linux before MLX runs)
+import dflash2_mlx
 import mlx.core as mx
 
 from dflash2_mlx.kernels import metal_usable, path_walk, short_conv
@@ -177,4 +177,5 @@ def main():
 
 
 if __name__ == "__main__":
+    dflash2_mlx.use_fast_blas()      # MLX's float32 matmuls on MKL / OpenBLAS (Linux)
     main()

@@ -18,18 +18,16 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import dflash2_mlx
+import mlx.core as mx
 
-import dflash2_mlx  # noqa: E402  (the fast BLAS first)
-import mlx.core as mx  # noqa: E402
-
-from ablation import cycle_times, load_run  # noqa: E402
-from dflash2_mlx import assets, loading  # noqa: E402
-from dflash2_mlx.target import TargetAdapter  # noqa: E402
-from dflash2_mlx.train import data as D  # noqa: E402
-from dflash2_mlx.train.evaluate import offline_eval, real_eval  # noqa: E402
-from dflash2_mlx.train.export import export_drafter  # noqa: E402
-from dflash2_mlx.train.humaneval import humaneval_prompts  # noqa: E402
+from ablation import cycle_times, load_run
+from dflash2_mlx import assets, loading
+from dflash2_mlx.target import TargetAdapter
+from dflash2_mlx.train import data as D
+from dflash2_mlx.train.evaluate import offline_eval, real_eval
+from dflash2_mlx.train.export import export_drafter
+from dflash2_mlx.train.humaneval import humaneval_prompts
 
 
 def real_tau(draft: str | None, prompts: list[str], max_tokens: int) -> dict:
@@ -97,4 +95,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    dflash2_mlx.use_fast_blas()      # MLX's float32 matmuls on MKL / OpenBLAS (Linux)
     raise SystemExit(main())

@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import dflash2_mlx  # noqa: E402  (first: OpenBLAS before MLX)
+import dflash2_mlx  # noqa: E402
 import mlx.core as mx  # noqa: E402
 
 from dflash2_mlx.sampling import Sampling  # noqa: E402
@@ -248,4 +248,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    dflash2_mlx.use_fast_blas()      # MLX's float32 matmuls on MKL / OpenBLAS (Linux)
     main()

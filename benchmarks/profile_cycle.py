@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-import dflash2_mlx  # noqa: F401  (first: OpenBLAS)
+import dflash2_mlx
 import mlx.core as mx
 
 from dflash2_mlx.assets import smollm2_gguf
@@ -83,8 +82,7 @@ def main() -> None:
     opts = ap.parse_args()
     tmp = tempfile.TemporaryDirectory()
     if opts.drafter is None:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from reference_cycle import random_smollm2_drafter
+        from reference_cycle import random_smollm2_drafter     # (this script's folder)
 
         opts.drafter = random_smollm2_drafter(Path(tmp.name))
     pipe = dflash2_mlx.load(str(smollm2_gguf()), str(opts.drafter))
@@ -112,4 +110,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    dflash2_mlx.use_fast_blas()      # MLX's float32 matmuls on MKL / OpenBLAS (Linux)
     main()

@@ -17,16 +17,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-import dflash2_mlx  # noqa: F401  (first: OpenBLAS)
+import dflash2_mlx
 import mlx.core as mx
 
 from dflash2_mlx.assets import smollm2_gguf
 from dflash2_mlx.loading import load_target, save_drafter
+from dflash2_mlx.testing import random_drafter, smollm2_drafter_args
 
 PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number.",
@@ -36,14 +36,7 @@ PROMPTS = [
 
 
 def random_smollm2_drafter(folder: Path) -> Path:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from fixtures import drafter_args, random_drafter
-
-    args = drafter_args(dflash2=True, hidden_size=576, vocab_size=49152, num_attention_heads=9,
-                        num_key_value_heads=3, head_dim=64, intermediate_size=1536,
-                        layer_ids=(1, 8, 15, 22, 29), mask_token_id=0, num_target_layers=30,
-                        block_size=8, selector_rank=256)
-    return save_drafter(random_drafter(args, seed=0), folder)
+    return save_drafter(random_drafter(smollm2_drafter_args(selector_rank=256), seed=0), folder)
 
 
 def load_reference_drafter(folder: Path):
@@ -135,4 +128,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    dflash2_mlx.use_fast_blas()      # MLX's float32 matmuls on MKL / OpenBLAS (Linux)
     main()

@@ -13,8 +13,8 @@ across systems turn by turn. A single-client pass compares the server's decode s
 All servers run at once and the turns are interleaved across them, so a shared machine's load
 swings hit every system alike. Systems (--systems, comma-separated): ours (prefix cache,
 drafter, lookup, block size auto), no-cache, no-drafter, no-lookup, plain (no drafter, no
-lookup), mlx-lm (`python -m mlx_lm server` on the same weights, exported once as an mlx-lm
-folder). Everything listens on 127.0.0.1; counts and time are bounded (--time-limit for all
+lookup), mlx-lm (mlx-lm's server on the same weights, exported once as an mlx-lm folder, and
+the same BLAS: `dflash2_mlx.use_fast_blas()` before it starts). Everything listens on 127.0.0.1; counts and time are bounded (--time-limit for all
 the conversations).
 """
 
@@ -67,13 +67,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def openblas_env() -> dict:
-    """mlx_lm.server gets the same BLAS as dflash2-mlx (which preloads OpenBLAS itself)."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    lib = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
-    if sys.platform.startswith("linux") and Path(lib).exists():
-        env["LD_PRELOAD"] = lib
-    return env
+# `python -m mlx_lm server ...` with the BLAS dflash2-mlx runs on: chosen before MLX loads
+MLX_LM_SERVER = ("import dflash2_mlx; dflash2_mlx.use_fast_blas(); "
+                 "from mlx_lm import server; server.main()")
 
 
 def export_target(folder: Path) -> Path:
@@ -136,10 +132,10 @@ def start(system: str, model_dir: Path) -> ServerProcess:
     py = sys.executable
     if system == "mlx-lm":
         port = free_port()
-        return ServerProcess(system, [py, "-m", "mlx_lm", "server", "--model", str(model_dir),
+        return ServerProcess(system, [py, "-c", MLX_LM_SERVER, "--model", str(model_dir),
                                       "--port", str(port), "--temp", "0",
                                       "--log-level", "WARNING"],
-                             f"http://127.0.0.1:{port}", openblas_env())
+                             f"http://127.0.0.1:{port}", {**os.environ, "HF_HUB_OFFLINE": "1"})
     from dflash2_mlx.defaults import default_pair
 
     target, drafter = default_pair()
@@ -262,7 +258,9 @@ def main() -> None:
     if not 1 <= a.clients <= 8 or not 1 <= a.turns <= len(TURNS) or a.max_tokens > 512:
         ap.error(f"bounded run: 1..8 clients, 1..{len(TURNS)} turns, max tokens <= 512")
 
-    import dflash2_mlx  # noqa: F401  (OpenBLAS first)
+    import dflash2_mlx
+
+    dflash2_mlx.use_fast_blas()      # before MLX loads: it binds to that BLAS as it loads
     from dflash2_mlx.assets import resolve_cache_dir
 
     systems = [s.strip() for s in a.systems.split(",") if s.strip()]

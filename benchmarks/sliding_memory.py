@@ -12,11 +12,10 @@ prefill + generation (dominated by the target's prefill attention) and the prefi
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
-import dflash2_mlx  # noqa: F401  (first: OpenBLAS)
+import dflash2_mlx
 import mlx.core as mx
 
 from dflash2_mlx.assets import smollm2_gguf
@@ -25,17 +24,12 @@ from dflash2_mlx.engine import GenerationStats, generate_tokens
 from dflash2_mlx.loading import load_drafter, save_drafter
 from dflash2_mlx.pipeline import Pipeline
 from dflash2_mlx.sampling import Sampling
+from dflash2_mlx.testing import random_drafter, smollm2_drafter_args
 
 
 def drafter_folder(root: Path, window: int | None) -> Path:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from fixtures import drafter_args, random_drafter
-
     kinds = ("sliding_attention",) * 2 if window else ("full_attention",) * 2
-    args = drafter_args(dflash2=True, hidden_size=576, vocab_size=49152, num_attention_heads=9,
-                        num_key_value_heads=3, head_dim=64, intermediate_size=1536,
-                        layer_ids=(1, 8, 15, 22, 29), mask_token_id=0, num_target_layers=30,
-                        block_size=8, layer_types=kinds, sliding_window=window)
+    args = smollm2_drafter_args(layer_types=kinds, sliding_window=window)
     return save_drafter(random_drafter(args, seed=0), root / (f"w{window}" if window else "full"))
 
 
@@ -72,4 +66,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    dflash2_mlx.use_fast_blas()      # MLX's float32 matmuls on MKL / OpenBLAS (Linux)
     main()

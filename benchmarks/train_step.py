@@ -29,6 +29,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
 
     import dflash2_mlx
+
+    dflash2_mlx.use_fast_blas()      # before MLX loads: it binds to that BLAS as it loads
     import mlx.core as mx
     import mlx.nn as nn
     import numpy as np

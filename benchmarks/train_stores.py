@@ -31,7 +31,9 @@ def main(argv=None) -> int:
     p.add_argument("--only", default="data1,data2,eval_he")
     a = p.parse_args(argv)
 
-    import dflash2_mlx  # noqa: F401  (the fast BLAS first)
+    import dflash2_mlx
+
+    dflash2_mlx.use_fast_blas()      # before MLX loads: it binds to that BLAS as it loads
     from dflash2_mlx import log
     from dflash2_mlx.target import TargetAdapter
     from dflash2_mlx.train import data as D

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-import dflash2_mlx  # noqa: F401  (first: OpenBLAS before MLX)
+import dflash2_mlx
 import mlx.core as mx
 
 from dflash2_mlx import assets, loading
@@ -22,8 +21,7 @@ from dflash2_mlx.target import TargetAdapter
 from dflash2_mlx.train import data as D
 from dflash2_mlx.train import evaluate as E
 
-sys.path.insert(0, str(Path(__file__).parent))
-from ablation import load_run  # noqa: E402
+from ablation import load_run  # (this script's folder)
 
 
 def main(argv=None) -> int:
@@ -63,4 +61,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    dflash2_mlx.use_fast_blas()      # MLX's float32 matmuls on MKL / OpenBLAS (Linux)
     raise SystemExit(main())

@@ -137,10 +137,26 @@ BAD_FLAGS = [  # (arguments, words the one error line must contain)
 ]
 
 
+# the other commands' bounded flags: each checked by its `settings` validator (typer's min /
+# max used to check them apart, in other words)
+OTHER_BAD_FLAGS = [
+    (["serve", "--port", "70000"], ["--port", "70000", "0..65535"]),
+    (["serve", "--queue-size", "0"], ["--queue-size", "integer >= 1"]),
+    (["serve", "--context-length", "1"], ["--context-length", "integer >= 2"]),
+    (["serve", "--max-body-bytes", "10"], ["--max-body-bytes", ">= 1024"]),
+    (["serve", "--prompt-cache-size", "-1"], ["--prompt-cache-size", ">= 0"]),
+    (["serve", "--shutdown-timeout", "-1"], ["--shutdown-timeout", "seconds >= 0"]),
+    (["serve", "--max-tokens", "0"], ["--max-tokens", "integer >= 1"]),
+    (["generate", "--pipeline-timeout", "0.5"], ["--pipeline-timeout", "seconds >= 1"]),
+    (["bench", "--prompts", "200"], ["--prompts", "1..164"]),
+    (["bench", "--max-tokens", "0"], ["--max-tokens", "integer >= 1"]),
+]
+
+
 def test_bad_flags_one_line_nonzero():
-    procs = run_many([(("generate", *args), {}) for args, _ in BAD_FLAGS] +
-                     [(("no-such-command",), {})])
-    for (args, words), proc in zip(BAD_FLAGS + [(None, ["no-such-command"])], procs,
+    cases = [(["generate", *args], words) for args, words in BAD_FLAGS] + OTHER_BAD_FLAGS
+    procs = run_many([(tuple(args), {}) for args, _ in cases] + [(("no-such-command",), {})])
+    for (args, words), proc in zip(cases + [(None, ["no-such-command"])], procs,
                                    strict=True):
         err = lines(proc.stderr)
         assert proc.returncode != 0 and len(err) == 1, (args, proc.stderr)
