@@ -21,8 +21,6 @@ from . import settings as check
 SETTINGS_FILE = "model_settings.json"
 BASE_ENV = "OMLX_BASE_PATH"
 VERIFY_MODES = ("dflash", "adaptive", "ddtree", "off")
-WEIGHT_BITS = (4, 8)                 # oMLX also offers 2; MLX drafters here support 4 and 8
-GROUP_SIZES = check.DRAFT_GROUP_SIZES
 ACTIVATION_BITS = (16, 32)
 
 

@@ -44,11 +44,6 @@ class Precision:
     draft_group_size: int
 
 
-def dtype_name(value, what: str = "dtype") -> str | None:
-    """'float32' | 'fp32' | mx.float32 | ... -> 'float32' (None stays None)."""
-    return settings.dtype(value, what)
-
-
 def resolve_precision(dtype: str | None = None, draft_bits: int | None = None,
                       draft_group_size: int | None = None, draft_dtype: str | None = None, *,
                       metal: bool | None = None) -> Precision:
