@@ -23,7 +23,11 @@ LOG = log.get(__name__)
 
 
 def load_target_for_training(model: str | None):
-    """(target model, tokenizer, model path): the target in float32."""
+    """(target model, tokenizer, model path): the target in float32 (on the fast BLAS, as
+    `load()` puts it)."""
+    from ..blas import use_fast_blas
+
+    use_fast_blas()
     import mlx.core as mx
 
     from ..loading import load_target
