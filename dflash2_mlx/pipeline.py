@@ -22,7 +22,7 @@ from .lookup import LookupConfig
 from .loading import load_drafter, load_target, quantized_layers, resolve, stored_quantization
 from .omlx import OmlxSettings, OmlxSettingsError
 from .sampling import Sampling
-from .target import TargetAdapter
+from .target import Target, TargetAdapter
 
 
 @dataclass
@@ -67,7 +67,9 @@ class Pipeline:
         self.progress = None                 # called with a line before slow one-off work
         self._policy: AdaptiveWidth | None = None
         self.stage = None                    # distributed.Stage of a pipeline-sharded target
-        self.adapter = TargetAdapter(target, drafter.args.target_layer_ids if drafter else ())
+        # what generates: this process's model, or the stage's target of a pipeline
+        self.adapter: Target = TargetAdapter(target,
+                                             drafter.args.target_layer_ids if drafter else ())
 
     # ---- prompts
     def encode(self, prompt: str | Sequence[int], chat_template: bool | None = None,
@@ -383,6 +385,6 @@ def load(model: str | None = None, draft: str | None = None, *,
     pipe.progress = progress
     if plan is not None:
         pipe.stage = distributed.build(target, plan, link)
-        pipe.adapter = pipe.stage.target or distributed.FollowerTarget(target, pipe.stage)
+        pipe.adapter = pipe.stage.target
         pipe.info["pipeline"] = pipe.stage.describe()
     return pipe

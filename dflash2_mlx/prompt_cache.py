@@ -13,18 +13,9 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from .engine import DecodeState
+from .engine import DecodeState, common_prefix
 
 log = logging.getLogger("dflash2_mlx.prompt_cache")
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 @dataclass
