@@ -73,6 +73,12 @@ class RollbackRotatingKVCache(RotatingKVCache):
         return super().trim(n)
 
 
+def model_cache(model: nn.Module) -> list:
+    """mlx-lm's cache for every layer of `model`, with sliding-window caches made trimmable."""
+    return [RollbackRotatingKVCache(c.max_size, c.keep) if type(c) is RotatingKVCache else c
+            for c in make_prompt_cache(model)]
+
+
 class TargetModel:
     """An mlx-lm model as a target: its decoder stack, embedding and head, its caches, and
     views of it. Reads the model; never changes it."""
@@ -84,7 +90,7 @@ class TargetModel:
         for name in self.path:
             self.stack = self.stack[name]
         self.layers = self.stack["layers"]
-        self.recurrent = tuple(i for i, c in enumerate(self.make_cache())
+        self.recurrent = tuple(i for i, c in enumerate(model_cache(model))
                                if not c.is_trimmable())
         self._embed_view = self.view([StandIn(self.layers[0], stop)] + list(self.layers[1:]))
         self._row_heads: dict = {}
@@ -110,9 +116,7 @@ class TargetModel:
 
     # ---- caches and views
     def make_cache(self) -> list:
-        """mlx-lm's cache for this model, with sliding-window caches made trimmable."""
-        return [RollbackRotatingKVCache(c.max_size, c.keep) if type(c) is RotatingKVCache else c
-                for c in make_prompt_cache(self.model)]
+        return model_cache(self.model)
 
     def view(self, layers: list, embed=None, reindex: bool = False) -> nn.Module:
         """A shallow copy of the model whose decoder stack runs `layers` (and `embed` in place
@@ -275,7 +279,7 @@ class LayerRange:
                                 reindex=not whole)
 
     def make_cache(self) -> list:
-        return self.target.make_cache()[self.lo:self.hi]
+        return model_cache(self.target.model)[self.lo:self.hi]
 
     def unrollable(self, cache: list) -> list[str]:
         """Type names of the caches in `cache` that can neither be trimmed nor replayed."""
