@@ -203,11 +203,23 @@ def test_watchdog_is_a_module_that_ends_its_rank_with_one_line():
     assert loaded.stdout.strip() == "[]"
     rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     read, write = os.pipe()
+
+    def watch():
+        return subprocess.Popen([sys.executable, "-m", "dflash2_mlx.distributed.watchdog",
+                                 str(rank.pid), str(read), "dflash2-mlx: error: pipeline: ",
+                                 "2"], stdin=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=env, pass_fds=(read,))
+
     try:
-        dog = subprocess.Popen([sys.executable, "-m", "dflash2_mlx.distributed.watchdog",
-                                str(rank.pid), str(read), "dflash2-mlx: error: pipeline: ",
-                                "2"], stdin=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, env=env, pass_fds=(read,))
+        # armed and disarmed before the child reads anything: both lines count
+        dog = watch()
+        dog.stdin.write("0.5 a step that ended in time\n- \n")
+        dog.stdin.flush()
+        time.sleep(2)
+        assert rank.poll() is None
+        dog.stdin.close()                         # the rank ended: the watchdog ends too
+        assert dog.wait(timeout=30) == 0 and dog.stderr.read() == ""
+        dog = watch()
         dog.stdin.write("0.5 no answer within 0.5 s\n")
         dog.stdin.flush()
         assert rank.wait(timeout=30) == -signal.SIGKILL

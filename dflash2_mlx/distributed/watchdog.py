@@ -28,7 +28,7 @@ _ROOT = str(Path(__file__).resolve().parents[2])
 
 
 def main(parent: int, term_fd: int, prefix: str, grace: float) -> int:
-    deadline, what, quiet, term_at = None, "", False, None
+    deadline, what, quiet, term_at, pending = None, "", False, None, b""
 
     def end(line: str) -> int:
         if not quiet:
@@ -40,20 +40,23 @@ def main(parent: int, term_fd: int, prefix: str, grace: float) -> int:
     while True:
         ends = [t for t in (deadline, term_at and term_at + grace) if t]
         wait = max(0.0, min(ends) - time.monotonic()) if ends else None
-        ready, _, _ = select.select([sys.stdin] + ([term_fd] if term_at is None else []), [],
-                                    [], wait)
+        ready, _, _ = select.select([0] + ([term_fd] if term_at is None else []), [], [], wait)
         if term_fd in ready:              # SIGTERM: let the rank say why it stops, then end it
             os.read(term_fd, 64)
             term_at = time.monotonic()
         elif ready:
-            line = sys.stdin.readline()
-            if not line:
+            # raw reads: every line that arrived counts (a buffered readline could keep a
+            # disarm that came with its arm out of select's sight)
+            chunk = os.read(0, 4096)
+            if not chunk:
                 return 0                  # the rank ended: nothing to watch
-            if line == "quiet\n":
-                quiet = True
-                continue
-            seconds, _, what = line.rstrip("\n").partition(" ")
-            deadline = None if seconds == "-" else time.monotonic() + float(seconds)
+            *lines, pending = (pending + chunk).split(b"\n")
+            for line in lines:
+                if line == b"quiet":
+                    quiet = True
+                    continue
+                seconds, _, what = line.decode().partition(" ")
+                deadline = None if seconds == "-" else time.monotonic() + float(seconds)
         elif term_at and time.monotonic() >= term_at + grace:
             return end(STOPPED)
         elif deadline is not None and time.monotonic() >= deadline:
