@@ -25,7 +25,8 @@ import time
 import dflash2_mlx  # noqa: F401  (loads the fast BLAS on Linux before MLX runs)
 import mlx.core as mx
 
-from dflash2_mlx.kernels import _pick, metal_usable, path_walk, short_conv
+from dflash2_mlx.kernels import metal_usable, path_walk, short_conv
+from dflash2_mlx.kernels.ops import _pick
 
 GROUP, TAPS, K, R, VOCAB = 16, 2, 16, 256, 49152
 

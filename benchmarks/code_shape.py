@@ -2,6 +2,8 @@
 import cycles between its modules (module-level and function-level imports alike).
 
     python benchmarks/code_shape.py [--top 10]
+
+tests/test_import_graph.py loads this file for `import_graph` and `cycles` (one copy).
 """
 
 from __future__ import annotations
@@ -47,6 +49,12 @@ def imports(name: str, path: Path, known: set[str]) -> set[str]:
             if c and c != name and not name.startswith(c + "."):
                 found.add(c)
     return found
+
+
+def import_graph(mods: dict[str, Path] | None = None) -> dict[str, set[str]]:
+    """module -> the package modules it imports."""
+    mods = modules() if mods is None else mods
+    return {n: imports(n, p, set(mods)) for n, p in mods.items()}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -103,8 +111,7 @@ def main() -> None:
     print("longest functions:")
     for lines, name in funcs[: args.top]:
         print(f"  {lines:5d}  {name}")
-    graph = {n: imports(n, p, set(mods)) for n, p in mods.items()}
-    found = cycles(graph)
+    found = cycles(import_graph(mods))
     print(f"import cycles: {len(found) or 'none'}")
     for comp in found:
         print("  " + " <-> ".join(comp))

@@ -43,7 +43,7 @@ TOOLS = """Tools you can call:
 - edit_file(path, old, new): replaces `old` by `new` in the file
 Answer briefly; quote code exactly."""
 SOURCES = ["dflash2_mlx/lookup.py", "dflash2_mlx/sampling.py", "dflash2_mlx/prompt_cache.py",
-           "dflash2_mlx/kernels.py"]
+           "dflash2_mlx/kernels/__init__.py"]
 TURNS = ["What does the first function of this file do? Answer in two sentences.",
          "Write a pytest test for it.",
          "Now make the test shorter.",

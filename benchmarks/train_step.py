@@ -36,18 +36,18 @@ def main(argv=None) -> int:
     from dflash2_mlx.target import TargetAdapter
     from dflash2_mlx.train import data as D
     from dflash2_mlx.train import trainer as T
+    from dflash2_mlx.train.config import DrafterShape
     from dflash2_mlx.train.init import drafter_args_for, init_drafter
     from dflash2_mlx.train.losses import block_loss, selector_loss
     from dflash2_mlx.train.packed import packed_hidden
-    from dflash2_mlx.train.recipe import SMOLLM2_MASK_ID, load_target_for_training
+    from dflash2_mlx.train.recipe import load_target_for_training
 
     print(f"code: {Path(dflash2_mlx.__file__).parent}", file=sys.stderr)
     target, _, _ = load_target_for_training(None)
     plain = TargetAdapter(target)
     store = D.FeatureStore(*a.store)
     layers = tuple(int(x) for x in a.target_layer_ids.split(","))
-    args = drafter_args_for(plain, layers=2, block_size=8, target_layer_ids=layers,
-                            mask_token_id=SMOLLM2_MASK_ID, conv=True, selector=True)
+    args = drafter_args_for(plain, DrafterShape(target_layer_ids=layers))   # SmolLM2: mask 16
     drafter = init_drafter(args, plain, [plain.num_layers - 2, plain.num_layers - 1], seed=0)
     cfg = T.TrainConfig(steps=1000, seqs=a.seqs, anchors=a.anchors)
     seqs = list(range(len(store)))

@@ -32,13 +32,13 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
 
     import dflash2_mlx  # noqa: F401  (the fast BLAS first)
-    from tqdm import tqdm
-
+    from dflash2_mlx import log
     from dflash2_mlx.target import TargetAdapter
     from dflash2_mlx.train import data as D
     from dflash2_mlx.train.humaneval import humaneval_prompts
     from dflash2_mlx.train.recipe import load_target_for_training
 
+    log.setup()      # the progress bars
     layers = tuple(int(x) for x in a.layers.split(","))
     target, tokenizer, path = load_target_for_training(None)
     adapter = TargetAdapter(target, layers)
@@ -50,8 +50,7 @@ def main(argv=None) -> int:
         store = D.FeatureStore.create(a.out / name, layers, adapter.hidden_size, 16,
                                       adapter.vocab_size, {"model": path, "from": ids})
         t0 = time.perf_counter()
-        D.capture_store(adapter, seqs, store,
-                        progress=lambda it: tqdm(it, desc=name, file=sys.stderr, mininterval=5))
+        D.capture_store(adapter, seqs, store, desc=name)
         print(f"{name}: {store.stats()} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     if "eval_he" in only:
         prompts = [D.encode_chat(tokenizer, t) for t in humaneval_prompts()]
@@ -60,7 +59,7 @@ def main(argv=None) -> int:
                                       adapter.vocab_size, {"model": path, "from": "HumanEval"})
         cfg = D.GenConfig(max_new_tokens=a.eval_tokens, batch_size=16)
         D.generate_store(adapter, prompts, store, cfg, set(tokenizer.eos_token_ids), "g",
-                         lambda it: tqdm(it, desc="eval_he", file=sys.stderr, mininterval=5))
+                         desc="eval_he")
         print(f"eval_he: {store.stats()}", file=sys.stderr)
     return 0
 

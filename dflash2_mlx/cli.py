@@ -490,9 +490,15 @@ def serve(
     queue_size: int = typer.Option(16, "--queue-size", min=1,
                                    help="Requests that may wait for the model; more get 429"),
     prompt_cache_size: int = typer.Option(8, "--prompt-cache-size", min=0,
-                                          help="Prefix-cache entries; 0 turns the cache off"),
+                                          help="Prefix-cache entries in RAM; 0: none"),
     prompt_cache_bytes: int = typer.Option(2 * 2**30, "--prompt-cache-bytes", min=0,
                                            help="Most bytes the prefix cache holds"),
+    prompt_cache_dir: Optional[Path] = typer.Option(
+        None, "--prompt-cache-dir", metavar="DIR", help="Also keep prefix-cache entries on "
+        "disk in DIR: they outlive RAM and restarts (default: RAM only)"),
+    prompt_cache_disk_bytes: Optional[str] = typer.Option(
+        None, "--prompt-cache-disk-bytes", metavar="N", callback=_flag(check.byte_size),
+        help="Most bytes the disk tier holds, e.g. 20GiB (default: 8 GiB)"),
     shutdown_timeout: float = typer.Option(
         5.0, "--shutdown-timeout", min=0.0, help="Seconds in-flight requests get to finish "
         "on Ctrl-C / SIGTERM before they are cancelled"),
@@ -513,6 +519,13 @@ def serve(
                 raise
             raise ValueError(f"serve needs the serve extra ({e.name} is missing): pip install "
                              "'dflash2-mlx[serve]'") from None
+        if prompt_cache_dir is not None:     # before the model loads
+            from .disk_cache import prepare_folder
+
+            prepare_folder(prompt_cache_dir)
+        elif prompt_cache_disk_bytes is not None:
+            raise ValueError("--prompt-cache-disk-bytes sizes the disk tier: add "
+                             "--prompt-cache-dir DIR")
         import logging
 
         logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
@@ -529,7 +542,9 @@ def serve(
             model_id=server.model_id_for(pipe.info["model"]), max_tokens=max_tokens,
             context_length=context or 4096, max_body_bytes=max_body_bytes,
             queue_size=queue_size, api_key=api_key, block_size=block_size,
-            prompt_cache_size=prompt_cache_size, prompt_cache_bytes=prompt_cache_bytes)
+            prompt_cache_size=prompt_cache_size, prompt_cache_bytes=prompt_cache_bytes,
+            prompt_cache_dir=None if prompt_cache_dir is None else str(prompt_cache_dir),
+            prompt_cache_disk_bytes=prompt_cache_disk_bytes or check.PROMPT_CACHE_DISK_BYTES)
         server.serve(pipe, config, host=host, port=port, shutdown_timeout=shutdown_timeout,
                      ready=lambda url: _say(f"serving {config.model_id} on {url}"))
         _say("stopped")

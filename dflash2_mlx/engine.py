@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
 
 import mlx.core as mx
+import numpy as np
 
 from .adaptive import DRAFTER, LOOKUP, PLAIN, PositionCounts, ShadowLookup
 from .drafter import Drafter, Proposal
@@ -216,14 +217,11 @@ def prefill(target: Target, state: DecodeState, ids: list[int], step: int,
     return logits[:, -1]
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens `a` and `b` share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+def common_prefix(a, b) -> int:
+    """Length of the longest common prefix of two token sequences (lists or arrays)."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if len(differ) else n
 
 
 def _reuse(state: DecodeState | None, prompt: list[int], target: Target,

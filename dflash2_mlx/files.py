@@ -10,6 +10,12 @@ from pathlib import Path
 from typing import IO, Iterator
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_write(path: str | Path, mode: str = "w", fsync: bool = False) -> Iterator[IO]:
     """`with atomic_write(path) as f: ...` writes `path` whole or not at all.
@@ -24,6 +30,7 @@ def atomic_write(path: str | Path, mode: str = "w", fsync: bool = False) -> Iter
             if fsync:
                 f.flush()
                 os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())       # mkstemp makes 0600; a plain open would not
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

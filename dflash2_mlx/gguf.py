@@ -32,7 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .loading import mismatches
+from .weights import mismatches
 
 ARCHITECTURE = "llama"
 GROUP_SIZE = 32  # every quantized GGUF type MLX loads (Q4_0, Q4_1, Q8_0) uses blocks of 32

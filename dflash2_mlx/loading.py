@@ -14,10 +14,11 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten
 
 from .config import CheckpointError, DrafterArgs
 from .drafter import Drafter, DraftVocab
+from .weights import cast_floats, is_quantized, mismatches, quantized_layers, read_safetensors
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # Tensors some early drafter checkpoints carried; the drafter uses the target's instead.
@@ -43,23 +44,6 @@ def resolve(path_or_id: str | Path, what: str, allow_patterns: list[str] | None 
             f"{what} '{text}' is not a local path and could not be fetched from the Hugging "
             f"Face Hub ({type(e).__name__}: {e}). Pass a local folder, or check the network "
             "and HF_HUB_OFFLINE.") from e
-
-
-def cast_floats(model: nn.Module, dtype) -> None:
-    """Cast every floating-point parameter (not quantized integers) to `dtype`, in place."""
-    model.update(tree_map(
-        lambda x: x.astype(dtype) if mx.issubdtype(x.dtype, mx.floating) else x,
-        model.parameters()))
-
-
-def quantized_layers(model: nn.Module) -> list[nn.Module]:
-    """The quantized layers of a model (the one place that decides what "quantized" means)."""
-    return [m for _, m in model.named_modules()
-            if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
-
-
-def is_quantized(model: nn.Module) -> bool:
-    return bool(quantized_layers(model))
 
 
 def load_target(path_or_id: str | Path, dtype=None, keep_quantized: bool = False,
@@ -96,32 +80,6 @@ def load_target(path_or_id: str | Path, dtype=None, keep_quantized: bool = False
     if not lazy:
         mx.eval(model.parameters())
     return model, tokenizer, path
-
-
-def read_safetensors(folder: Path) -> dict[str, mx.array]:
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{folder}: no *.safetensors weight files")
-    weights: dict[str, mx.array] = {}
-    for f in files:
-        try:
-            weights.update(mx.load(str(f)))
-        except (RuntimeError, ValueError, OSError) as e:
-            raise CheckpointError(f"{f}: not a readable safetensors file ({e})") from e
-    return weights
-
-
-def mismatches(expected: dict, weights: dict, name=lambda k: k) -> str:
-    """Every missing, unexpected and mis-shaped tensor by name, in one line ('' when none).
-    expected/weights: name -> array; `name` maps a key to the name the user's file uses."""
-    missing = sorted(name(k) for k in expected.keys() - weights.keys())
-    unexpected = sorted(name(k) for k in weights.keys() - expected.keys())
-    misshaped = sorted(f"{name(k)} {tuple(weights[k].shape)} (expected {tuple(expected[k].shape)})"
-                       for k in expected.keys() & weights.keys()
-                       if weights[k].shape != expected[k].shape)
-    return "; ".join(f"{what} tensors: {', '.join(keys)}" for what, keys in
-                     (("missing", missing), ("unexpected", unexpected),
-                      ("mis-shaped", misshaped)) if keys)
 
 
 def load_drafter_weights(drafter: Drafter, weights: dict[str, mx.array], source: str) -> None:

@@ -19,7 +19,8 @@ from .adaptive import DRAFTER, LOOKUP, AdaptiveWidth, FixedWidth, load_or_measur
 from .engine import DecodeState, GenerationStats, generate_tokens
 from .kernels import resolve_kernel_path
 from .lookup import LookupConfig
-from .loading import load_drafter, load_target, quantized_layers, resolve, stored_quantization
+from .loading import load_drafter, load_target, resolve, stored_quantization
+from .weights import quantized_layers
 from .omlx import OmlxSettings, OmlxSettingsError
 from .sampling import Sampling
 from .target import Target, TargetAdapter

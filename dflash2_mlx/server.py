@@ -4,7 +4,8 @@ The HTTP layer only: requests are checked and rendered into prompt ids here, the
 `Scheduler`, which owns the model and runs one generation at a time on its own thread. What the
 client sees (stop strings, tool calls) is cut out of the streamed text by `TextStream`.
 
-  OpenAI     GET /v1/models, POST /v1/chat/completions, POST /v1/completions, GET /health
+  OpenAI     GET /v1/models, POST /v1/chat/completions, POST /v1/completions, GET /health,
+             POST /v1/responses (the Responses API, in `responses.py`)
   Anthropic  POST /v1/messages
 
 Errors come in the shape of the API that was called (`{"error": {...}}` for OpenAI,
@@ -35,7 +36,7 @@ from .engine import DecodeState
 from .pipeline import Pipeline
 from .prompt_cache import PromptCache
 from .sampling import Sampling
-from .settings import SEED_MAX, SettingError
+from .settings import PROMPT_CACHE_DISK_BYTES, SEED_MAX, SettingError, byte_size
 
 log = logging.getLogger("dflash2_mlx.server")
 
@@ -59,8 +60,14 @@ class ServerConfig:
     queue_size: int = 16                # requests waiting for the model, besides the running one
     api_key: str | None = None
     block_size: int | str | None = None     # None: the pipeline's default
-    prompt_cache_size: int = 8              # entries; 0: no prefix cache
+    prompt_cache_size: int = 8              # entries in RAM; 0: none (and no disk: no cache)
     prompt_cache_bytes: int = 2 * 2**30
+    prompt_cache_dir: str | None = None     # the prefix cache's disk tier (None: RAM only)
+    prompt_cache_disk_bytes: int = PROMPT_CACHE_DISK_BYTES
+
+    def __post_init__(self):
+        object.__setattr__(self, "prompt_cache_disk_bytes",
+                           byte_size(self.prompt_cache_disk_bytes, "prompt_cache_disk_bytes"))
 
 
 class APIError(Exception):
@@ -337,6 +344,8 @@ class Scheduler:
             self._serve_jobs()
         finally:
             self._running = False
+            if self.prompt_cache is not None:
+                self.prompt_cache.close()       # the disk tier writes what is queued
 
     def _serve_jobs(self) -> None:
         while (job := self._queue.get()) is not None:
@@ -737,8 +746,14 @@ def create_app(pipe: Pipeline, config: ServerConfig, *, worker_thread: bool = Tr
     """The ASGI app (`app.state.scheduler` runs the generations). worker_thread: the scheduler's
     worker starts on its own thread with the app's lifespan; False: the caller runs
     `scheduler.work()` (as `serve` does, on the main thread). It stops with the lifespan."""
-    prompt_cache = (PromptCache(config.prompt_cache_size, config.prompt_cache_bytes)
-                    if config.prompt_cache_size > 0 else None)
+    disk = None
+    if config.prompt_cache_dir is not None:
+        from .disk_cache import DiskCache
+
+        disk = DiskCache(config.prompt_cache_dir, config.prompt_cache_disk_bytes,
+                         target=pipe.adapter, drafter=pipe.drafter)
+    prompt_cache = (PromptCache(config.prompt_cache_size, config.prompt_cache_bytes, disk)
+                    if config.prompt_cache_size > 0 or disk is not None else None)
     scheduler = Scheduler(pipe, queue_size=config.queue_size, block_size=config.block_size,
                           prompt_cache=prompt_cache)
     service = Service(pipe, config, scheduler)
@@ -823,7 +838,8 @@ def create_app(pipe: Pipeline, config: ServerConfig, *, worker_thread: bool = Tr
                 "served": scheduler.served, "cancelled": scheduler.cancelled,
                 "prompt_cache": None if prompt_cache is None else {
                     **prompt_cache.stats.to_dict(), "entries": len(prompt_cache),
-                    "bytes": prompt_cache.nbytes}},
+                    "bytes": prompt_cache.nbytes,
+                    "disk": prompt_cache.disk.describe() if prompt_cache.disk else None}},
                             200 if ok else 503)
 
     @app.get("/v1/models")
@@ -939,6 +955,8 @@ def create_app(pipe: Pipeline, config: ServerConfig, *, worker_thread: bool = Tr
         return {**head, "content": blocks, "stop_reason": reason, "stop_sequence": seq,
                 "usage": _anthropic_usage(final)}
 
+    from .responses import add_routes      # here: responses.py imports this module
+    add_routes(app, service, read)
     return app
 
 

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 from collections.abc import Sequence
 
 DTYPES = ("float32", "float16", "bfloat16")
 DRAFT_BITS = (4, 8, 16)             # 16 = unquantized
 DRAFT_GROUP_SIZES = (32, 64, 128)
 SEED_MAX = 2**64 - 1                # mx.random.key takes an unsigned 64-bit seed
+PROMPT_CACHE_DISK_BYTES = 8 * 2**30     # the disk tier's bound when only its folder is given
 
 
 class SettingError(ValueError):
@@ -28,6 +30,9 @@ class SettingError(ValueError):
         self.name, self.value, self.expected = name, value, expected
         self.problem = f"{value!r} is not {expected}"
         super().__init__(f"{name}: {self.problem}")
+
+
+_BYTES = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]i?B?|B)?\s*$", re.I)
 
 
 def _is_int(value) -> bool:
@@ -138,6 +143,21 @@ def dtype(value, name: str = "dtype") -> str | None:
     return short
 
 
+def byte_size(value, name: str = "bytes") -> int:
+    """A size in bytes >= 1: an integer, or a string of a number and an optional binary unit
+    ("4096", "512MiB", "1.5G": K, M, G, T, with or without "iB" or "B", are powers of 1024)."""
+    expected = "a size in bytes >= 1 (e.g. 8589934592, 8GiB, 512M)"
+    size = value
+    if isinstance(value, str):
+        m = _BYTES.match(value)
+        size = float(m.group(1)) * 1024 ** "BKMGT".index((m.group(2) or "B")[0].upper()) \
+            if m else None
+        size = int(size) if size is not None and size >= 1 else None
+    if not _is_int(size) or size < 1:
+        raise SettingError(name, value, expected)
+    return int(size)
+
+
 def text(value: str, name: str = "prompt") -> str:
     """A non-empty string that is valid Unicode (bytes that were not UTF-8 arrive from argv as
     lone surrogates, and the tokenizer fails on them)."""
@@ -167,5 +187,5 @@ def prompt(value, name: str = "prompt"):
 
 
 __all__ = ["SettingError", "block_size", "lookup", "temperature", "top_p", "top_k", "max_tokens", "seed",
-           "draft_bits", "draft_group_size", "dtype", "text", "prompt", "DTYPES", "DRAFT_BITS",
-           "DRAFT_GROUP_SIZES"]
+           "draft_bits", "draft_group_size", "dtype", "byte_size", "text", "prompt", "DTYPES",
+           "DRAFT_BITS", "DRAFT_GROUP_SIZES", "PROMPT_CACHE_DISK_BYTES"]

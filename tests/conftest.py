@@ -26,7 +26,8 @@ def test_cache():
     yield TEST_CACHE
     shutil.rmtree(TEST_CACHE, ignore_errors=True)
 
-from fixtures import drafter_args, write_drafter, write_target
+from fixtures import (BODY, CAP, CONTEXT, KEY, Server, drafter_args, write_drafter,
+                      write_target, write_tool_target)
 
 
 @pytest.fixture(scope="session")
@@ -52,3 +53,26 @@ def dflash2_dir(fixture_dir):
 @pytest.fixture(scope="session")
 def dflash_dir(fixture_dir):
     return write_drafter(fixture_dir / "dflash", drafter_args(dflash2=False), seed=3)
+
+
+@pytest.fixture(scope="session")
+def tools_dir(fixture_dir):
+    return write_tool_target(fixture_dir / "tools")
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir, dflash2_dir):
+    """`dflash2-mlx serve` on the tiny llama pair, with the key and limits of fixtures.py; one
+    per test module that asks for it."""
+    s = Server("--model", llama_dir, "--draft", dflash2_dir, "--api-key", KEY,
+               "--max-tokens", CAP, "--context-length", CONTEXT, "--max-body-bytes", BODY,
+               "--queue-size", 8)
+    yield s
+    assert s.stop() == 0, "".join(s.log)
+    assert "Traceback" not in "".join(s.log), "".join(s.log)
+
+
+@pytest.fixture(scope="module")
+def oa(server):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)

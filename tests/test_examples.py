@@ -4,11 +4,13 @@ would run it. An example says how in its module docstring, on lines of its own:
     test-args: --model {llama} --draft {dflash2} --max-tokens 8
     test-stdin: first line\\nsecond line\\n
     test-server: --model {llama} --draft {dflash2}
+    test-stdout: words its output must contain
 
 {llama} and {dflash2} are the tiny fixture target and drafter (other fixtures: {qwen3},
-{dflash}); an example without a `test-args:` line runs with no arguments (the embedded
-default pair). `test-server:` starts `dflash2-mlx serve` with those flags on a free loopback
-port first, and `{base_url}` in `test-args:` is its address.
+{dflash}, and {tools}, a target that always calls get_weather(city="Paris")); an example
+without a `test-args:` line runs with no arguments (the embedded default pair). `test-server:`
+starts `dflash2-mlx serve` with those flags on a free loopback port first, and `{base_url}` in
+`test-args:` is its address.
 """
 
 import ast
@@ -26,14 +28,15 @@ import pytest
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.py"))
 
 
-def invocation(path: Path) -> tuple[str | None, str | None]:
+def invocation(path: Path) -> tuple[str | None, ...]:
     doc = ast.get_docstring(ast.parse(path.read_text())) or ""
     found = {}
     for line in doc.splitlines():
         key, _, value = line.strip().partition(":")
-        if key in ("test-args", "test-stdin", "test-server") and value:
+        if key in ("test-args", "test-stdin", "test-server", "test-stdout") and value:
             found[key] = value.strip()
-    return found.get("test-args"), found.get("test-stdin"), found.get("test-server")
+    return (found.get("test-args"), found.get("test-stdin"), found.get("test-server"),
+            found.get("test-stdout"))
 
 
 @contextlib.contextmanager
@@ -66,10 +69,10 @@ def test_examples_exist():
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
-def test_example_runs(path, llama_dir, qwen3_dir, dflash2_dir, dflash_dir):
-    args, stdin, server = invocation(path)
+def test_example_runs(path, llama_dir, qwen3_dir, dflash2_dir, dflash_dir, tools_dir):
+    args, stdin, server, expected = invocation(path)
     fixtures = {"llama": llama_dir, "qwen3": qwen3_dir, "dflash2": dflash2_dir,
-                "dflash": dflash_dir}
+                "dflash": dflash_dir, "tools": tools_dir}
     text = stdin.encode().decode("unicode_escape") if stdin else ""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     with (served([f.format(**fixtures) for f in server.split()], env) if server
@@ -79,6 +82,7 @@ def test_example_runs(path, llama_dir, qwen3_dir, dflash2_dir, dflash_dir):
                               capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and proc.stdout.strip(), (proc.stdout, proc.stderr)
+    assert expected is None or expected in proc.stdout, (expected, proc.stdout)
 
 
 def test_chat_keeps_the_conversation(llama_dir, dflash2_dir):

@@ -194,7 +194,7 @@ def test_forcing_metal_without_metal_is_a_clear_error(monkeypatch):
 
 
 def test_metal_sources_ship_as_package_data():
-    from dflash2_mlx import metal
+    from dflash2_mlx.kernels import metal
 
     for name in ("short_conv", "path_walk"):
         header, body = metal.kernel_source(name)

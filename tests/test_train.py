@@ -228,7 +228,8 @@ def test_doctest_and_package_sources_hold_no_evaluation_material(tmp_path):
 
 
 def test_init_layers_choose_the_copied_target_layers():
-    from dflash2_mlx.train.recipe import Recipe, copy_layers_for
+    from dflash2_mlx.train.config import Recipe
+    from dflash2_mlx.train.recipe import copy_layers_for
 
     assert copy_layers_for(Recipe(run="x"), 30) == [28, 29]
     assert copy_layers_for(Recipe(run="x", init_layers=(17, 18)), 30) == [17, 18]
@@ -267,13 +268,14 @@ def tiny_store(tmp_path_factory, tiny_target):
 
 def test_copy_weight_raises_the_rows_a_lookup_would_copy(tiny_target, tiny_store):
     from dflash2_mlx.target import TargetAdapter
+    from dflash2_mlx.train.config import DrafterShape, TrainConfig
     from dflash2_mlx.train.init import drafter_args_for
-    from dflash2_mlx.train.trainer import Batcher, TrainConfig, copy_rows
+    from dflash2_mlx.train.trainer import Batcher, copy_rows
 
     _, _, adapter = tiny_target
     plain = TargetAdapter(adapter.model)
-    args = drafter_args_for(plain, layers=1, block_size=4, target_layer_ids=(1, 2),
-                            mask_token_id=383, conv=False, selector=False)
+    args = drafter_args_for(plain, DrafterShape(layers=1, block_size=4, target_layer_ids=(1, 2),
+                                                mask_token_id=383, conv=False, selector=False))
     seqs = list(range(len(tiny_store)))
     copies = {i: copy_rows(np.asarray(tiny_store.tokens(i)), tiny_store.prompt_len(i), 3)
               for i in seqs}
@@ -296,20 +298,21 @@ def test_copy_weight_raises_the_rows_a_lookup_would_copy(tiny_target, tiny_store
     np.testing.assert_allclose(copy_w / plain_w, np.where(expected, 3.0, 1.0), rtol=1e-6)
 
 
-def _train(tiny_target, store, run, steps, dflash2=True, log=None, init=True):
+def _train(tiny_target, store, run, steps, dflash2=True, on_step=None, init=True):
+    from dflash2_mlx.train.config import DrafterShape, TrainConfig
     from dflash2_mlx.train.init import drafter_args_for, init_drafter
-    from dflash2_mlx.train.trainer import TrainConfig, train
+    from dflash2_mlx.train.trainer import train
 
     _, _, adapter = tiny_target
     from dflash2_mlx.target import TargetAdapter
 
     plain = TargetAdapter(adapter.model)
-    args = drafter_args_for(plain, layers=2, block_size=4, target_layer_ids=(1, 2),
-                            mask_token_id=383, conv=dflash2, selector=dflash2,
-                            selector_rank=32)
+    args = drafter_args_for(plain, DrafterShape(layers=2, block_size=4, target_layer_ids=(1, 2),
+                                                mask_token_id=383, conv=dflash2,
+                                                selector=dflash2, selector_rank=32))
     drafter = init_drafter(args, plain, [2, 3] if init else None, seed=0)
     cfg = TrainConfig(steps=steps, lr=3e-3, seqs=4, anchors=8, ckpt_every=4, soft=0.5)
-    return train(drafter, plain, store, run, cfg, log=log), plain
+    return train(drafter, plain, store, run, cfg, on_step=on_step), plain
 
 
 def test_training_reduces_the_loss_and_exports_an_exact_drafter(tmp_path, tiny_target,
@@ -348,7 +351,7 @@ def test_training_resumes_exactly(tmp_path, tiny_target, tiny_store):
 
     straight, _ = _train(tiny_target, tiny_store, tmp_path / "a", steps=8, dflash2=False)
     with pytest.raises(Stop):
-        _train(tiny_target, tiny_store, tmp_path / "b", steps=8, dflash2=False, log=stop_at_6)
+        _train(tiny_target, tiny_store, tmp_path / "b", steps=8, dflash2=False, on_step=stop_at_6)
     resumed, _ = _train(tiny_target, tiny_store, tmp_path / "b", steps=8, dflash2=False)
     from mlx.utils import tree_flatten
 
@@ -358,15 +361,16 @@ def test_training_resumes_exactly(tmp_path, tiny_target, tiny_store):
 
 
 def test_offline_eval_counts_leading_matches(tiny_target, tiny_store):
+    from dflash2_mlx.target import TargetAdapter
+    from dflash2_mlx.train.config import DrafterShape
     from dflash2_mlx.train.evaluate import _leading, offline_eval
     from dflash2_mlx.train.init import drafter_args_for, init_drafter
-    from dflash2_mlx.target import TargetAdapter
 
     assert _leading(np.array([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1]], bool)).tolist() == \
         [2, 0, 4]
     plain = TargetAdapter(tiny_target[0])
-    args = drafter_args_for(plain, layers=1, block_size=4, target_layer_ids=(1, 2),
-                            mask_token_id=383, conv=True, selector=True, selector_rank=32)
+    args = drafter_args_for(plain, DrafterShape(layers=1, block_size=4, target_layer_ids=(1, 2),
+                                                mask_token_id=383, selector_rank=32))
     res = offline_eval(init_drafter(args, plain, None), plain, tiny_store, seqs=[0, 1])
     assert res["sequences"] == 2 and len(res["recall1"]) == 3
     assert 1.0 <= res["tau"] <= 4.0 and all(0 <= r <= 1 for r in res["recall16"])
@@ -480,6 +484,7 @@ def test_a_run_can_start_from_a_drafter_folder(tmp_path, tiny_store, llama_dir):
     from dflash2_mlx.loading import load_drafter, load_target
     from dflash2_mlx.target import TargetAdapter
     from dflash2_mlx.train import train_drafter
+    from dflash2_mlx.train.config import DrafterShape
     from dflash2_mlx.train.init import drafter_args_for, init_drafter
     from dflash2_mlx.train.recipe import drafter_to_continue
 
@@ -488,8 +493,7 @@ def test_a_run_can_start_from_a_drafter_folder(tmp_path, tiny_store, llama_dir):
                         anchors=8, **shape)
     model, _, _ = load_target(str(llama_dir), mx.float32)
     plain = TargetAdapter(model)
-    args = drafter_args_for(plain, layers=2, block_size=8, mask_token_id=383, conv=True,
-                            selector=True, **shape)
+    args = drafter_args_for(plain, DrafterShape(mask_token_id=383, **shape))
     start = dict(tree_flatten(drafter_to_continue(str(out), args, plain).parameters()))
     saved = dict(tree_flatten(load_drafter(out, hidden_size=plain.hidden_size,
                                            vocab_size=plain.vocab_size,
@@ -519,29 +523,103 @@ def test_a_missing_store_leaves_no_run_folder(tmp_path, llama_dir):
     assert not (tmp_path / "run").exists()
 
 
-def test_training_defaults_live_in_the_recipe():
-    """They lived in three places and disagreed (1500 vs 2000 steps, rank 128 vs 256)."""
-    import inspect
+# --------------------------------------------------------------------------- settings and flags
+
+# The flags of `dflash2-mlx train` users have (docs/cli.md, docs/training.md): they must keep
+# working now that the command is built from the dataclass fields.
+TRAIN_FLAGS = {
+    "--run", "--model", "--data", "--out", "--stdlib-functions", "--stdlib-tasks",
+    "--pydoc-topics", "--self-chat", "--doctest-functions", "--package-functions",
+    "--exclude-prompts", "--sampled-fraction", "--max-prompt-tokens", "--max-new-tokens",
+    "--gen-batch", "--layers", "--block-size", "--target-layer-ids", "--mask-token-id", "--conv",
+    "--no-conv", "--selector", "--no-selector", "--selector-rank", "--init-from-target",
+    "--random-init", "--init-layers", "--init-from", "--steps", "--lr", "--seqs", "--anchors",
+    "--gamma", "--soft", "--copy-weight", "--ckpt-every", "--snapshot-every", "--max-minutes",
+    "--seed", "--bits", "--stop-after"}
+
+
+def _train_cli():
+    import typer
 
     from dflash2_mlx.train.command import train_command
-    from dflash2_mlx.train.init import drafter_args_for
-    from dflash2_mlx.train.recipe import DEFAULT_COUNTS, Recipe
-    from dflash2_mlx.train.trainer import TrainConfig
 
-    r, t = Recipe(run="x"), TrainConfig()
-    for name in ("steps", "lr", "seqs", "anchors", "soft", "ckpt_every", "snapshot_every",
-                 "seed"):
-        assert getattr(t, name) == getattr(r, name), name
-    assert inspect.signature(drafter_args_for).parameters["selector_rank"].default == \
-        r.selector_rank
-    counts = {"stdlib_functions": "stdlib_function", "stdlib_tasks": "stdlib_task",
-              "pydoc_topics": "pydoc_topic", "self_chat": "self_chat",
-              "doctest_functions": "doctest_function", "package_functions": "package_function"}
-    for name, param in inspect.signature(train_command).parameters.items():
-        default = param.default.default
-        if name in counts:
-            assert default == DEFAULT_COUNTS[counts[name]], name
-        elif name == "target_layer_ids":
-            assert default == ",".join(map(str, r.target_layer_ids))
-        elif hasattr(r, name) and name not in ("run", "data", "exclude_prompts", "counts"):
-            assert default == getattr(r, name), name
+    sub = typer.Typer(add_completion=False)
+    sub.command()(train_command)
+    return typer.main.get_command(sub)
+
+
+def test_train_flags_are_the_fields_of_the_recipe():
+    """The flags, their defaults and their help come from the dataclass fields (they were a
+    93-line hand copy); every flag users have is still there, and nothing else."""
+    from dflash2_mlx.train.config import Recipe, flat_fields
+
+    command = _train_cli()
+    flags = {o for p in command.params for o in (*p.opts, *p.secondary_opts)}
+    assert flags == TRAIN_FLAGS
+    fields = {f.name: f for _, f in flat_fields()}
+    recipe = Recipe(run="x")
+    parts = {"drafter": recipe.drafter, "train": recipe.train, None: recipe}
+    for param in command.params:
+        f = fields[param.name]
+        assert param.help == f.metadata["help"], param.name
+        if param.name == "run":
+            assert param.required
+            continue
+        owner = [o for part, o in parts.items() if part is None or hasattr(o, param.name)]
+        value = getattr(next(o for o in owner if hasattr(o, param.name)), param.name)
+        if param.name in ("target_layer_ids", "init_layers"):
+            value = None if value is None else ",".join(map(str, value))
+        elif param.name in ("data", "exclude_prompts"):
+            value = list(value or ())
+        assert param.default == value, param.name
+
+
+def test_train_flags_reach_the_recipe(monkeypatch, tmp_path):
+    """What the command hands `run_recipe`: each flag in its part, tuples parsed; bad values
+    are refused by the field's validator, naming the flag."""
+    from click.testing import CliRunner
+
+    from dflash2_mlx.train import recipe as R
+    from dflash2_mlx.train.config import DrafterShape, Recipe, TrainConfig
+
+    got = []
+    monkeypatch.setattr(R, "run_recipe", lambda recipe: got.append(recipe) or tmp_path)
+    monkeypatch.setattr("dflash2_mlx.log.setup", lambda: None)   # keep this process's logging
+    command, runner = _train_cli(), CliRunner()
+    assert runner.invoke(command, ["--run", "r"]).exit_code == 0
+    assert got.pop() == Recipe(run="r")                 # the flags' defaults are the fields'
+    args = ["--run", "r", "--steps", "7", "--target-layer-ids", "1, 2", "--no-conv",
+            "--random-init", "--init-layers", "3,4", "--data", "a", "--data", "b", "--seed", "5",
+            "--self-chat", "0", "--bits", "4", "--stop-after", "train", "--model", "m",
+            "--mask-token-id", "5", "--gamma", "2.5"]
+    result = runner.invoke(command, args)
+    assert result.exit_code == 0, result.output
+    r = got[0]
+    assert r.train == TrainConfig(steps=7, seed=5, gamma=2.5)
+    assert r.drafter == DrafterShape(target_layer_ids=(1, 2), conv=False, mask_token_id=5)
+    assert (r.run, r.model, r.data, r.init_from_target, r.init_layers, r.bits, r.stop_after) == \
+        ("r", "m", ("a", "b"), False, (3, 4), 4, "train")
+    assert r.counts["self_chat"] == 0 and r.counts["stdlib_function"] == 400
+    for bad, flag in ((["--bits", "3"], "--bits"), (["--stop-after", "x"], "--stop-after"),
+                      (["--seed", "-1"], "--seed"), (["--max-new-tokens", "0"], "--max-new-tokens"),
+                      (["--target-layer-ids", "1,a"], "--target-layer-ids")):
+        result = runner.invoke(command, ["--run", "r", *bad])
+        assert result.exit_code == 2 and f"'{flag}'" in result.output, (bad, result.output)
+
+
+def test_recipe_options_route_to_their_part():
+    """`train_drafter`'s flat options: each name belongs to one dataclass, unknown ones fail."""
+    from dflash2_mlx.settings import SettingError
+    from dflash2_mlx.train.config import OWNER, PARTS, DrafterShape, Recipe, flat_fields
+
+    assert len(OWNER) == len(flat_fields()) + len(PARTS)       # no name in two places
+    r = Recipe.from_options("run", steps=3, selector_rank=32, bits=8)
+    assert (r.train.steps, r.drafter.selector_rank, r.bits) == (3, 32, 8)
+    r = Recipe.from_options("run", drafter=DrafterShape(layers=3), block_size=4)
+    assert (r.drafter.layers, r.drafter.block_size) == (3, 4)
+    with pytest.raises(TypeError, match="unknown training option 'step'"):
+        Recipe.from_options("run", step=3)
+    with pytest.raises(SettingError, match="bits: 3 is not 4 or 8"):
+        Recipe.from_options("run", bits=3)
+    with pytest.raises(SettingError, match="stop_after"):
+        Recipe(run="x", stop_after="all")

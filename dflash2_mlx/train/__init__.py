@@ -16,8 +16,10 @@ Stages, each resumable from what it left on disk (`recipe.py` runs them in order
   evaluate   `evaluate.py`: offline tau / recall on HumanEval prompts by teacher forcing, and
              real generation through `dflash2_mlx.load`
 
-Python entry point: `train_drafter(run="runs/x", steps=..., ...)` (the options of
-`recipe.Recipe`); command line: `dflash2-mlx train` (`command.train_command`).
+Python entry point: `train_drafter(run="runs/x", steps=..., ...)` (the fields of
+`config.Recipe` and of its parts, `DrafterShape` and `TrainConfig`, by name); command line:
+`dflash2-mlx train` (`command.train_command`, its flags built from the same fields). Progress
+and one line per stage go to the package's logger: `dflash2_mlx.log.setup()` prints them.
 Module imports stay light here: the CLI imports `command.train_command` at start-up.
 """
 
@@ -26,10 +28,12 @@ from __future__ import annotations
 
 def train_drafter(run: str, **options):
     """Run (or resume) the whole recipe into the folder `run`; -> the exported drafter folder.
-    Options: the fields of `dflash2_mlx.train.recipe.Recipe`."""
-    from .recipe import Recipe, run_recipe
+    Options: the fields of `dflash2_mlx.train.config.Recipe`, `DrafterShape` and `TrainConfig`
+    by name (`Recipe.from_options`)."""
+    from .config import Recipe
+    from .recipe import run_recipe
 
-    return run_recipe(Recipe(run=run, **options))
+    return run_recipe(Recipe.from_options(run, **options))
 
 
 __all__ = ["train_drafter"]

@@ -1,116 +1,97 @@
-"""`dflash2-mlx train`: the typer-annotated entry point (registered by the CLI).
+"""`dflash2-mlx train`: the typer entry point (registered by the CLI), its options built from the
+fields of `config.Recipe` and its parts (name, default, help, validator), so a setting is
+declared once.
 
-Only typer is imported at module level; everything heavy loads when the command runs.
+Only typer and `config` are imported at module level; everything heavy loads when the command
+runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import typing
 from typing import Optional
 
 import typer
 
-from .recipe import DEFAULT_COUNTS, Recipe
+from .. import settings
+from .config import PARTS, Recipe, flat_fields
 
-R = Recipe(run="")      # the defaults of every option: one place, `recipe.Recipe`
 
-
-def _ints(text: str, flag: str) -> tuple[int, ...]:
+def _ints(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
     try:
         return tuple(int(x) for x in text.replace(" ", "").split(",") if x)
     except ValueError:
-        raise typer.BadParameter(f"{flag} takes comma-separated integers, got {text!r}")
+        raise typer.BadParameter(f"expected comma-separated integers, got {text!r}") from None
 
 
-def train_command(
-    run: str = typer.Option(..., "--run", help="Run folder: every stage resumes from it."),
-    model: Optional[str] = typer.Option(None, "--model", help="Target (mlx-lm folder, hub id or "
-                                        ".gguf); default: the embedded SmolLM2-135M-Instruct."),
-    data: list[str] = typer.Option([], "--data", metavar="STORE",
-                                   help="Train on an existing feature store instead of "
-                                   "generating one in <run>/data (repeatable: several stores "
-                                   "of the same target train as one)."),
-    out: Optional[str] = typer.Option(None, "--out", help="Export folder (default <run>/drafter)."),
-    stdlib_functions: int = typer.Option(DEFAULT_COUNTS["stdlib_function"],
-                                         help="Prompts: stdlib signatures + docstrings."),
-    stdlib_tasks: int = typer.Option(DEFAULT_COUNTS["stdlib_task"],
-                                     help="Prompts: 'write a function that ...'."),
-    pydoc_topics: int = typer.Option(DEFAULT_COUNTS["pydoc_topic"],
-                                     help="Prompts: CPython documentation topics."),
-    self_chat: int = typer.Option(DEFAULT_COUNTS["self_chat"],
-                                  help="Prompts: user turns sampled from the target."),
-    doctest_functions: int = typer.Option(DEFAULT_COUNTS["doctest_function"],
-                                          help="Prompts: functions with >>> examples (stdlib "
-                                          "and installed packages)."),
-    package_functions: int = typer.Option(DEFAULT_COUNTS["package_function"],
-                                          help="Prompts: installed packages' signatures + "
-                                          "docstrings."),
-    exclude_prompts: list[str] = typer.Option([], "--exclude-prompts", metavar="FILE",
-                                              help="An earlier run's "
-                                              "prompts.jsonl: its prompts are not drawn again "
-                                              "(repeatable; more data without repeats)."),
-    sampled_fraction: float = typer.Option(R.sampled_fraction,
-                                           help="Share of prompts also answered at T=1."),
-    max_prompt_tokens: int = typer.Option(R.max_prompt_tokens),
-    max_new_tokens: int = typer.Option(R.max_new_tokens),
-    gen_batch: int = typer.Option(R.gen_batch, help="Sequences per generation batch."),
-    layers: int = typer.Option(R.layers, help="Drafter depth."),
-    block_size: int = typer.Option(R.block_size),
-    target_layer_ids: str = typer.Option(",".join(map(str, R.target_layer_ids)),
-                                         help="Target layers the drafter reads."),
-    mask_token_id: Optional[int] = typer.Option(None, help="Default: 16 for SmolLM2."),
-    conv: bool = typer.Option(True, "--conv/--no-conv", help="DFlash 2 short convolution."),
-    selector: bool = typer.Option(True, "--selector/--no-selector", help="DFlash 2 selector."),
-    selector_rank: int = typer.Option(R.selector_rank),
-    init_from_target: bool = typer.Option(True, "--init-from-target/--random-init"),
-    init_layers: Optional[str] = typer.Option(None, "--init-layers",
-                                              help="Target layers the drafter's layers start "
-                                              "from (one each; default: the last ones)."),
-    init_from: Optional[str] = typer.Option(None, "--init-from", metavar="DRAFTER",
-                                            help="Start from a drafter folder's weights "
-                                            "instead (fine-tuning; e.g. the shipped one, "
-                                            "dflash2_mlx/defaults)."),
-    steps: int = typer.Option(R.steps),
-    lr: float = typer.Option(R.lr),
-    seqs: int = typer.Option(R.seqs, help="Sequences per step."),
-    anchors: int = typer.Option(R.anchors, help="Random anchors per sequence per step."),
-    gamma: Optional[float] = typer.Option(None, help="Position decay (default 4 for b=8)."),
-    soft: float = typer.Option(R.soft, help="Weight of the distillation term (0: hard labels)."),
-    copy_weight: float = typer.Option(R.copy_weight, help="Extra loss weight of the block rows "
-                                      "a context lookup would copy (0: none)."),
-    ckpt_every: int = typer.Option(R.ckpt_every),
-    snapshot_every: int = typer.Option(R.snapshot_every,
-                                       help="Also keep the weights every N steps (trend)."),
-    max_minutes: Optional[float] = typer.Option(None, help="Stop training (checkpointed, "
-                                                "resumable) after this many minutes."),
-    seed: int = typer.Option(R.seed),
-    bits: Optional[int] = typer.Option(None, help="Export quantized: 4 or 8."),
-    stop_after: str = typer.Option(R.stop_after, help="data | train | export"),
-):
+def _callback(flag: str, validate, parse=None):
+    """click callback: parse the flag's text (tuples of ints), then run the field's validator;
+    a `SettingError` becomes click's "Invalid value for '--flag'" line."""
+    def callback(value):
+        if parse is not None:
+            value = parse(value)
+        if validate is None or value is None:
+            return value
+        try:
+            return validate(value, flag)
+        except settings.SettingError as e:
+            raise typer.BadParameter(e.problem) from None
+    return callback
+
+
+def _element(hint) -> tuple[type | None, bool]:
+    """(element type of a `tuple[X, ...]` hint or None, whether None is allowed)."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    optional = len(args) < len(typing.get_args(hint))
+    inner = args[0] if optional and len(args) == 1 else hint
+    if typing.get_origin(inner) is tuple:
+        return typing.get_args(inner)[0], optional
+    return None, optional
+
+
+def _parameter(field: dataclasses.Field, hint) -> inspect.Parameter:
+    """The typer option of one field: tuples of ints are comma-separated text, tuples of
+    strings repeat the flag; everything else keeps its type."""
+    meta = field.metadata
+    flag = meta["flag"] or "--" + field.name.replace("_", "-")
+    default = ... if field.default is dataclasses.MISSING else field.default
+    element, optional = _element(hint)
+    parse = None
+    if element is int:
+        annotation = Optional[str] if optional else str
+        default = None if default is None else ",".join(map(str, default))
+        parse = _ints
+    elif element is str:
+        annotation, default = list[str], list(default or ())
+    else:
+        annotation = hint
+    info = typer.Option(default, *([meta["flag"]] if meta["flag"] else []), help=meta["help"],
+                        metavar=meta["metavar"],
+                        callback=_callback(flag.split("/")[0], meta["validate"], parse))
+    return inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=info,
+                             annotation=annotation)
+
+
+def _signature() -> inspect.Signature:
+    hints = {None: typing.get_type_hints(Recipe)}
+    hints.update({part: typing.get_type_hints(kind) for part, kind in PARTS.items()})
+    return inspect.Signature([_parameter(f, hints[part][f.name]) for part, f in flat_fields()
+                              if f.metadata.get("help")])
+
+
+def train_command(**options):
     """Train a DFlash / DFlash 2 drafter for a target: prompts -> target responses with features
     -> training -> export (resumable at every stage)."""
-    if stop_after not in ("data", "train", "export"):
-        raise typer.BadParameter(f"--stop-after must be data, train or export, got {stop_after!r}")
-    if bits not in (None, 4, 8):
-        raise typer.BadParameter(f"--bits must be 4 or 8, got {bits}")
-    from .recipe import Recipe, run_recipe
+    from .. import log
+    from .recipe import run_recipe
 
-    recipe = Recipe(
-        run=run, model=model, data=tuple(data) or None, out=out,
-        counts={"stdlib_function": stdlib_functions, "stdlib_task": stdlib_tasks,
-                "pydoc_topic": pydoc_topics, "self_chat": self_chat,
-                "doctest_function": doctest_functions, "package_function": package_functions},
-        exclude_prompts=tuple(exclude_prompts),
-        sampled_fraction=sampled_fraction, max_prompt_tokens=max_prompt_tokens,
-        max_new_tokens=max_new_tokens, gen_batch=gen_batch, layers=layers,
-        block_size=block_size, target_layer_ids=_ints(target_layer_ids, "--target-layer-ids"),
-        mask_token_id=mask_token_id, conv=conv, selector=selector, selector_rank=selector_rank,
-        init_from_target=init_from_target,
-        init_layers=_ints(init_layers, "--init-layers") if init_layers else None,
-        init_from=init_from,
-        steps=steps, lr=lr, seqs=seqs, anchors=anchors,
-        gamma=gamma, soft=soft, copy_weight=copy_weight, ckpt_every=ckpt_every,
-        snapshot_every=snapshot_every,
-        max_minutes=max_minutes, seed=seed, bits=bits,
-        stop_after=stop_after)
-    folder = run_recipe(recipe, log=lambda line: typer.echo(line, err=True))
+    log.setup()
+    folder = run_recipe(Recipe.from_options(**options))
     typer.echo(str(folder))
+
+
+train_command.__signature__ = _signature()

@@ -20,13 +20,15 @@ alone (one teacher-forced forward per sequence), for data committed as ids only.
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
+
+from .. import log
+from ..files import atomic_path, atomic_write
 
 MANIFEST = "manifest.json"
 SHARD_FILES = ("tokens", "index", "feats", "topk_ids", "topk_lp")
@@ -235,9 +237,8 @@ class FeatureStore:
             "topk_lp": np.concatenate([s.topk_lp for s in seqs]).astype(np.float16),
         }
         for k, v in arrays.items():
-            tmp = self.folder / f"{name}.{k}.tmp.npy"
-            np.save(tmp, v)
-            os.replace(tmp, self.folder / f"{name}.{k}.npy")
+            with atomic_path(self.folder / f"{name}.{k}.npy") as tmp:
+                np.save(tmp, v)
         manifest = json.loads((self.folder / MANIFEST).read_text())
         manifest["shards"].append(name)
         _write_json(self.folder / MANIFEST, manifest)
@@ -295,9 +296,8 @@ def _index(lengths: list[int], prompt_lens: list[int]) -> list[tuple[int, int, i
 
 
 def _write_json(path: Path, obj) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    os.replace(tmp, path)
+    with atomic_write(path) as f:
+        f.write(json.dumps(obj, indent=1) + "\n")
 
 
 # --------------------------------------------------------------------------- driving it
@@ -316,24 +316,23 @@ def plan_batches(prompt_ids: list[list[int]], batch_size: int) -> list[list[int]
 
 
 def generate_store(adapter, prompt_ids: list[list[int]], store: FeatureStore, cfg: GenConfig,
-                   stop_ids: set[int], tag: str = "g",
-                   progress: Callable[[Iterable], Iterable] | None = None) -> FeatureStore:
+                   stop_ids: set[int], tag: str = "g", desc: str = "generate") -> FeatureStore:
     """Answer every prompt (ids) with the target and add the results to `store`, one shard per
-    batch named `{tag}{batch:05d}`; shards already there are skipped (resume)."""
+    batch named `{tag}{batch:05d}`; shards already there are skipped (resume). The batches
+    show as the progress bar `desc`."""
     import mlx.core as mx
 
     batches = plan_batches(prompt_ids, cfg.batch_size)
     todo = [(b, idx) for b, idx in enumerate(batches) if not store.has_shard(f"{tag}{b:05d}")]
-    bar = progress(todo) if progress else todo
+    bar = log.progress(todo, desc)
     tokens_done, t0 = 0, time.perf_counter()
     for b, idx in bar:
         key = mx.random.key(cfg.seed * 100003 + b)
         seqs = generate_batch(adapter, [prompt_ids[i] for i in idx], cfg, stop_ids, key)
         store.write_shard(f"{tag}{b:05d}", seqs)
         tokens_done += sum(len(s.tokens) - s.prompt_len for s in seqs)
-        if hasattr(bar, "set_postfix"):
-            bar.set_postfix(tok_s=f"{tokens_done / (time.perf_counter() - t0):.0f}",
-                            seqs=len(store))
+        bar.set_postfix(tok_s=f"{tokens_done / (time.perf_counter() - t0):.0f}",
+                        seqs=len(store))
         mx.clear_cache()
     return store
 
@@ -412,10 +411,8 @@ def build_prompts(path: str | Path, counts: dict[str, int], adapter=None, tokeni
         turns = sample_user_turns(adapter, tokenizer, n_chat, cfg or GenConfig(), set(stop_ids),
                                   exclude=known)
         rows += [{"source": "self_chat", "text": t} for t in turns]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    os.replace(tmp, path)
+    with atomic_write(path) as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
     return rows
 
 
@@ -449,15 +446,16 @@ def load_token_ids(path: str | Path) -> list[tuple[np.ndarray, int]]:
 
 
 def capture_store(adapter, seqs: list[tuple[np.ndarray, int]], store: FeatureStore,
-                  topk: int = 16, per_shard: int = 16, tag: str = "c", progress=None
+                  topk: int = 16, per_shard: int = 16, tag: str = "c", desc: str = "capture"
                   ) -> FeatureStore:
     """Features and top-k of known sequences (teacher forcing, one forward per sequence) into
-    `store`, one shard per `per_shard` sequences; existing shards are skipped (resume)."""
+    `store`, one shard per `per_shard` sequences; existing shards are skipped (resume). The
+    shards show as the progress bar `desc`."""
     import mlx.core as mx
 
     groups = [seqs[i: i + per_shard] for i in range(0, len(seqs), per_shard)]
     todo = [(g, grp) for g, grp in enumerate(groups) if not store.has_shard(f"{tag}{g:05d}")]
-    for g, grp in (progress(todo) if progress else todo):
+    for g, grp in log.progress(todo, desc):
         out = []
         for tokens, P in grp:
             ids = mx.array(np.asarray(tokens[:-1], np.int32))[None]

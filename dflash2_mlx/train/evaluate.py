@@ -28,10 +28,12 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
+from .. import log
 from ..drafter import Drafter
 from ..topk import top_k_indices
+from .config import TrainConfig
 from .data import FeatureStore
-from .trainer import Batcher, TrainConfig, head_matrix, windows_of
+from .trainer import Batcher, head_matrix, windows_of
 from .packed import packed_hidden
 from .losses import selector_scores
 
@@ -124,8 +126,7 @@ def eval_sequence(drafter: Drafter, batcher: Batcher, head_w: mx.array, i: int,
 
 
 def offline_eval(drafter: Drafter, adapter, store: FeatureStore,
-                 seqs: Sequence[int] | None = None, temperature: float = 1.0,
-                 progress=None) -> dict:
+                 seqs: Sequence[int] | None = None, temperature: float = 1.0) -> dict:
     """Offline figures of `drafter` on the stored responses (see the module docstring).
 
     -> {"tau": greedy tau (the drafter's own decoding: the selector walk when it has one),
@@ -136,8 +137,7 @@ def offline_eval(drafter: Drafter, adapter, store: FeatureStore,
     batcher = Batcher(store, seqs, drafter.args, cfg, None, adapter.embed)
     head_w = head_matrix(adapter)
     results = []
-    it = progress(batcher.seqs) if progress else batcher.seqs
-    for i in it:
+    for i in log.progress(batcher.seqs, "offline eval"):
         results.append(eval_sequence(drafter, batcher, head_w, i, temperature))
         mx.clear_cache()
     return summarize(results, drafter.args.has_selector)
@@ -172,13 +172,12 @@ def summarize(results: list[SeqResult], has_selector: bool) -> dict:
 
 def real_eval(pipeline, prompts: Sequence[str], *, max_tokens: int = 256,
               temperature: float = 0.0, block_size: int | None = None, seed: int = 0,
-              lookup: bool | None = None, progress=None) -> dict:
+              lookup: bool | None = None) -> dict:
     """Generate with `pipeline` (a `dflash2_mlx.Pipeline`) on each prompt; tau per request,
     then averaged (as the DFlash papers report it), per-position acceptance and decode speed.
     lookup: False for the drafter alone (None: the pipeline's default)."""
     taus, acc, tps, cycles, gen_tokens, secs = [], [], [], 0, 0, 0.0
-    it = progress(prompts) if progress else prompts
-    for j, prompt in enumerate(it):
+    for j, prompt in enumerate(log.progress(prompts, "real eval")):
         t = time.perf_counter()
         g = pipeline.generate(prompt, max_tokens=max_tokens, temperature=temperature,
                               block_size=block_size, seed=seed + j, lookup=lookup)

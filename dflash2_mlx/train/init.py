@@ -17,34 +17,42 @@ import numpy as np
 
 from ..config import DFLASH, DFLASH2, DrafterArgs
 from ..drafter import Drafter
-from .recipe import Recipe
+from .config import DrafterShape
 
 SELECTOR_INIT_STD = 0.02
+SMOLLM2_VOCAB = 49152
+SMOLLM2_MASK_ID = 16     # <empty_output>, a special token SmolLM2's chat never produces
 
 
-def drafter_args_for(adapter, *, layers: int, block_size: int, target_layer_ids: Sequence[int],
-                     mask_token_id: int, conv: bool, selector: bool,
-                     selector_rank: int = Recipe.selector_rank,
-                     selector_top_k: int = 16, intermediate_size: int | None = None,
-                     max_position_embeddings: int = 8192) -> DrafterArgs:
-    """DrafterArgs matching the target's width, heads and RoPE (what layer copies need)."""
+def default_mask_id(vocab_size: int) -> int:
+    """The mask token when none is given: SmolLM2's <empty_output>, else the last id."""
+    return SMOLLM2_MASK_ID if vocab_size == SMOLLM2_VOCAB else vocab_size - 1
+
+
+def drafter_args_for(adapter, shape: DrafterShape) -> DrafterArgs:
+    """DrafterArgs of `shape` matching the target's width, heads and RoPE (what layer copies
+    need)."""
     t = adapter.layers[0].self_attn
     targs = getattr(adapter.model, "args", None)
     heads, kv = t.n_heads, t.n_kv_heads
     head_dim = t.q_proj.weight.shape[0] // heads
     mlp_width = adapter.layers[0].mlp.gate_proj.weight.shape[0]
+    mask = shape.mask_token_id
+    conv, selector, layers = shape.conv, shape.selector, shape.layers
     args = DrafterArgs(
         hidden_size=adapter.hidden_size, num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=kv, head_dim=head_dim,
-        intermediate_size=intermediate_size or mlp_width, vocab_size=adapter.vocab_size,
-        block_size=block_size, target_layer_ids=tuple(int(i) for i in target_layer_ids),
-        mask_token_id=mask_token_id, rms_norm_eps=float(getattr(targs, "rms_norm_eps", 1e-6)),
-        max_position_embeddings=max_position_embeddings, num_target_layers=adapter.num_layers,
+        intermediate_size=shape.intermediate_size or mlp_width, vocab_size=adapter.vocab_size,
+        block_size=shape.block_size, target_layer_ids=shape.target_layer_ids,
+        mask_token_id=default_mask_id(adapter.vocab_size) if mask is None else mask,
+        rms_norm_eps=float(getattr(targs, "rms_norm_eps", 1e-6)),
+        max_position_embeddings=shape.max_position_embeddings,
+        num_target_layers=adapter.num_layers,
         rope_theta=float(getattr(targs, "rope_theta", 1e6)),
         layer_types=("full_attention",) * layers, is_causal=False,
         conv_kernel_size=2 if conv else 0, conv_group_size=16 if conv else 0,
-        selector_rank=selector_rank if selector else 0,
-        selector_top_k=selector_top_k if selector else 0,
+        selector_rank=shape.selector_rank if selector else 0,
+        selector_top_k=shape.selector_top_k if selector else 0,
         architecture=DFLASH2 if (conv or selector) else DFLASH)
     args.check("drafter settings")
     args.check_against_target(adapter.hidden_size, adapter.vocab_size, adapter.num_layers,

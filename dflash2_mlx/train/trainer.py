@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -27,41 +26,18 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
+from .. import log
 from ..config import DrafterArgs
 from ..drafter import Drafter, DraftVocab
+from ..files import atomic_path
 from ..lookup import LookupConfig, LookupIndex
 from ..topk import top_k_indices
 from . import host_exp
+from .config import TrainConfig
 from .data import FeatureStore
-from .recipe import Recipe
 from .losses import block_loss, selector_loss, selector_scores
 from .masks import block_mask, context_mask, default_gamma, position_weights
 from .packed import packed_hidden
-
-
-@dataclass
-class TrainConfig:
-    # the settings a run also sets take their defaults from `recipe.Recipe`, the one place
-    steps: int = Recipe.steps
-    lr: float = Recipe.lr
-    warmup: float = 0.04            # fraction of the steps
-    min_lr: float = 0.1             # final learning rate, as a fraction of lr (cosine decay)
-    weight_decay: float = 0.01
-    clip: float = 1.0
-    seqs: int = Recipe.seqs         # sequences per step
-    anchors: int = Recipe.anchors  # anchors per sequence (fewer when the response is shorter)
-    gamma: float | None = None      # None: default_gamma(block_size)
-    soft: float = Recipe.soft       # weight of the distillation term (target's top-k)
-    soft_k: int = 8                 # teacher ids used by the distillation term
-    copy_weight: float = Recipe.copy_weight  # rows a lookup would copy weigh 1 + this
-    selector_weight: float = 1.0
-    vocab: str = "data"             # "data": restricted training softmax; "full"
-    ckpt_every: int = Recipe.ckpt_every
-    keep_ckpts: int = 2
-    snapshot_every: int = Recipe.snapshot_every  # also keep the weights every N steps (0: no)
-    max_minutes: float | None = None  # stop (with a checkpoint) after this much wall time
-    seed: int = Recipe.seed
-    compile: bool = False           # no gain measured on CPU, and it needs host_exp off
 
 
 @dataclass
@@ -332,15 +308,15 @@ def latest_checkpoint(run: Path) -> Path | None:
 def save_checkpoint(run: Path, drafter: Drafter, opt: optim.Optimizer, step: int,
                     extra: dict, keep: int) -> Path:
     folder = run / "ckpt" / f"step_{step:06d}"
-    tmp = run / "ckpt" / f".tmp_{step:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    mx.save_safetensors(str(tmp / "weights.safetensors"), dict(tree_flatten(drafter.parameters())))
-    mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(opt.state)))
-    (tmp / "state.json").write_text(json.dumps({"step": step, "args": drafter.args.to_config(),
-                                                **extra}, indent=1))
-    shutil.rmtree(folder, ignore_errors=True)
-    os.replace(tmp, folder)
+    with atomic_path(folder) as tmp:        # a checkpoint is there whole or not at all
+        tmp.mkdir(exist_ok=True)
+        mx.save_safetensors(str(tmp / "weights.safetensors"),
+                            dict(tree_flatten(drafter.parameters())))
+        mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(opt.state)))
+        (tmp / "state.json").write_text(json.dumps({"step": step,
+                                                    "args": drafter.args.to_config(), **extra},
+                                                   indent=1))
+        shutil.rmtree(folder, ignore_errors=True)     # a folder is renamed only onto none
     for old in sorted((run / "ckpt").glob("step_*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return folder
@@ -354,11 +330,11 @@ def load_checkpoint(folder: Path, drafter: Drafter, opt: optim.Optimizer | None)
 
 
 def train(drafter: Drafter, adapter, store: FeatureStore, run: str | Path, cfg: TrainConfig,
-          seqs: Sequence[int] | None = None, progress=None, log=None) -> Drafter:
+          seqs: Sequence[int] | None = None, on_step=None) -> Drafter:
     """Train `drafter` in place on `store`; checkpoints and `train_log.jsonl` go to `run`.
 
-    `progress(iterable, total=, initial=)` wraps the step range (e.g. tqdm); `log(dict)` gets
-    one record per step. Resumes from the newest checkpoint in `run`.
+    `on_step(record)` gets each step's record (the line of `train_log.jsonl`). Resumes from the
+    newest checkpoint in `run`; the steps show as a progress bar (`dflash2_mlx.log.progress`).
     """
     run = Path(run)
     run.mkdir(parents=True, exist_ok=True)
@@ -393,8 +369,7 @@ def train(drafter: Drafter, adapter, store: FeatureStore, run: str | Path, cfg: 
          "sequences": len(batcher.seqs), "vocab": None if vocab is None else len(vocab)},
         indent=1))
     step_fn = make_step(drafter, opt, head_w, vocab_mx, cfg, windows, compile=cfg.compile)
-    steps = range(start, cfg.steps)
-    bar = progress(steps, total=cfg.steps, initial=start) if progress else steps
+    bar = log.progress(range(start, cfg.steps), "train", total=cfg.steps, initial=start)
     logf = open(run / "train_log.jsonl", "a")
     t0, blocks = time.perf_counter(), 0
     try:
@@ -408,10 +383,9 @@ def train(drafter: Drafter, adapter, store: FeatureStore, run: str | Path, cfg: 
                               blocks / (time.perf_counter() - t0))
             rec["total_blocks"] = done_blocks + blocks
             logf.write(json.dumps(rec) + "\n")
-            if hasattr(bar, "set_postfix_str"):
-                bar.set_postfix_str(summary(rec))
-            if log:
-                log(rec)
+            bar.set_postfix_str(summary(rec))
+            if on_step:
+                on_step(rec)
             if (step + 1) % cfg.ckpt_every == 0 or step + 1 == cfg.steps:
                 logf.flush()
                 save_checkpoint(run, drafter, opt, step + 1,

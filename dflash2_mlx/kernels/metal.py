@@ -3,10 +3,9 @@
 Each kernel's source is `metal_kernels/<name>.metal` at the top of the repository (installed
 as the package data `dflash2_mlx.metal_kernels`, read once); each `mx.fast.metal_kernel` is
 built at first use and reused. Importing this module needs no Metal:
-only calling a kernel does. The contracts are those of the MLX-ops twins in `kernels.py`;
+only calling a kernel does. The contracts are those of the MLX-ops twins in `ops.py`;
 `tests/test_metal_kernels.py` runs these very sources as C++ on the CPU against the twins.
 """
-
 from __future__ import annotations
 
 import functools
@@ -14,7 +13,7 @@ from importlib import resources
 
 import mlx.core as mx
 
-from .kernels import pair_lattice
+from .ops import pair_lattice
 
 BODY_MARKER = "// ---- kernel body ----"
 CONV_THREADGROUP = 256   # threads along the channels
@@ -100,7 +99,7 @@ def walk_launch(cand: mx.array, first: mx.array, lattice: mx.array, temperature:
 
 def short_conv_metal(y: mx.array, dyn: mx.array, base: mx.array,
                      residual: mx.array | None = None) -> mx.array:
-    """`kernels.short_conv_ops` as one kernel launch: y [B, L, H], dyn [B, L, K, H/G],
+    """`ops.short_conv_ops` as one kernel launch: y [B, L, H], dyn [B, L, K, H/G],
     base [K, H], residual [B, L, H] or None -> [B, L, H]."""
     return short_conv_kernel()(**conv_launch(y, dyn, base, residual))[0]
 
@@ -111,16 +110,10 @@ _lattice = mx.compile(pair_lattice)
 def path_walk_metal(cand: mx.array, unary: mx.array, g: mx.array, pred_rows: mx.array,
                     succ_rows: mx.array, anchor_pred: mx.array, temperature: float = 0.0,
                     uniforms: mx.array | None = None):
-    """`kernels.path_walk_ops` as the shared pair lattice (one batched matmul) plus one walk
-    launch: cand [B, L, K], unary [B, L, K], g [B, L, R], pred_rows/succ_rows [B, L, K, R],
-    anchor_pred [B, R], uniforms [B, L] or None -> ids [B, L] int32, q [B, L, K] or None.
-
-    Why the kernel takes the lattice rather than the codebook rows: on the ops path the lattice
-    at once beats per-step rows (benchmarks/bench_kernels.py, last table); on the GPU the
-    matmul spreads over every core, while a kernel fusing the rows would do all L*K*K*R
-    multiply-adds of a batch row on one core before its sequential walk; and the kernel then
-    walks exactly the lattice the ops twin walks, so both paths pick the same ids in every dtype.
-    """
+    """`ops.path_walk_ops` as the pair lattice (one matmul) plus one walk launch over it, the
+    lattice the ops twin walks (why this split: docs/kernels.md). cand [B, L, K],
+    unary [B, L, K], g [B, L, R], pred_rows/succ_rows [B, L, K, R], anchor_pred [B, R],
+    uniforms [B, L] or None -> ids [B, L] int32, q [B, L, K] or None."""
     first, lattice = _lattice(unary, g, pred_rows, succ_rows, anchor_pred)
     if temperature <= 0:
         uniforms = None
