@@ -73,7 +73,7 @@ def time_cycles(pipe, widths, reps: int, context: int) -> dict:
 
 def rank_main(args) -> None:
     """Rank 0 measures each width, then stops rank 1's loop so both can exchange figures."""
-    from dflash2_mlx.distributed import STOP, init_group
+    from dflash2_mlx.distributed import STOP, Control, init_group
 
     group = init_group(60)
     pipe = dflash2_mlx.load(args.model, args.draft, pipeline=group,
@@ -86,7 +86,7 @@ def rank_main(args) -> None:
         if stage.leader:
             stage.target.forwards = 0
             result = run()
-            stage.target._send_control(STOP)
+            link.send_control(Control(STOP), 1, "pausing rank 1")
             mine = [stage.target.forwards, 0]
         else:
             stage.follower.forwards, stage.follower.compute_s = 0, 0.0

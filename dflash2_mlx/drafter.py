@@ -21,6 +21,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 from .config import DrafterArgs
 from .kernels import KernelPath, path_walk, short_conv
 from .sampling import Sampling
+from .target import Target
 from .topk import top_k_indices
 
 
@@ -324,7 +325,7 @@ class Drafter(nn.Module):
             logits = mx.tanh(logits / cap) * cap
         return logits
 
-    def propose(self, target, anchor: mx.array, feats: mx.array | None,
+    def propose(self, target: Target, anchor: mx.array, feats: mx.array | None,
                 cache: list[ContextCache], width: int, sampling: Sampling,
                 key: mx.array) -> Proposal:
         """Draft width-1 tokens after `anchor` [1, 1] in one pass.

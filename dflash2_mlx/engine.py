@@ -24,12 +24,13 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
 
 import mlx.core as mx
+import numpy as np
 
 from .adaptive import DRAFTER, LOOKUP, PLAIN, PositionCounts, ShadowLookup
 from .drafter import Drafter, Proposal
 from .lookup import LookupConfig, LookupIndex
 from .sampling import Sampling, greedy_accept, rejection_accept
-from .target import TargetAdapter
+from .target import Target
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,7 @@ class DecodeState:
     tokens: list[int] = field(default_factory=list)
 
     @classmethod
-    def new(cls, target: TargetAdapter, drafter: Drafter | None) -> "DecodeState":
+    def new(cls, target: Target, drafter: Drafter | None) -> "DecodeState":
         return cls(target.make_cache(), drafter.make_cache() if drafter is not None else None)
 
     def copy(self) -> "DecodeState":
@@ -197,7 +198,7 @@ def _flat(state):
             yield s
 
 
-def prefill(target: TargetAdapter, state: DecodeState, ids: list[int], step: int,
+def prefill(target: Target, state: DecodeState, ids: list[int], step: int,
             keep: int | None, progress: Callable[[int, int], object] | None = None) -> mx.array:
     """Run `ids` through the target like mlx-lm does: all but the last in chunks of `step`,
     then the last alone (its logits give the next token) -> logits [1, V] of the last row.
@@ -216,20 +217,123 @@ def prefill(target: TargetAdapter, state: DecodeState, ids: list[int], step: int
     return logits[:, -1]
 
 
-def _reuse(state: DecodeState | None, prompt: list[int], target, drafter) -> DecodeState:
+def common_prefix(a, b) -> int:
+    """Length of the longest common prefix of two token sequences (lists or arrays)."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if len(differ) else n
+
+
+def _reuse(state: DecodeState | None, prompt: list[int], target: Target,
+           drafter: Drafter | None) -> DecodeState:
     """`state` trimmed to its longest common prefix with the prompt (leaving at least the last
     prompt token to prefill), or a fresh state when it cannot be trimmed that far."""
     if state is None:
         return DecodeState.new(target, drafter)
-    common = 0
-    for a, b in zip(state.tokens, prompt[:-1]):
-        if a != b:
-            break
-        common += 1
-    return state if state.trim(common) else DecodeState.new(target, drafter)
+    return state if state.trim(common_prefix(state.tokens, prompt[:-1])) else \
+        DecodeState.new(target, drafter)
 
 
-def generate_tokens(target: TargetAdapter, drafter: Drafter | None, prompt: list[int], *,
+@dataclass(frozen=True)
+class Choice:
+    """What the width policy chose for a cycle, and what it chose from."""
+
+    source: str                    # DRAFTER | LOOKUP | PLAIN
+    width: int
+    available: dict                # source -> the widest block it can draft this cycle
+    match: int                     # length of the context's recurring suffix (0: none)
+    guess: list[int] | None        # the lookup's drafts, if it has any
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one step commits: `accepted` drafts (ids), the target's next token `bonus` ([1],
+    possibly not yet computed) and the features of every row it verified."""
+
+    accepted: list[int]
+    bonus: mx.array
+    feats: mx.array | None
+
+
+def _choose(policy, drafter: Drafter | None, index: LookupIndex | None,
+            lookup: LookupConfig | None, room: int) -> Choice:
+    available = {DRAFTER: min(drafter.args.block_size, room)} if drafter is not None else {}
+    found = index.propose(min(lookup.max_width, room) - 1) if index and room > 1 else None
+    match, guess = found or (0, None)
+    if guess:
+        available[LOOKUP] = min(lookup.max_width, room)
+    source, width = policy.choose(available, match)
+    return Choice(source, width, available, match, guess)
+
+
+def _plain_step(target: Target, state: DecodeState, anchor: mx.array, ahead: tuple | None,
+                launch: bool, sampling: Sampling, key: mx.array, next_key: mx.array
+                ) -> tuple[Step, tuple | None]:
+    """One plain decoding step on `anchor` [1, 1], or the one launched last step (`ahead`:
+    (feats, token)) -> (its Step, the next step launched now or None). launch: the next step
+    will be plain too: mlx-lm's double buffering, it is launched before this one's token is
+    read, so building its graph overlaps computing."""
+    if ahead is None:
+        logits, feats = target.forward(anchor, state.cache)                    # [1, 1, V]
+        bonus = sampling.sample(logits[:, -1], key)
+    else:
+        feats, bonus = ahead
+    if not launch:
+        return Step([], bonus, feats), None
+    logits, nxt_feats = target.forward(bonus.reshape(1, 1).astype(mx.uint32), state.cache)
+    nxt = (nxt_feats, sampling.sample(logits[:, -1], next_key))
+    mx.async_eval(nxt[1])
+    return Step([], bonus, feats), nxt
+
+
+def _draft(target: Target, drafter: Drafter | None, state: DecodeState, anchor: mx.array,
+           choice: Choice, sampling: Sampling, key: mx.array) -> Proposal:
+    """w-1 drafts after `anchor` from the chosen source."""
+    w = choice.width
+    if choice.source == DRAFTER:
+        proposal = drafter.propose(target, anchor, state.take_features(), state.dcache, w,
+                                   sampling, key)
+        # start drafting now: the device computes while Python builds the verify
+        mx.async_eval(proposal.tokens, *(() if proposal.q is None else (proposal.q,)))
+        return proposal
+    ids = mx.array([choice.guess[: w - 1]], dtype=mx.uint32)                  # [1, w-1]
+    return Proposal(ids, mx.ones((1, w - 1, 1)), ids[..., None])              # q: 1
+
+
+def _speculate(target: Target, drafter: Drafter | None, state: DecodeState, anchor: mx.array,
+               choice: Choice, sampling: Sampling, draft_key: mx.array,
+               accept_key: mx.array) -> Step:
+    """One drafting cycle: draft, verify [anchor, drafts] in one target forward, accept a
+    prefix of the drafts and a bonus token, roll the target's cache back to the kept rows."""
+    proposal = _draft(target, drafter, state, anchor, choice, sampling, draft_key)
+    drafts = proposal.tokens.astype(mx.uint32)                                 # [1, w-1]
+    snapshot = target.snapshot(state.cache)
+    logits, feats = target.forward(mx.concatenate([anchor, drafts], axis=1),
+                                   state.cache)                         # [1, w, V], [1, w, F]
+    if sampling.greedy:
+        a, bonus = greedy_accept(drafts[0], mx.argmax(logits[0], axis=-1).astype(mx.uint32))
+    else:
+        q = proposal.dense_q(logits.shape[-1])[0]                               # [w-1, V]
+        a, bonus = rejection_accept(drafts[0], sampling.probs(logits[0]), q, accept_key)
+    mx.eval(a, bonus, drafts)
+    a = a.item()
+    snapshot.rollback(a + 1, choice.width)
+    return Step(drafts[0, :a].tolist(), bonus, feats)
+
+
+def _commit(state: DecodeState, anchor: int, step: Step, keep: int | None,
+            stop_ids: set[int]) -> list[int]:
+    """The anchor and the accepted drafts join the state's rows (features: rows 0..a) -> the
+    tokens the step adds: the drafts and the bonus, cut after a stop token."""
+    new = step.accepted + [step.bonus.item()]
+    state.tokens.extend([anchor] + step.accepted)
+    rows = len(step.accepted) + 1
+    state.add_features(None if step.feats is None else step.feats[:, :rows], keep)
+    stop_at = next((i for i, t in enumerate(new) if t in stop_ids), None)
+    return new if stop_at is None else new[: stop_at + 1]
+
+
+def generate_tokens(target: Target, drafter: Drafter | None, prompt: list[int], *,
                     max_tokens: int, sampling: Sampling, policy, stop_ids: set[int],
                     lookup: LookupConfig | None = None, seed: int | None = None,
                     prefill_step_size: int = 2048, stats: GenerationStats | None = None,
@@ -273,73 +377,32 @@ def generate_tokens(target: TargetAdapter, drafter: Drafter | None, prompt: list
         while len(tokens) < max_tokens and tokens[-1] not in stop_ids:
             cycle_tic = time.perf_counter()
             room = max_tokens - len(tokens)
-            available = ({DRAFTER: min(drafter.args.block_size, room)} if drafter is not None
-                         else {})
-            found = (index.propose(min(lookup.max_width, room) - 1) if index and room > 1
-                     else None)
-            match_n, guess = found or (0, None)             # recurring suffix length, drafts
-            if guess:
-                available[LOOKUP] = min(lookup.max_width, room)
-            source, width = policy.choose(available, match_n)
-            wanted = source
-            if ahead is not None:        # launched last step: it is this cycle, a plain step
-                source, width = PLAIN, 1
+            choice = _choose(policy, drafter, index, lookup, room)
+            # launched last step: this cycle is that plain step
+            source, width = (PLAIN, 1) if ahead is not None else (choice.source, choice.width)
             if source != LOOKUP:
-                shadow.offer(guess, match_n)
+                shadow.offer(choice.guess, choice.match)
             key, k_draft, k_accept = mx.random.split(key, 3)
             if source == PLAIN:
-                if ahead is None:
-                    logits, feats = target.forward(anchor, state.cache)        # [1, 1, V]
-                    bonus = sampling.sample(logits[:, -1], k_accept)
-                else:
-                    (feats, bonus), ahead = ahead, None
-                # mlx-lm's double buffering: when the next step will be plain too, launch it
-                # before reading this one's token, so building its graph overlaps computing
-                # (not when the policy wanted to draft here: the next step may)
-                if room > 1 and wanted == PLAIN and policy.next_plain(available):
-                    nxt_logits, nxt_feats = target.forward(
-                        bonus.reshape(1, 1).astype(mx.uint32), state.cache)
-                    ahead = (nxt_feats, sampling.sample(nxt_logits[:, -1], k_draft))
-                    mx.async_eval(ahead[1])
-                a, kept = 0, [tokens[-1]]
+                # launch the next plain step too, unless the policy wanted to draft here (the
+                # next step may)
+                launch = (room > 1 and choice.source == PLAIN
+                          and policy.next_plain(choice.available))
+                step, ahead = _plain_step(target, state, anchor, ahead, launch, sampling,
+                                          k_accept, k_draft)
             else:
-                if source == DRAFTER:
-                    proposal = drafter.propose(target, anchor, state.take_features(),
-                                               state.dcache, width, sampling, k_draft)
-                    # start drafting now: the device computes while Python builds the verify
-                    mx.async_eval(proposal.tokens, *(() if proposal.q is None else (proposal.q,)))
-                else:
-                    ids = mx.array([guess[: width - 1]], dtype=mx.uint32)           # [1, w-1]
-                    proposal = Proposal(ids, mx.ones((1, width - 1, 1)), ids[..., None])  # q: 1
-                drafts = proposal.tokens.astype(mx.uint32)                          # [1, w-1]
-                snapshot = target.snapshot(state.cache)
-                logits, feats = target.forward(mx.concatenate([anchor, drafts], axis=1),
-                                               state.cache)                 # [1, w, V], [1, w, F]
-                if sampling.greedy:
-                    a, bonus = greedy_accept(drafts[0],
-                                             mx.argmax(logits[0], axis=-1).astype(mx.uint32))
-                else:
-                    q = proposal.dense_q(logits.shape[-1])[0]                       # [w-1, V]
-                    a, bonus = rejection_accept(drafts[0], sampling.probs(logits[0]), q, k_accept)
-                mx.eval(a, bonus, drafts)
-                a = a.item()
-                snapshot.rollback(a + 1, width)
-                kept = [tokens[-1]] + drafts[0, :a].tolist()        # the rows the target keeps
-            new = kept[1:] + [bonus.item()]
-            state.tokens.extend(kept)
-            state.add_features(None if feats is None else feats[:, : a + 1], keep)
+                step = _speculate(target, drafter, state, anchor, choice, sampling, k_draft,
+                                  k_accept)
+            new = _commit(state, tokens[-1], step, keep, stop_ids)
+            a = len(step.accepted)
             stats.steps.append(Cycle(source, width, a))
-            policy.update(source, width, a, time.perf_counter() - cycle_tic, match_n)
-            stop_at = next((i for i, t in enumerate(new) if t in stop_ids), None)
-            if stop_at is not None:
-                new = new[: stop_at + 1]
+            policy.update(source, width, a, time.perf_counter() - cycle_tic, choice.match)
             tokens.extend(new)
             if index is not None:
                 index.extend(new)
                 shadow.commit(new)
-            stats.generated_tokens = len(tokens)
-            stats.decode_s = time.perf_counter() - tic
-            anchor = bonus.reshape(1, 1).astype(mx.uint32)
+            stats.generated_tokens, stats.decode_s = len(tokens), time.perf_counter() - tic
+            anchor = step.bonus.reshape(1, 1).astype(mx.uint32)
             yield new
             if len(tokens) // 256 != (len(tokens) - len(new)) // 256:
                 mx.clear_cache()

@@ -380,7 +380,50 @@ def load_gguf(path: str | Path):
     return model, tokenizer
 
 
+# ----------------------------------------------------------------------------- header only
+
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
+            11: "<q", 12: "<d"}          # GGUF value type -> struct format (8: string, 9: array)
+
+
+def read_gguf_header(path: str | Path) -> dict:
+    """The scalar metadata of a GGUF file (arrays skipped), read without touching tensors (a
+    pipeline plans its split from it before any weight loads)."""
+    import struct
+
+    def read(fmt):
+        return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
+
+    def string():
+        return f.read(read("<Q")).decode("utf-8", "replace")
+
+    def value(kind):
+        if kind == 8:
+            return string()
+        if kind == 9:
+            inner, count = read("<I"), read("<Q")
+            if inner in _SCALARS:                     # skip numeric arrays in one seek
+                f.seek(count * struct.calcsize(_SCALARS[inner]), 1)
+            else:
+                for _ in range(count):
+                    value(inner)
+            return None
+        return read(_SCALARS[kind])
+
+    meta = {}
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path}: not a GGUF file")
+        read("<I")                                     # version
+        read("<Q")                                     # tensor count
+        for _ in range(read("<Q")):
+            key = string()
+            meta[key] = value(read("<I"))
+    return meta
+
+
 __all__ = ["load_gguf", "read_gguf", "model_args", "map_weights", "gguf_to_mlx_name",
            "quantization_plan", "build_model", "build_tokenizer", "build_backend_tokenizer",
-           "pre_tokenizer"]
+           "pre_tokenizer", "read_gguf_header"]
 

@@ -22,7 +22,7 @@ from .loading import load_drafter, load_target, resolve, stored_quantization
 from .weights import quantized_layers
 from .omlx import OmlxSettings, OmlxSettingsError
 from .sampling import Sampling
-from .target import TargetAdapter
+from .target import Target, TargetAdapter
 
 _log = log.get(__name__)
 
@@ -68,7 +68,9 @@ class Pipeline:
         self.info = dict(info or {})
         self._policy: AdaptiveWidth | None = None
         self.stage = None                    # distributed.Stage of a pipeline-sharded target
-        self.adapter = TargetAdapter(target, drafter.args.target_layer_ids if drafter else ())
+        # what generates: this process's model, or the stage's target of a pipeline
+        self.adapter: Target = TargetAdapter(target,
+                                             drafter.args.target_layer_ids if drafter else ())
 
     # ---- prompts
     def encode(self, prompt: str | Sequence[int], chat_template: bool | None = None,
@@ -399,6 +401,6 @@ def load(model: str | None = None, draft: str | None = None, *,
                     block_size=_settings_block_size(settings, drafter))
     if plan is not None:
         pipe.stage = distributed.build(target, plan, link)
-        pipe.adapter = pipe.stage.target or distributed.FollowerTarget(target, pipe.stage)
+        pipe.adapter = pipe.stage.target
         pipe.info["pipeline"] = pipe.stage.describe()
     return pipe

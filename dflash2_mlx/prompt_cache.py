@@ -17,16 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from .disk_cache import DiskCache, entry_name
-from .engine import DecodeState
+from .engine import DecodeState, common_prefix
 
 log = logging.getLogger("dflash2_mlx.prompt_cache")
-
-
-def common_prefix(a, b) -> int:
-    """Length of the longest common prefix of two token sequences (lists or arrays)."""
-    n = min(len(a), len(b))
-    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(differ[0]) if len(differ) else n
 
 
 @dataclass

@@ -5,8 +5,8 @@ pair) and the faults get one launch each."""
 
 import json
 import os
-import random
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -16,7 +16,8 @@ import mlx.core as mx
 import pytest
 
 import dflash2_mlx
-from dflash2_mlx.distributed import plan_stages, read_gguf_header, target_shape
+from dflash2_mlx.distributed import plan_stages, target_shape
+from dflash2_mlx.gguf import read_gguf_header
 from fixtures import write_target
 from test_families import CONFIGS
 
@@ -28,10 +29,29 @@ needs_launch = pytest.mark.skipif(not (mx.distributed.is_available() and LAUNCH.
                                   reason="mx.distributed or mlx.launch unavailable")
 
 
+def free_ports(n: int, consecutive: bool = False) -> list[int]:
+    """n ports that are free now: the first from the OS (bound to port 0), the others from it
+    too or, `consecutive`, the ones after it (mlx.launch gives rank r --starting-port + r)."""
+    for _ in range(100):
+        socks = [socket.socket() for _ in range(n)]
+        try:
+            socks[0].bind(("127.0.0.1", 0))
+            first = socks[0].getsockname()[1]
+            for k, s in enumerate(socks[1:], start=1):
+                s.bind(("127.0.0.1", first + k if consecutive else 0))
+            return [s.getsockname()[1] for s in socks]
+        except (OSError, OverflowError):          # taken, or past 65535: another first port
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} free ports on 127.0.0.1")
+
+
 def launch(args: list[str], tmp: Path, timeout: float = 150,
            ranks: int = 2) -> subprocess.CompletedProcess:
     """`ranks` ranks on loopback, importing this checkout; calibration cache in `tmp`."""
-    port = random.Random(os.getpid() + time.time_ns()).randrange(20000, 60000, 2)
+    port = free_ports(ranks, consecutive=True)[0]
     # one BLAS thread per rank: the two ranks share this machine's cores
     env = {"PYTHONPATH": str(ROOT), "DFLASH2_CACHE": str(tmp / "cache"),
            "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -94,6 +114,121 @@ def test_doctor_line_says_whether_and_how(monkeypatch):
     assert "launched as rank 1 (ring hostfile /tmp/hosts.json)" in availability()
     monkeypatch.setattr(mx.distributed, "is_available", lambda: False)
     assert availability().startswith("not available")
+
+
+class _Group:
+    """What `Link` reads of a group of two; nothing is ever sent through it here."""
+
+    def __init__(self, rank: int):
+        self._rank = rank
+
+    def rank(self):
+        return self._rank
+
+    def size(self):
+        return 2
+
+
+def _stage_parts(rank: int):
+    from mlx_lm.utils import _get_classes
+
+    from dflash2_mlx.distributed import Link, StagePlan
+    from fixtures import target_config
+
+    cfg = target_config("llama")
+    model_class, args_class = _get_classes(cfg)
+    model = model_class(args_class.from_dict(cfg))
+    return model, StagePlan(rank, 2, ((0, 2), (2, 4)), (1, 3), 64), Link(_Group(rank))
+
+
+def test_every_target_implements_the_protocol_itself():
+    """The single-process adapter and both pipeline targets are `Target`s through methods of
+    their own (no attribute forwarding), and a rank > 0 refuses to generate, saying why."""
+    from dflash2_mlx.distributed import FollowerTarget, ShardedTarget, Stage
+    from dflash2_mlx.target import Target, TargetAdapter
+
+    model, plan, link = _stage_parts(0)
+    follower = FollowerTarget(Stage(_stage_parts(1)[1], link), 64, 384, 4)
+    targets = (TargetAdapter(model, (1, 3)), ShardedTarget(model, plan, link), follower)
+    for target in targets:
+        assert isinstance(target, Target), type(target).__name__
+        assert not any("__getattr__" in vars(c) for c in type(target).__mro__), target
+        assert (target.hidden_size, target.vocab_size, target.num_layers) == (64, 384, 4)
+        assert target.layer_ids == (1, 3)
+    for call in (follower.make_cache, lambda: follower.embed(mx.array([[1]]))):
+        with pytest.raises(ValueError, match=r"rank 1 of 2 runs layers 2..3 for rank 0: call "
+                                             r"pipe.stage.follow\(\) there"):
+            call()
+
+
+def test_sharded_check_rollback_checks_the_cache_it_is_given():
+    from mlx_lm.models.cache import KVCache
+
+    from dflash2_mlx.distributed import ShardedTarget
+
+    class Stuck(KVCache):
+        def is_trimmable(self):
+            return False
+
+    target = ShardedTarget(*_stage_parts(0))
+    cache = target.make_cache()
+    assert len(cache) == 2                          # rank 0's layers only
+    target.check_rollback(cache)
+    cache[1] = Stuck()
+    with pytest.raises(NotImplementedError, match=r"cache \(Stuck\) cannot be rolled back"):
+        target.check_rollback(cache)
+
+
+def test_control_word_round_trips():
+    from dflash2_mlx.distributed import CLONE, FORWARD, FREE, STOP, Control
+
+    word = Control(FORWARD, cache=3, batch=1, rows=5, position=17, dtype=mx.bfloat16)
+    wire = word.encode()
+    assert wire.dtype == mx.int32 and wire.shape == (8,) and wire.nbytes == 32
+    assert Control.decode(wire) == word
+    for word in (Control(CLONE, 4, source=3), Control(FREE, 4), Control(STOP)):
+        assert Control.decode(word.encode()) == word
+
+
+def test_watchdog_is_a_module_that_ends_its_rank_with_one_line():
+    """`python -m dflash2_mlx.distributed.watchdog`: standard library only (it starts fast and
+    imports no MLX); armed and not disarmed in time, it kills its parent and says why."""
+    import signal
+
+    env = {"PYTHONPATH": str(ROOT)}
+    loaded = subprocess.run([sys.executable, "-c", "import sys, dflash2_mlx.distributed."
+                             "watchdog; print(sorted(m for m in sys.modules if 'mlx' in m "
+                             "and 'dflash2' not in m))"], capture_output=True, text=True,
+                            env=env, check=True)
+    assert loaded.stdout.strip() == "[]"
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    read, write = os.pipe()
+
+    def watch():
+        return subprocess.Popen([sys.executable, "-m", "dflash2_mlx.distributed.watchdog",
+                                 str(rank.pid), str(read), "dflash2-mlx: error: pipeline: ",
+                                 "2"], stdin=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=env, pass_fds=(read,))
+
+    try:
+        # armed and disarmed before the child reads anything: both lines count
+        dog = watch()
+        dog.stdin.write("0.5 a step that ended in time\n- \n")
+        dog.stdin.flush()
+        time.sleep(2)
+        assert rank.poll() is None
+        dog.stdin.close()                         # the rank ended: the watchdog ends too
+        assert dog.wait(timeout=30) == 0 and dog.stderr.read() == ""
+        dog = watch()
+        dog.stdin.write("0.5 no answer within 0.5 s\n")
+        dog.stdin.flush()
+        assert rank.wait(timeout=30) == -signal.SIGKILL
+        assert dog.wait(timeout=30) == 1
+        assert dog.stderr.read() == "dflash2-mlx: error: pipeline: no answer within 0.5 s\n"
+    finally:
+        os.close(read)
+        os.close(write)
+        rank.kill()
 
 
 # --------------------------------------------------------------------------- two ranks
@@ -327,6 +462,7 @@ def test_cli_rank_0_writes_text_summary_and_stats_json(tmp_path, llama_dir, dfla
 def test_bad_split_refused_before_any_weight_loads(llama_dir, monkeypatch):
     """The split is checked from config.json before anything else, even the other ranks."""
     from dflash2_mlx import distributed
+    from dflash2_mlx.distributed import shard
 
     class TwoRanks:
         def size(self):
@@ -337,7 +473,7 @@ def test_bad_split_refused_before_any_weight_loads(llama_dir, monkeypatch):
 
     reads = []
     monkeypatch.setattr(mx, "load", lambda *a, **k: reads.append(a))
-    monkeypatch.setattr(distributed, "Link", None)        # no message may be sent either
+    monkeypatch.setattr(shard, "Link", None)             # no message may be sent either
     with pytest.raises(ValueError, match=r"--pipeline-split 3,3: expected 2 positive layer "
                                          r"counts .* summing to the target's 4 layers"):
         distributed.prepare(TwoRanks(), llama_dir, None, "3,3", "float32")
@@ -353,10 +489,12 @@ def test_serve_pipeline_answers_like_one_process_and_stops_on_sigterm(tmp_path, 
     import urllib.request
 
     pytest.importorskip("uvicorn")
-    shim = tmp_path / "cli.py"
-    shim.write_text("from dflash2_mlx.cli import main\nmain()\n")
-    http = random.Random(time.time_ns()).randrange(20000, 60000)
-    port = random.Random(os.getpid() + time.time_ns()).randrange(20000, 60000, 2)
+    shim = tmp_path / "cli.py"              # each rank leaves its pid: rank{MLX_RANK}.pid
+    shim.write_text("import os, pathlib\n"
+                    f"pathlib.Path({str(tmp_path)!r}, f\"rank{{os.environ['MLX_RANK']}}.pid\")"
+                    ".write_text(str(os.getpid()))\n"
+                    "from dflash2_mlx.cli import main\nmain()\n")
+    http, port, _ = free_ports(3, consecutive=True)      # HTTP, then the two ranks' ring ports
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OPENBLAS_NUM_THREADS": "1",
            "MKL_NUM_THREADS": "1"}
     cmd = [str(LAUNCH), "--backend", "ring", "-n", "2", "--starting-port", str(port),
@@ -386,23 +524,13 @@ def test_serve_pipeline_answers_like_one_process_and_stops_on_sigterm(tmp_path, 
             want = single.generate(prompt, max_tokens=10, block_size=4, chat_template=False)
             assert got["choices"][0]["text"] == want.text
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-        ranks = {}
-        for pid in os.listdir("/proc"):
-            try:
-                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if str(shim).encode() in cmdline and f"{http}".encode() in cmdline:
-                rank = [e for e in environ if e.startswith(b"MLX_RANK=")]
-                if rank:
-                    ranks[int(rank[0].split(b"=")[1])] = int(pid)
-        assert set(ranks) == {0, 1}
+        ranks = {r: int((tmp_path / f"rank{r}.pid").read_text()) for r in (0, 1)}
         os.kill(ranks[0], signal.SIGTERM)
         launcher.wait(timeout=30)
-        for pid in ranks.values():
-            assert not Path(f"/proc/{pid}").exists() or \
-                Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+        for pid in ranks.values():         # gone, or a zombie (`ps` on Linux and macOS alike)
+            stat = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True,
+                                  text=True).stdout.strip()
+            assert stat in ("", "Z") or stat.startswith("Z"), (pid, stat)
     finally:
         if launcher.poll() is None:
             launcher.kill()
@@ -411,9 +539,8 @@ def test_serve_pipeline_answers_like_one_process_and_stops_on_sigterm(tmp_path, 
 def test_a_rank_that_never_connects_is_an_error_within_the_timeout(tmp_path, llama_dir):
     """Rank 0 of a two-rank hostfile whose rank 1 never starts: mx.distributed.init would wait
     forever (holding the GIL); the watchdog ends it with one line."""
-    port = random.Random(time.time_ns()).randrange(20000, 60000, 2)
     hosts = tmp_path / "hosts.json"
-    hosts.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
+    hosts.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MLX_HOSTFILE": str(hosts), "MLX_RANK": "0"}
     tic = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "dflash2_mlx.cli", "generate", "--pipeline",

@@ -83,3 +83,55 @@ def test_finds_stack_or_explains():
     with pytest.raises(ValueError, match="cannot find the decoder layers"):
         import mlx.nn as nn
         TargetAdapter(nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("name,cut", [("llama-sliding", 1), ("qwen3_5", 1), ("qwen3_5", 2)])
+def test_layer_ranges_relayed_into_each_other_are_the_model(name, cut):
+    """What two pipeline ranks run, in one process: layers [0, cut) relay their hidden state to
+    a view of [cut, L) (which starts from it and stops at its end). Logits, features and
+    rollbacks on both ranges equal the whole target's; mask indices are recomputed per range
+    (qwen3_5: layer 0 is linear attention only, so the first range has no full-attention
+    layer)."""
+    from dflash2_mlx.views import Incoming, LayerRange, StandIn, run_to_stand_in, stop
+    from test_families import CONFIGS
+
+    cfg = CONFIGS[name]
+    model_class, args_class = _get_classes(cfg)
+    mx.random.seed(3)
+    model = model_class(args_class.from_dict(cfg))
+    whole = TargetAdapter(model, (0, 3))
+    L = whole.num_layers
+    first, second = LayerRange(whole, 0, cut, (0, 3)), LayerRange(whole, cut, L, (0, 3))
+    caches = first.make_cache(), second.make_cache()
+    incoming = Incoming()
+    tail = second.view(end=StandIn(whole.layers[L - 1], stop), embed=incoming)
+
+    def relay(x):
+        incoming.x = x
+        return run_to_stand_in(tail, mx.zeros(x.shape[:2], dtype=mx.uint32),
+                               list(caches[1]) + [None])
+
+    head = first.view(end=StandIn(whole.layers[cut - 1], relay))
+    ref_cache = whole.make_cache()
+    ids = mx.array([[5, 17, 99, 3, 250, 7, 42, 11, 8, 300, 2, 64]])
+    block, after = mx.array([[9, 80, 81, 82, 83]]), mx.array([[7, 8, 9]])
+    for step, chunk in enumerate((ids, block, after)):
+        if step == 1:                             # a verify of 5 rows keeping 2
+            snaps = first.snapshot(caches[0]), second.snapshot(caches[1])
+            ref_snap = whole.snapshot(ref_cache)
+        logits = head(chunk, cache=list(caches[0]) + [None])
+        ref, ref_feats = whole.forward(chunk, ref_cache)
+        assert mx.array_equal(logits, ref), (name, cut, step)
+        feats = {**first.outputs, **second.outputs}
+        assert mx.array_equal(mx.concatenate([feats[0], feats[3]], axis=-1), ref_feats)
+        if step == 1:
+            for snap in snaps + (ref_snap,):
+                snap.rollback(2, block.shape[1])
+    assert [c.offset for c in caches[0] + caches[1] if c.is_trimmable()] == \
+        [c.offset for c in ref_cache if c.is_trimmable()]
+
+
+def test_the_adapter_is_a_target():
+    from dflash2_mlx.target import Target
+
+    assert isinstance(TargetAdapter(build("llama"), (1,)), Target)

@@ -1,0 +1,327 @@
+"""Views of an mlx-lm model that run its decoder layers our way, and the rollback of their caches.
+
+One piece used by the single-process target (`target.TargetAdapter`) and by every stage of a
+pipeline-sharded one (`distributed.stages`). A *view* is a shallow copy of the modules on the
+path from the model down to the one that owns `layers` (every parameter shared) whose `layers`
+list holds what we want run: taps that call the real layers and record what passes through
+them, a range of the layers, a stand-in that stops the forward or relays the hidden state
+elsewhere. Calling a view runs the installed mlx-lm forward pass unchanged, and the model
+object and mlx-lm's classes stay untouched.
+
+Rollback after a partial acceptance: attention caches drop the rejected rows; recurrent layers
+(GatedDeltaNet in qwen3_5 / qwen3_next), whose state cannot be trimmed, get the state from
+before the verify back and re-run the installed layer over the kept rows only (their inputs are
+recorded by the taps). Only a `Snapshot` taken before the forward rolls back.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache, RotatingKVCache, make_prompt_cache
+
+# Where decoder stacks live in mlx-lm models: Model.model (llama, qwen2/3, mistral, ...),
+# Model.language_model.model (multimodal wrappers such as qwen3_5, gemma3).
+STACK_PATHS = (("model",), ("language_model", "model"), ("language_model",), ())
+
+# Stack attributes that name the layer whose cache a mask is made from (llama, qwen3_5,
+# qwen3_next), and which layers each must point at; recomputed for a view of a layer range.
+INDEX_ATTRS = {
+    "fa_idx": lambda l: not getattr(l, "use_sliding", False) and not getattr(l, "is_linear",
+                                                                               False),
+    "swa_idx": lambda l: getattr(l, "use_sliding", False),
+    "ssm_idx": lambda l: getattr(l, "is_linear", False),
+}
+
+
+def find_stack_path(model: nn.Module) -> tuple[str, ...]:
+    for path in STACK_PATHS:
+        module = model
+        for name in path:
+            module = module.get(name) if isinstance(module, dict) else None
+            if module is None:
+                break
+        if isinstance(module, nn.Module) and isinstance(module.get("layers"), list):
+            return path
+    raise ValueError(f"cannot find the decoder layers of {type(model).__name__}: looked for "
+                     f"{', '.join('.'.join(('model',) + p) for p in STACK_PATHS)}.layers")
+
+
+class RollbackRotatingKVCache(RotatingKVCache):
+    """mlx-lm's sliding-window cache, trimmable after a multi-row update.
+
+    A verify block goes through `_update_concat`, which leaves the rows in temporal order with
+    the newest last; dropping the rejected rows there is exact. (The parent refuses to trim once
+    the window is full because single-row updates rotate the buffer in place.)
+    """
+
+    def is_trimmable(self):
+        return True
+
+    def trim(self, n):
+        n = min(self.offset, n)
+        if n and self.keys is not None and self._idx == self.keys.shape[2]:
+            self.keys, self.values = self.keys[..., :-n, :], self.values[..., :-n, :]
+            self._idx = self.keys.shape[2]
+            self.offset -= n
+            return n
+        if n and self.offset > self.max_size:
+            raise RuntimeError("cannot trim a rotated sliding-window cache")
+        return super().trim(n)
+
+
+def model_cache(model: nn.Module) -> list:
+    """mlx-lm's cache for every layer of `model`, with sliding-window caches made trimmable."""
+    return [RollbackRotatingKVCache(c.max_size, c.keep) if type(c) is RotatingKVCache else c
+            for c in make_prompt_cache(model)]
+
+
+class TargetModel:
+    """An mlx-lm model as a target: its decoder stack, embedding and head, its caches, and
+    views of it. Reads the model; never changes it."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.path = find_stack_path(model)
+        self.stack = model
+        for name in self.path:
+            self.stack = self.stack[name]
+        self.layers = self.stack["layers"]
+        self.recurrent = tuple(i for i, c in enumerate(model_cache(model))
+                               if not c.is_trimmable())
+        self._embed_view = self.view([StandIn(self.layers[0], stop)] + list(self.layers[1:]))
+        self._row_heads: dict = {}
+
+    # ---- shape facts
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self.stack["embed_tokens"]
+
+    @property
+    def hidden_size(self) -> int:
+        e = self.embed_tokens
+        return e.dims if isinstance(e, nn.QuantizedEmbedding) else e.weight.shape[1]
+
+    @property
+    def vocab_size(self) -> int:
+        e = self.embed_tokens
+        return e.num_embeddings if isinstance(e, nn.QuantizedEmbedding) else e.weight.shape[0]
+
+    # ---- caches and views
+    def make_cache(self) -> list:
+        return model_cache(self.model)
+
+    def view(self, layers: list, embed=None, reindex: bool = False) -> nn.Module:
+        """A shallow copy of the model whose decoder stack runs `layers` (and `embed` in place
+        of its embedding). Each module on the path is copied, so the original keeps its own.
+        reindex: `layers` is not the whole stack (a layer range, then a stand-in): the mask
+        indices (`INDEX_ATTRS`) are recomputed for it; one that finds no layer points at the
+        stand-in at the end, whose cache is None (that mask is then never used)."""
+        chain = [copy.copy(self.model)]
+        for name in self.path:
+            child = copy.copy(chain[-1][name])
+            chain[-1][name] = child
+            chain.append(child)
+        stack = chain[-1]
+        stack["layers"] = layers
+        if embed is not None:
+            stack["embed_tokens"] = embed
+        if reindex:
+            for attr, wanted in INDEX_ATTRS.items():
+                if attr in vars(stack):
+                    setattr(stack, attr, next((i for i, l in enumerate(layers[:-1])
+                                               if wanted(l)), len(layers) - 1))
+        return chain[0]
+
+    # ---- the ends of the model
+    def embed(self, ids: mx.array) -> mx.array:
+        """[B, L] ids -> [B, L, H]: exactly what the target's first layer receives, including
+        any embedding scale of the family (Gemma multiplies by sqrt(H)), computed by the
+        installed forward pass itself up to its first layer."""
+        return run_to_stand_in(self._embed_view, ids, None)
+
+    def head_module(self) -> nn.Module:
+        """lm_head (Model.lm_head, Model.language_model.lm_head, ...) or the tied embedding."""
+        module = self.model
+        for name in (None,) + self.path:
+            module = module if name is None else module[name]
+            if "lm_head" in module:
+                return module["lm_head"]
+        return self.embed_tokens
+
+    def head(self, h: mx.array) -> mx.array:
+        """The target's output projection: lm_head, or the tied embedding."""
+        module = self.head_module()
+        return module.as_linear(h) if isinstance(module, (nn.Embedding,
+                                                          nn.QuantizedEmbedding)) else module(h)
+
+    def head_rows(self, ids: mx.array) -> Callable[[mx.array], mx.array]:
+        """The output projection restricted to the vocabulary rows `ids` (a drafter's draft
+        vocabulary): a function [..., H] -> [..., len(ids)], built once per `ids` array."""
+        cached = self._row_heads.get(id(ids))
+        if cached is not None and cached[0] is ids:
+            return cached[1]
+        module = self.head_module()
+        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            w, s, b = module.weight[ids], module.scales[ids], module.biases[ids]
+            mx.eval(w, s, b)
+            gs, bits = module.group_size, module.bits
+            fn = lambda h: mx.quantized_matmul(h, w, s, b, transpose=True, group_size=gs,
+                                               bits=bits)
+        else:
+            w = module.weight[ids]
+            mx.eval(w)
+            fn = lambda h: h @ w.T
+        self._row_heads[id(ids)] = (ids, fn)
+        return fn
+
+
+# --------------------------------------------------------------------------- what a view runs
+
+
+class LayerTap:
+    """Calls one target layer and hands its input and output (the hidden state after it) to
+    `record(index, x, out)`."""
+
+    def __init__(self, layer: nn.Module, index: int, record: Callable):
+        self.layer, self.index, self.record = layer, index, record
+
+    def __call__(self, x, *args, **kwargs):
+        out = self.layer(x, *args, **kwargs)
+        self.record(self.index, x, out[0] if isinstance(out, tuple) else out)
+        return out
+
+    def __getattr__(self, name):
+        # needed: mlx-lm's forward reads layer attributes (llama `use_sliding`, qwen3_5
+        # `is_linear`) to pick each layer's mask
+        return getattr(self.layer, name)
+
+
+class Stopped(Exception):
+    """Raised by `stop`: carries the hidden state a stand-in received."""
+
+    def __init__(self, x):
+        self.x = x
+
+
+def stop(x):
+    raise Stopped(x)
+
+
+class StandIn:
+    """Takes the place of a layer in a view: `run(x)` instead of the layer (`stop`: end the
+    forward there and hand x out; or relay x elsewhere and return what comes back)."""
+
+    def __init__(self, layer: nn.Module, run: Callable):
+        self.layer, self.run = layer, run
+
+    def __call__(self, x, *args, **kwargs):
+        return self.run(x)
+
+    def __getattr__(self, name):   # as LayerTap's: the forward reads layer attributes
+        return getattr(self.layer, name)
+
+
+class Incoming:
+    """Stands in for the embedding: the forward starts from the hidden state put in `x`."""
+
+    def __init__(self):
+        self.x = None
+
+    def __call__(self, ids):
+        return self.x
+
+
+def run_to_stand_in(view: nn.Module, ids: mx.array, cache) -> mx.array:
+    """Run a view whose stand-in `stop`s the forward -> the hidden state the stand-in got."""
+    try:
+        view(ids, cache=cache)
+    except Stopped as stopped:
+        return stopped.x
+    raise RuntimeError("the target's forward pass never reached the stand-in of its view")
+
+
+# --------------------------------------------------------------------------- layer ranges
+
+
+class LayerRange:
+    """Layers [lo, hi) of a target, run through taps that record the outputs of the feature
+    layers among them (`outputs`, by global index) and the inputs of the recurrent ones (what
+    a rollback replays). Their cache is a list of the range's layers' caches, cache[i - lo]."""
+
+    def __init__(self, target: TargetModel, lo: int, hi: int, features=()):
+        self.target, self.lo, self.hi = target, lo, hi
+        self.features = tuple(sorted(i for i in set(features) if lo <= i < hi))
+        self.recurrent = tuple(i for i in target.recurrent if lo <= i < hi)
+        self.outputs: dict[int, mx.array] = {}
+        self.inputs: dict[int, mx.array] = {}     # replaced by each snapshot (its own)
+
+    def _record(self, i: int, x: mx.array, out: mx.array) -> None:
+        if i in self.features:
+            self.outputs[i] = out
+        if i in self.recurrent:
+            self.inputs[i] = x
+
+    def view(self, end: StandIn | None = None, embed=None) -> nn.Module:
+        """A view running this range (taps where something is recorded), then `end`."""
+        tapped = set(self.features) | set(self.recurrent)
+        layers = [LayerTap(self.target.layers[i], i, self._record) if i in tapped
+                  else self.target.layers[i] for i in range(self.lo, self.hi)]
+        whole = (self.lo, self.hi) == (0, self.target.num_layers)
+        return self.target.view(layers + ([end] if end is not None else []), embed,
+                                reindex=not whole)
+
+    def make_cache(self) -> list:
+        return model_cache(self.target.model)[self.lo:self.hi]
+
+    def unrollable(self, cache: list) -> list[str]:
+        """Type names of the caches in `cache` that can neither be trimmed nor replayed."""
+        return sorted({type(c).__name__ for j, c in enumerate(cache)
+                       if not c.is_trimmable() and not (self.lo + j in self.recurrent
+                                                        and isinstance(c, ArraysCache))})
+
+    def snapshot(self, cache: list) -> "Snapshot":
+        return Snapshot(self, cache)
+
+    def trim(self, cache: list, n: int) -> None:
+        """Drop the last n rows without a snapshot: attention caches only."""
+        if n and self.recurrent:
+            raise RuntimeError(f"layer {self.recurrent[0]} (recurrent) cannot go back {n} rows "
+                               "without a snapshot")
+        for c in cache:
+            c.trim(n)
+
+
+class Snapshot:
+    """A layer range's cache as it was before a forward: attention caches need only the row
+    count; recurrent layers keep their state (array references: cheap) and, from the taps, the
+    inputs the forward after this snapshot fed them."""
+
+    def __init__(self, layers: LayerRange, cache: list):
+        self.layers, self.cache = layers, cache
+        self.state = {i: [list(s) if isinstance(s, list) else s
+                          for s in cache[i - layers.lo].state] for i in layers.recurrent}
+        self.inputs = layers.inputs = {}
+
+    def rollback(self, kept: int, total: int) -> None:
+        """Make every layer's cache what it would be had the forward fed only `kept` of its
+        `total` rows."""
+        if kept == total:
+            return
+        for j, c in enumerate(self.cache):
+            i = self.layers.lo + j
+            if i in self.state:
+                c.state = self.state[i]
+                if kept:
+                    # The installed layer over the kept rows updates the state exactly; its
+                    # output is never evaluated, so only the recurrent part is computed.
+                    self.layers.target.layers[i](self.inputs[i][:, :kept], mask=None, cache=c)
+            else:
+                c.trim(total - kept)
