@@ -16,14 +16,19 @@ import time
 import uuid
 from typing import Annotated, Any, AsyncIterator, Literal, Optional, Union
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Body, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, RootModel, Tag, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
 
-from .sampling import Sampling
-from .server import (APIError, GenerationRequest, Job, MaxTokens, Piece, Seed, Service,
-                     Temperature, TextStream, TopK, TopP, _event_stream, _finish_reason,
-                     _openai_tool_calls, _sse, _text, _usage, _validation_error)
+from ..sampling import Sampling
+from .errors import APIError, validation_error
+from .http import PING, Authorized, JSONRoute, ServiceDep, event_stream, sse
+from .scheduler import GenerationRequest, Job
+from .schemas import MaxTokens, Seed, Temperature, TopK, TopP, content_text
+from .service import Service, finish_reason, openai_tool_calls, usage
+from .text_stream import Piece, TextStream
+
+router = APIRouter(route_class=JSONRoute, dependencies=[Authorized])
 
 # --------------------------------------------------------------------------- request schema
 # Strict and closed: a field this server does not know is a 400 naming it. The optional fields
@@ -74,7 +79,7 @@ ITEM_TYPES = ("message", "function_call", "function_call_output")
 
 
 def _item_tag(item: Any) -> str:
-    # Capitalised tags: `server._field_path` leaves them out of the field names it reports
+    # Capitalised tags: `errors._field_path` leaves them out of the field names it reports
     kind = item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", "")
     return "".join(w.title() for w in str(kind).split("_"))
 
@@ -176,10 +181,6 @@ HINTS = {"stop": "the Responses API has no stop strings",
          "messages": "use input (and instructions)"}
 
 
-class _Body(RootModel[dict[str, Any]]):
-    """The request body as JSON, checked by `parse_request` (so that it can name the field)."""
-
-
 def parse_request(body: dict) -> ResponsesRequest:
     """The body checked field by field; APIError 400 naming the first field refused."""
     for name in body:
@@ -207,7 +208,7 @@ def parse_request(body: dict) -> ResponsesRequest:
     try:
         req = ResponsesRequest.model_validate(body)
     except ValidationError as e:
-        raise _validation_error(e) from None
+        raise validation_error(e) from None
     for name, why in REFUSED.items():
         if getattr(req, name) is not None:
             raise APIError(400, f"{name}: {why}", param=name)
@@ -256,7 +257,7 @@ def _arguments(text: str, where: str) -> dict:
 
 
 def chat_messages(req: ResponsesRequest) -> list[dict]:
-    """`instructions` and `input` as chat messages (the shape `server.openai_messages` gives):
+    """`instructions` and `input` as chat messages (the shape `openai_routes.openai_messages` gives):
     a function_call joins the assistant turn before it, a function_call_output is a tool turn."""
     out: list[dict[str, Any]] = []
     if req.instructions:
@@ -266,7 +267,7 @@ def chat_messages(req: ResponsesRequest) -> list[dict]:
     for i, item in enumerate(items):
         if item.type == "message":
             out.append({"role": "system" if item.role == "developer" else item.role,
-                        "content": _text(item.content)})
+                        "content": content_text(item.content)})
         elif item.type == "function_call":
             call = {"id": item.call_id, "type": "function", "function": {
                 "name": item.name, "arguments": _arguments(item.arguments, f"input.{i}.arguments")}}
@@ -275,7 +276,7 @@ def chat_messages(req: ResponsesRequest) -> list[dict]:
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         else:
-            out.append({"role": "tool", "content": _text(item.output),
+            out.append({"role": "tool", "content": content_text(item.output),
                         "tool_call_id": item.call_id})
     return out
 
@@ -306,7 +307,7 @@ class Output:
                                "delta": p.text, "logprobs": []})
                 continue
             events += self._close_message("completed")
-            for call in _openai_tool_calls(p.calls, 0, False):
+            for call in openai_tool_calls(p.calls, 0, False):
                 item = {"id": _id("fc"), "type": "function_call", "status": "in_progress",
                         "call_id": call["id"], "name": call["function"]["name"],
                         "arguments": ""}
@@ -343,32 +344,32 @@ class Output:
         return [{"type": "response.output_item.added", "output_index": len(self.items),
                  "item": {**self._message, "content": []}},
                 {"type": "response.content_part.added", **self._where(),
-                 "part": _output_text("")}]
+                 "part": _outputcontent_text("")}]
 
     def _close_message(self, status: str) -> list[dict]:
         if self._message is None:
             return []
         text, where = "".join(self._parts), self._where()
-        item = {**self._message, "status": status, "content": [_output_text(text)]}
+        item = {**self._message, "status": status, "content": [_outputcontent_text(text)]}
         self.items.append(item)
         self._message = None
         return [{"type": "response.output_text.done", **where, "text": text, "logprobs": []},
-                {"type": "response.content_part.done", **where, "part": _output_text(text)},
+                {"type": "response.content_part.done", **where, "part": _outputcontent_text(text)},
                 {"type": "response.output_item.done", "output_index": where["output_index"],
                  "item": item}]
 
 
-def _output_text(text: str) -> dict:
+def _outputcontent_text(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
 def _status(final: dict, text: TextStream) -> str:
-    return "incomplete" if _finish_reason(final, text) == "length" else "completed"
+    return "incomplete" if finish_reason(final, text) == "length" else "completed"
 
 
 def response_usage(final: dict) -> dict:
     """The Responses API's usage, plus the `dflash2` figures every route reports."""
-    u = _usage(final)
+    u = usage(final)
     return {"input_tokens": u["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"],
                                      "cache_write_tokens": 0},
@@ -407,37 +408,32 @@ def _response(head: dict, status: str, output: list[dict], final: dict | None = 
 
 # --------------------------------------------------------------------------- the route
 
-def add_routes(app: FastAPI, service: Service, read) -> None:
-    """Register `POST /v1/responses`. read: `create_app`'s body reader (key, size limit,
-    JSON), `await read(request, schema)`."""
-
-    @app.post("/v1/responses")
-    async def create_response(request: Request):
-        req = parse_request((await read(request, _Body)).root)
-        service.check_model(req.model)
-        sampling = Sampling(1.0 if req.temperature is None else req.temperature,
-                            1.0 if req.top_p is None else req.top_p, req.top_k)
-        tools = chat_tools(req)
-        try:
-            prompt = service.render_chat(chat_messages(req), tools)
-            limit = service.max_tokens(req.max_output_tokens, len(prompt), "max_output_tokens")
-        except APIError as e:
-            if e.param == "messages":      # the chat routes' name for what is `input` here
-                e.param = "input"
-            raise
-        job = service.submit(GenerationRequest(prompt, limit, sampling, req.seed))
-        text = service.tool_stream([], tools)
-        head = _head(req, service.config.model_id)
-        if req.stream:
-            return _event_stream(_events(service, job, text, head))
-        out, final = Output(), None
-        async for pieces, final in service.run(job, text, request):
-            out.feed(pieces)
-        if final is None:
-            return JSONResponse({}, 499)      # the client left; nobody reads this
-        status = _status(final, text)
-        out.finish(status)
-        return _response(head, status, out.items, final)
+@router.post("/v1/responses")
+async def create_response(body: Annotated[dict[str, Any], Body()], request: Request,
+                          service: ServiceDep):
+    """The body comes as a JSON object: `parse_request` checks it (so that it can name the
+    field with a hint)."""
+    req = parse_request(body)
+    service.check_model(req.model)
+    sampling = Sampling(1.0 if req.temperature is None else req.temperature,
+                        1.0 if req.top_p is None else req.top_p, req.top_k)
+    tools = chat_tools(req)
+    prompt = service.render_chat(chat_messages(req), tools, param="input")
+    limit = service.max_tokens(req.max_output_tokens, len(prompt), "max_output_tokens",
+                               prompt_param="input")
+    job = service.submit(GenerationRequest(prompt, limit, sampling, req.seed))
+    text = service.tool_stream([], tools)
+    head = _head(req, service.config.model_id)
+    if req.stream:
+        return event_stream(_events(service, job, text, head))
+    out, final = Output(), None
+    async for pieces, final in service.run(job, text, request):
+        out.feed(pieces)
+    if final is None:
+        return JSONResponse({}, 499)      # the client left; nobody reads this
+    status = _status(final, text)
+    out.finish(status)
+    return _response(head, status, out.items, final)
 
 
 async def _events(service: Service, job: Job, text: TextStream,
@@ -446,24 +442,27 @@ async def _events(service: Service, job: Job, text: TextStream,
     output item, then response.completed (or .incomplete; an error: error, response.failed)."""
     numbers = itertools.count()
 
-    def sse(event: dict) -> str:
-        return _sse({**event, "sequence_number": next(numbers)}, event["type"])
+    def typed(event: dict) -> str:
+        return sse({**event, "sequence_number": next(numbers)}, event["type"])
 
-    yield sse({"type": "response.created", "response": _response(head, "in_progress", [])})
-    yield sse({"type": "response.in_progress", "response": _response(head, "in_progress", [])})
+    yield typed({"type": "response.created", "response": _response(head, "in_progress", [])})
+    yield typed({"type": "response.in_progress",
+                 "response": _response(head, "in_progress", [])})
     out = Output()
     try:
         async for pieces, final in service.run(job, text):
+            if not pieces and final is None:
+                yield PING
             for event in out.feed(pieces):
-                yield sse(event)
+                yield typed(event)
             if final is not None:
                 status = _status(final, text)
                 for event in out.finish(status):
-                    yield sse(event)
-                yield sse({"type": f"response.{status}",
-                           "response": _response(head, status, out.items, final)})
+                    yield typed(event)
+                yield typed({"type": f"response.{status}",
+                             "response": _response(head, status, out.items, final)})
     except APIError as e:
-        yield sse({"type": "error", "code": e.code or e.kind, "message": e.message,
-                   "param": e.param})
-        yield sse({"type": "response.failed", "response": _response(
+        yield typed({"type": "error", "code": e.code or e.kind, "message": e.message,
+                     "param": e.param})
+        yield typed({"type": "response.failed", "response": _response(
             head, "failed", out.items, error={"code": "server_error", "message": e.message})})

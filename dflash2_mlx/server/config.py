@@ -1,0 +1,49 @@
+"""`ServerConfig`: the limits and identity of one server."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import settings as check
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Limits and identity of one server. `model_id` is the only model name a request may use.
+    Each limit is checked by its `settings` validator (SettingError names it)."""
+
+    model_id: str
+    max_tokens: int = 4096              # most tokens one request may ask for
+    context_length: int = 8192          # prompt + completion tokens
+    max_body_bytes: int = 4 * 2**20
+    queue_size: int = 16                # requests waiting for the model, besides the running one
+    api_key: str | None = None
+    block_size: int | str | None = None     # None: the pipeline's default
+    prompt_cache_size: int = 8              # entries in RAM; 0: none (and no disk: no cache)
+    prompt_cache_bytes: int = 2 * 2**30
+    prompt_cache_dir: str | None = None     # the prefix cache's disk tier (None: RAM only)
+    prompt_cache_disk_bytes: int = check.PROMPT_CACHE_DISK_BYTES
+    ping_interval: float = 15.0         # seconds of silence before an SSE stream sends `: ping`
+    read_timeout: float = 30.0          # seconds a client may take to send headers or a body part
+
+    def __post_init__(self):
+        for name in ("max_tokens", "context_length", "max_body_bytes", "queue_size",
+                     "block_size", "prompt_cache_size", "prompt_cache_bytes"):
+            getattr(check, name)(getattr(self, name), name)
+        object.__setattr__(self, "prompt_cache_disk_bytes", check.byte_size(
+            self.prompt_cache_disk_bytes, "prompt_cache_disk_bytes"))
+        for name in ("ping_interval", "read_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"ServerConfig.{name}: {value!r} is not a number of seconds "
+                                 "above 0")
+
+
+def model_id_for(model: str) -> str:
+    """The name clients use: a hub id as given, a local folder or file by its name (a request
+    never names a path)."""
+    p = Path(model)
+    if p.exists():
+        return p.stem if p.is_file() else p.name
+    return model

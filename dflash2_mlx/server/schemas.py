@@ -1,0 +1,163 @@
+"""The request bodies of the OpenAI and Anthropic routes, as pydantic models (the Responses
+API's, closed to unknown fields, are in `responses.py`).
+
+Strict: a string where a number belongs is a 400, not a silent conversion. Unknown fields are
+ignored, as the hosted APIs' clients send fields we do not use; fields we know but do not serve
+are refused by the routes. Ranges are checked by the `settings` validators, as for the CLI and
+the API (`errors.validation_error` words the 400).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from .. import settings as check
+
+
+def _setting(validator):
+    """A field type's check by one of `settings`' validators (named by the 400, not by it)."""
+    return AfterValidator(lambda value: validator(value))
+
+
+MaxTokens = Annotated[int, _setting(check.max_tokens)]
+Temperature = Annotated[float, _setting(check.temperature)]
+TopP = Annotated[float, _setting(check.top_p)]
+TopK = Annotated[int, _setting(check.top_k)]
+Seed = Annotated[int, _setting(check.seed)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+def content_text(content) -> str:
+    """A message's content (a string, text parts or None) as one string."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(p.text for p in content)
+
+
+class ToolFunction(_Strict):
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict] = None
+
+
+class Tool(_Strict):
+    type: Literal["function"] = "function"
+    function: ToolFunction
+
+
+class CalledFunction(_Strict):
+    name: str
+    arguments: Union[str, dict]
+
+
+class ToolCall(_Strict):
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
+    tool_call_id: Optional[str] = None
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedTool(_Strict):
+    """tool_choice naming a function; the model still decides (the server cannot force it)."""
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class _OpenAISampling(_Strict):
+    model: str
+    max_tokens: Optional[MaxTokens] = None
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = 0                                    # extension, as mlx-lm's server
+    seed: Optional[Seed] = None
+    stop: Union[str, list[str], None] = None
+    n: int = 1
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    logprobs: Optional[Union[bool, int]] = None        # refused when asked for (not served)
+
+
+class ChatRequest(_OpenAISampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[MaxTokens] = None
+    tools: Optional[list[Tool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedTool, None] = None
+    top_logprobs: Optional[int] = None                 # refused when asked for (not served)
+
+
+class CompletionRequest(_OpenAISampling):
+    prompt: Union[str, list[str], list[int]]
+    echo: bool = False
+    best_of: Optional[int] = None                      # refused above 1
+    suffix: Optional[str] = None                       # refused when given (no infilling)
+
+
+class AnthropicBlock(_Strict):
+    """text, tool_use (assistant turns) and tool_result (user turns) content blocks."""
+    type: Literal["text", "tool_use", "tool_result"]
+    text: Optional[str] = None
+    id: Optional[str] = None
+    name: Optional[str] = None
+    input: Optional[dict] = None
+    tool_use_id: Optional[str] = None
+    content: Union[str, list[TextPart], None] = None
+
+
+class AnthropicMessage(_Strict):
+    role: Literal["user", "assistant"]
+    content: Union[str, list[AnthropicBlock]]
+
+
+class AnthropicTool(_Strict):
+    name: str
+    description: Optional[str] = None
+    input_schema: dict = Field(default_factory=dict)
+
+
+class AnthropicToolChoice(_Strict):
+    """auto, any and a named tool leave the choice to the model; none offers no tools."""
+    type: Literal["auto", "any", "tool", "none"]
+    name: Optional[str] = None
+    disable_parallel_tool_use: Optional[bool] = None
+
+
+class MessagesRequest(_Strict):
+    model: str
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    max_tokens: MaxTokens
+    system: Union[str, list[TextPart], None] = None
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = 0
+    stop_sequences: Optional[list[str]] = None
+    stream: bool = False
+    tools: Optional[list[AnthropicTool]] = None
+    tool_choice: Optional[AnthropicToolChoice] = None
+    metadata: Optional[dict] = None
