@@ -324,3 +324,21 @@ def test_state_kept_on_leaving_restarts_exactly(pipe):
                             (1, others[0])]})
     assert out2[0] == (mlx_lm_greedy(pipe.target, follow, 20), "length")
     assert engine.stats[0].cached_tokens == cached
+
+
+@pytest.mark.parametrize("block_size", ["auto", 4, 1])
+def test_generate_batch_equals_generate(pipe, block_size):
+    prompts = ["def add(a, b):", "Hello! How can I help you today?", "for i in range(10):",
+               "class Stack:\n    def push(self, x):"]
+    limits = [30, 12, 25, 1]
+    gens = pipe.generate_batch(prompts, max_tokens=limits, block_size=block_size,
+                               max_batch=3, prefill_budget=16)
+    for prompt, n, gen in zip(prompts, limits, gens):
+        alone = pipe.generate(prompt, max_tokens=n, block_size=block_size)
+        assert (gen.tokens, gen.text, gen.finish_reason) == \
+            (alone.tokens, alone.text, alone.finish_reason), prompt
+        assert gen.stats.generated_tokens == len(gen.tokens)
+    seen = {i for i, _ in pipe.stream_batch(prompts[:2], max_tokens=5)}
+    assert seen == {0, 1}
+    with pytest.raises(ValueError, match="max_tokens"):
+        pipe.generate_batch(prompts, max_tokens=[3])
