@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from .adaptive import LOOKUP, PLAIN, FixedWidth, ShadowLookup
+from .adaptive import DRAFTER, LOOKUP, PLAIN, FixedWidth, ShadowLookup
 from .batch_cache import RaggedKVCache, batch_cache, check_batchable
 from .drafter import Drafter, Proposal
 from .engine import (Cycle, DecodeState, GenerationStats, Step, _choose, _commit, _draft,
@@ -38,6 +38,72 @@ from .sampling import Sampling, greedy_accept, rejection_accept
 from .target import Target
 
 STOP, LENGTH, CANCELLED = "stop", "length", "cancelled"
+
+
+class StepCost:
+    """Seconds of one target step as a function of the total rows it verifies: measured
+    points (rows -> seconds), linear between them and past the last. The first form of the
+    batch cost model; the context-aware one (long-context work) is to replace it behind the
+    same `step_cost(rows)`."""
+
+    def __init__(self, points: dict[int, float]):
+        if not points or any(r < 1 or s < 0 for r, s in points.items()):
+            raise ValueError(f"StepCost: points must map rows >= 1 to seconds >= 0, got {points}")
+        self.rows = sorted(points)
+        self.seconds = [points[r] for r in self.rows]
+
+    @classmethod
+    def from_cycle_cost(cls, cost) -> "StepCost":
+        """From the single-sequence calibration (`adaptive.CycleCost.verify`, w rows at w)."""
+        return cls({w: s for w, s in enumerate(cost.verify, 1)})
+
+    def step_cost(self, rows: int) -> float:
+        r, s = self.rows, self.seconds
+        if len(r) == 1:
+            return s[0] * rows / r[0]
+        i = min(max(1, next((j for j, x in enumerate(r) if x >= rows), len(r) - 1)), len(r) - 1)
+        slope = (s[i] - s[i - 1]) / (r[i] - r[i - 1])
+        return max(0.0, s[i - 1] + slope * (rows - r[i - 1]))
+
+
+class BatchAwareWidth:
+    """A sequence's policy in a batch: an `AdaptiveWidth` (its acceptance estimates, updates
+    and probes) whose choice weighs what the sequence's rows add to the whole step. With the
+    other sequences verifying `rows` rows and committing about `tokens` tokens, a width w of
+    expected E(w) tokens is worth (tokens + E(w)) / (step_cost(rows + w) + draft(w)): the
+    batch's tokens per second. Alone (no others) it chooses exactly as its AdaptiveWidth."""
+
+    def __init__(self, inner, cost: StepCost):
+        self.inner, self.cost = inner, cost
+        self.others = (0, 0.0)            # (rows, tokens) of the rest of this step
+
+    def set_batch(self, rows: int, tokens: float) -> None:
+        self.others = (rows, tokens)
+
+    def choose(self, available: dict | None = None, match_n: int = 0) -> tuple[str, int]:
+        rows, tokens = self.others
+        if rows == 0:
+            return self.inner.choose(available, match_n)
+        inner = self.inner
+        available = dict(inner.widths) if available is None else available
+        best, best_rate = (PLAIN, 1), (tokens + 1) / self.cost.step_cost(rows + 1)
+        for source, most in available.items():
+            e, p = 1.0, 1.0
+            for w, alpha in zip(range(2, min(most, inner.widths[source]) + 1),
+                                inner.alphas(source, match_n)):
+                p *= alpha
+                e += p
+                draft = inner.cost.draft[w - 1] if source == DRAFTER else 0.0
+                rate = (tokens + e) / (self.cost.step_cost(rows + w) + draft)
+                if rate > best_rate:
+                    best, best_rate = (source, w), rate
+        return best
+
+    def next_plain(self, available: dict) -> bool:
+        return self.inner.next_plain(available) if self.others[0] == 0 else False
+
+    def update(self, *args, **kwargs) -> None:
+        self.inner.update(*args, **kwargs)
 
 
 @dataclass
@@ -251,7 +317,14 @@ class BatchEngine:
 
     def _decode(self) -> list[Event]:
         tic = time.perf_counter()
-        plans = [self._plan(seq) for seq in self.rows]
+        # batch-aware policies see the others' rows: those planned now, else their last width
+        widths = [s.stats.steps[-1].width if s.stats.steps else 1 for s in self.rows]
+        plans = []
+        for i, seq in enumerate(self.rows):
+            if hasattr(seq.policy, "set_batch"):
+                seq.policy.set_batch(sum(widths) - widths[i], len(self.rows) - 1.0)
+            plans.append(self._plan(seq))
+            widths[i] = plans[-1].width
         T = max(p.width for p in plans)
         rows = []
         for p in plans:

@@ -342,3 +342,51 @@ def test_generate_batch_equals_generate(pipe, block_size):
     assert seen == {0, 1}
     with pytest.raises(ValueError, match="max_tokens"):
         pipe.generate_batch(prompts, max_tokens=[3])
+
+
+def test_batch_aware_policy_narrows_as_rows_get_dearer():
+    """Alone it chooses as its AdaptiveWidth; beside more and more rows it narrows the
+    drafter's block, then stops drafting, while a long lookup match (acceptance near 1) still
+    drafts. Costs: a fixed part plus a part per row, as a verify on a CPU."""
+    from dflash2_mlx.adaptive import DRAFTER, LOOKUP, PLAIN, AdaptiveWidth, CycleCost
+    from dflash2_mlx.batch import BatchAwareWidth, StepCost
+
+    verify = tuple(0.05 + 0.012 * w for w in range(1, 17))
+    cost = CycleCost(draft=(0.0,) + (0.01,) * 15, verify=verify)
+    step = StepCost.from_cycle_cost(cost)
+    assert step.step_cost(4) == pytest.approx(verify[3])
+    assert step.step_cost(40) == pytest.approx(0.05 + 0.012 * 40)
+    inner = AdaptiveWidth(cost, {DRAFTER: 16, LOOKUP: 16})
+    rng = random.Random(0)
+    for _ in range(400):
+        a = next(k for k in range(16) if k == 15 or rng.random() > 0.7)   # alpha 0.7
+        inner.update(DRAFTER, 16, a)
+        inner.update(LOOKUP, 16, 15, None, 8)   # a long match copies on
+    policy = BatchAwareWidth(inner, step)
+    available = {DRAFTER: 16}
+    assert policy.choose(available) == AdaptiveWidth.choose(inner, available)
+    widths = []
+    for others in range(1, 40, 4):
+        policy.set_batch(rows=others * 2, tokens=float(others))
+        widths.append(policy.choose(available)[1])
+    assert widths == sorted(widths, reverse=True) and widths[0] > 2 and widths[-1] == 1
+    policy.set_batch(rows=40, tokens=40.0)        # 40 plain rows beside it
+    assert policy.choose({DRAFTER: 16}) == (PLAIN, 1)
+    assert policy.choose({DRAFTER: 16, LOOKUP: 16}, 8)[0] == LOOKUP
+
+
+def test_batch_aware_policies_stay_exact(pipe):
+    import copy
+    from dflash2_mlx.batch import BatchAwareWidth, StepCost
+
+    rng = random.Random(13)
+    vocab = pipe.adapter.vocab_size
+    step = StepCost.from_cycle_cost(pipe.width_policy().cost)
+    prompts = [[rng.randrange(vocab - 1) for _ in range(4 + 5 * k)] for k in range(6)]
+    arrivals = {}
+    for k, p in enumerate(prompts):                  # two join at each of the first steps
+        policy = BatchAwareWidth(copy.deepcopy(pipe.width_policy()), step)
+        arrivals.setdefault(k // 2, []).append((k, Request(p, 30, policy=policy, lookup=True)))
+    out = run(BatchEngine(pipe.adapter, pipe.drafter), arrivals)
+    for k, p in enumerate(prompts):
+        assert out[k] == (mlx_lm_greedy(pipe.target, p, 30), "length"), k
