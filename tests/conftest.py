@@ -35,17 +35,20 @@ FIXTURE_MARKS = {"server": "server"}     # a test that needs the `server` fixtur
 # `slow`: "module::name", a test function (all its cases) or a fixture (every test that needs
 # it, as the first one pays for it), that took 8 s or more: the lesser of two runs file by file
 # with --durations=0 on the project's 2-core CPU machine while other work shared it (load 4-8,
-# about twice what an unshared run takes: ~4-5 s there). The seconds are those measurements.
+# about twice what an unshared run takes: ~4-5 s there; one run where a test was far past it).
+# The seconds are those measurements.
 SLOW = {
     "test_bench::test_run_bench_on_tiny_fixtures": "12 s: 4 widths x 2 temperatures x 3 prompts",
     "test_cli::test_embedded_default_pair": "35 s: the SmolLM2 pair through the CLI",
     "test_cli::test_bad_settings_and_values_one_line_nonzero": "8 s: 19 CLI processes",
+    "test_disk_cache::test_a_second_server_process_answers_the_next_turn_from_disk":
+        "11 s: two servers, one after the other",
     "test_distributed::exactness_run": "108 s: 3 targets on 2 ranks and alone",
-    "test_distributed::test_three_ranks_pass_control_and_features_along_the_ring": "67 s",
+    "test_distributed::test_three_ranks_pass_control_and_features_along_the_ring": "24 s",
     "test_distributed::test_serve_pipeline_answers_like_one_process_and_stops_on_sigterm":
-        "46 s: two ranks serving HTTP",
-    "test_distributed::test_a_rank_with_another_drafter_is_refused_before_loading": "39 s",
-    "test_distributed::test_a_rank_killed_mid_generation_stops_rank_0_with_one_line": "19 s",
+        "24 s: two ranks serving HTTP",
+    "test_distributed::test_a_rank_with_another_drafter_is_refused_before_loading": "20 s",
+    "test_distributed::test_a_rank_killed_mid_generation_stops_rank_0_with_one_line": "16 s",
     "test_distributed::test_cli_rank_0_writes_text_summary_and_stats_json": "13 s",
     "test_sampling::test_joint_distribution_matches_target": "34-223 s a case: 2,000 runs",
     "test_sampling::test_joint_distribution_with_lookup": "58-116 s a case: 2,000 runs",
@@ -54,14 +57,14 @@ SLOW = {
     "test_sampling::test_rejection_step_against_formula": "14 s: 12,000 rejection steps",
     "test_server::test_eight_concurrent_clients_three_requests_each":
         "11 s: 24 requests and their references",
-    "test_server::test_tool_calls_openai_and_anthropic": "8 s: a server of its own",
     "test_settings::test_a_prompt_beyond_the_context_is_announced":
-        "12 s: a prefill past 4,096 tokens",
+        "10 s: a prefill past 4,096 tokens",
     "test_smollm2::test_greedy_64_tokens_equal_mlx_lm": "56 s: SmolLM2 and mlx-lm, 64 tokens",
     "test_smollm2::test_lookup_alone_on_the_gguf_target_equals_mlx_lm": "49 s",
-    "test_train::test_demo_pair_greedy_equals_mlx_lm": "126 s: SmolLM2 and mlx-lm, 2 prompts",
+    "test_train::test_demo_pair_greedy_equals_mlx_lm": "110 s: SmolLM2 and mlx-lm, 2 prompts",
     "test_train::test_prompts_of_an_earlier_run_are_not_drawn_again": "40 s: 80 prompts built",
-    "test_train::test_training_reduces_the_loss_and_exports_an_exact_drafter": "9 s: 40 steps",
+    "test_train::test_training_reduces_the_loss_and_exports_an_exact_drafter":
+        "8 s: 40 training steps",
 }
 
 
