@@ -1,5 +1,7 @@
 """dflash2-mlx: exact speculative decoding with DFlash 2 block drafters on MLX."""
 
+from .lazy import exports
+
 __version__ = "0.1.0"
 
 # Public names, imported on first use (PEP 562) so that `dflash2-mlx --help`, `doctor` and
@@ -12,17 +14,4 @@ _EXPORTS = {
     "OmlxSettingsError": "omlx", "use_fast_blas": "blas",
 }
 __all__ = list(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'dflash2_mlx' has no attribute '{name}'")
-    from importlib import import_module
-
-    value = getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = exports(__name__, _EXPORTS, globals())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import warnings
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from mlx.utils import tree_flatten
 
 from . import blas, log, runtime, settings as check
 from .drafter import Drafter
+from .batch import BatchEngine, Request
 from .adaptive import DRAFTER, LOOKUP, AdaptiveWidth, FixedWidth, load_or_measure_costs
 from .engine import DecodeState, GenerationStats, generate_tokens
 from .kernels import resolve_kernel_path
@@ -228,6 +230,63 @@ class Pipeline:
             stats = chunk.stats
             finish = chunk.finish_reason or finish
         return Generation("".join(text), tokens, stats, finish)
+
+    # ---- batches
+    def stream_batch(self, prompts: Sequence[str | Sequence[int]], *,
+                     max_tokens: int | Sequence[int] = 256, temperature: float = 0.0,
+                     top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                     block_size: int | str | None = None, lookup: bool | None = None,
+                     chat_template: bool | None = None, system: str | None = None,
+                     stop_tokens: Sequence[int] = (), max_batch: int | None = None,
+                     prefill_budget: int | None = None) -> Iterator[tuple[int, Chunk]]:
+        """Generate every prompt at once on the batch engine (`batch.BatchEngine`: one target
+        forward per step over all running prompts, each speculating on its own) and yield
+        (index into prompts, Chunk) as tokens commit; each prompt's last chunk carries its
+        `finish_reason`. Options as for `stream`, for every prompt; max_tokens may be one per
+        prompt (as mlx-lm's `batch_generate`); seed: prompt i uses seed + i. max_batch: the
+        most prompts decoding at once; prefill_budget: prompt tokens prefilled per step (None:
+        a prompt's whole prefill in the step it joins). A target whose caches the batch cannot
+        hold (recurrent layers) raises ValueError: generate its prompts one at a time."""
+        sampling = Sampling(temperature, top_p, top_k)
+        lookup = self.lookup if lookup is None else check.lookup(lookup)
+        b = self.block_size(block_size, lookup)
+        limits = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
+        if len(limits) != len(prompts):
+            raise ValueError(f"max_tokens: {len(limits)} values for {len(prompts)} prompts")
+        seed = check.seed(seed)
+        stop_ids = frozenset(self.tokenizer.eos_token_ids) | {int(t) for t in stop_tokens}
+        engine = BatchEngine(self.adapter, self.drafter, lookup=self.lookup_config,
+                             max_batch=max_batch, prefill_step_size=self.prefill_step_size)
+        index, detoks = {}, {}
+        for i, prompt in enumerate(prompts):
+            ids = self.encode(prompt, chat_template, system)
+            wide = b if self.max_ctx is None or len(ids) < self.max_ctx else 1
+            policy = copy.deepcopy(self.width_policy()) if wide == "auto" else FixedWidth(wide)
+            rid = engine.add(Request(ids, check.max_tokens(limits[i]), sampling, policy,
+                                     stop_ids, lookup and wide != 1,
+                                     None if seed is None else seed + i))
+            index[rid], detoks[rid] = i, self.tokenizer.detokenizer
+            engine.stats[rid].block_size = wide
+        while engine.running or engine.waiting:
+            for ev in engine.step(prefill_budget):
+                detok = detoks[ev.id]
+                for t in ev.tokens:
+                    if t not in stop_ids:
+                        detok.add_token(t)
+                if ev.finish:
+                    detok.finalize()
+                yield index[ev.id], Chunk(detok.last_segment, ev.tokens,
+                                          engine.stats[ev.id].copy(), ev.finish)
+
+    def generate_batch(self, prompts: Sequence[str | Sequence[int]],
+                       **options) -> list[Generation]:
+        """One `Generation` per prompt, in order; options as for `stream_batch`."""
+        parts: list[list[Chunk]] = [[] for _ in prompts]
+        for i, chunk in self.stream_batch(prompts, **options):
+            parts[i].append(chunk)
+        return [Generation("".join(c.text for c in chunks), [t for c in chunks for t in c.tokens],
+                           chunks[-1].stats, chunks[-1].finish_reason or "length")
+                for chunks in parts]
 
 
 class _PrefillBar:

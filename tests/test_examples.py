@@ -68,7 +68,9 @@ def test_examples_exist():
     assert {"embed_api.py", "chat.py", "omlx_settings.py"} <= names, names
 
 
-@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [
+    pytest.param(p, id=p.name, marks=[pytest.mark.server] if invocation(p)[2] else [])
+    for p in EXAMPLES])
 def test_example_runs(path, llama_dir, qwen3_dir, dflash2_dir, dflash_dir, tools_dir):
     args, stdin, server, expected = invocation(path)
     fixtures = {"llama": llama_dir, "qwen3": qwen3_dir, "dflash2": dflash2_dir,

@@ -74,7 +74,6 @@ def test_rollback_equals_fresh_run_on_kept_rows(target):
         snap.rollback(kept, block.shape[1])
         adapter.forward(block[:, :kept], fresh)
         for c, f in zip(cache, fresh):
-            a_state, f_state = c.state, f.state
             if hasattr(c, "cache"):                   # recurrent: conv state and ssm state
                 for x, y in zip(c.cache, f.cache):
                     assert mx.allclose(x, y, atol=1e-5), (name, kept)

@@ -2,11 +2,13 @@
 `anthropic` clients, on the tiny fixtures; outputs compared with `Pipeline.generate`.
 
 The main server starts once per module (port 0: it prints the port it got); the tool-call and
-shutdown tests start their own.
+shutdown tests start their own. The full-queue test runs the app in process instead, so that it
+can hold the worker until the queue is full.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import threading
@@ -22,8 +24,7 @@ anthropic = pytest.importorskip("anthropic")
 httpx = pytest.importorskip("httpx")
 
 import dflash2_mlx  # noqa: E402
-from fixtures import (BLOCK, BODY, CAP, CONTEXT, KEY, TOOL_CALL, Server,  # noqa: E402
-                      write_tool_target)
+from fixtures import BLOCK, BODY, CAP, CONTEXT, KEY, TOOL_CALL, Server  # noqa: E402
 
 T0 = {"temperature": 0}  # the anthropic client has no sampling arguments; the API has them
 
@@ -191,21 +192,80 @@ def test_eight_concurrent_clients_three_requests_each(pipe, oa):
     assert all(got == want[p] for p, got in results)
 
 
-def test_full_queue_answers_429_and_the_server_recovers(server, oa):
-    body = {"model": "llama", "max_tokens": CAP, "temperature": 0,
-            "messages": [{"role": "user", "content": "count:"}]}
-    headers = {"Authorization": f"Bearer {KEY}"}
-    # 32 at once against 1 running + 8 waiting: some must be turned away
-    with ThreadPoolExecutor(32) as pool:
-        replies = list(pool.map(lambda _: httpx.post(server.url + "/v1/chat/completions",
-                                                     json=body, headers=headers,
-                                                     timeout=120), range(32)))
-    codes = [r.status_code for r in replies]
-    assert 429 in codes and 200 in codes and set(codes) <= {200, 429}, codes
-    busy = next(r.json()["error"] for r in replies if r.status_code == 429)
-    assert busy["type"] == "rate_limit_error" and busy["code"] == "queue_full"
-    r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
-    assert r.status_code == 200
+def test_full_queue_answers_429_and_the_server_recovers(pipe):
+    """In process, so the test holds the worker: the app runs under httpx.ASGITransport, driven
+    by the real async `openai` client, and its worker starts only once two requests fill the
+    queue. Which request is turned away does not depend on the model's speed (the other tests
+    here cover the real socket). Each API's route answers a full queue in its own shape."""
+    from dflash2_mlx.server import ServerConfig, create_app
+
+    app = create_app(pipe, ServerConfig("llama", max_tokens=CAP, queue_size=2,
+                                        block_size=BLOCK), worker_thread=False)
+    scheduler = app.state.scheduler
+    msgs = [{"role": "user", "content": "count:"}]
+    want = pipe.generate("count:", max_tokens=8).text
+    full, out = threading.Event(), {}
+
+    async def clients():
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), timeout=60)
+        oa = openai.AsyncOpenAI(base_url="http://dflash2.test/v1", api_key="none",
+                                max_retries=0, http_client=http)
+
+        def ask():
+            return oa.chat.completions.create(model="llama", messages=msgs, max_tokens=8,
+                                              temperature=0)
+
+        async def queue_filled():
+            while scheduler.waiting < 2:          # no worker runs: they stay in the queue
+                for t in queued:
+                    if t.done():
+                        t.result()                # a request that ended early: its error
+                await asyncio.sleep(0.01)
+
+        queued = [asyncio.ensure_future(ask()) for _ in range(2)]
+        await asyncio.wait_for(queue_filled(), 60)
+        refused = {}
+        with pytest.raises(openai.RateLimitError) as chat:
+            await asyncio.wait_for(ask(), 60)     # queued instead of refused: a timeout
+        refused["chat"] = chat.value.body
+        with pytest.raises(openai.RateLimitError) as responses:
+            await asyncio.wait_for(oa.responses.create(
+                model="llama", input="count:", max_output_tokens=8, temperature=0), 60)
+        refused["responses"] = responses.value.body
+        # (anthropic's client is built on a fork of httpx: the route is called directly)
+        messages = await asyncio.wait_for(http.post("http://dflash2.test/v1/messages", json={
+            "model": "llama", "max_tokens": 8, "messages": msgs, **T0}), 60)
+        assert messages.status_code == 429, messages.text
+        refused["messages"] = messages.json()
+        full.set()                                # the worker starts on the main thread
+        out["queued"] = [r.choices[0].message.content for r in await asyncio.gather(*queued)]
+        out["after"] = (await ask()).choices[0].message.content
+        out["refused"] = refused
+
+    def http_thread():
+        try:
+            asyncio.run(clients())
+        except BaseException as e:  # noqa: BLE001 - raised again on the main thread
+            out["error"] = e
+        finally:
+            full.set()
+            scheduler.stop()                      # ends scheduler.work() below
+
+    thread = threading.Thread(target=http_thread)
+    thread.start()
+    full.wait()
+    scheduler.work()             # MLX on the main thread, as `serve` runs it
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    refused = out["refused"]
+    for api in ("chat", "responses"):
+        assert refused[api]["type"] == "rate_limit_error" and \
+            refused[api]["code"] == "queue_full", (api, refused[api])
+    assert refused["messages"]["type"] == "error" and \
+        refused["messages"]["error"]["type"] == "rate_limit_error", refused["messages"]
+    assert out["queued"] == [want, want] and out["after"] == want
+    assert scheduler.served == 3
 
 
 def test_disconnect_mid_stream_cancels_then_next_request_works(server, pipe, oa):
@@ -351,8 +411,36 @@ WEATHER = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
 
 
-def test_tool_calls_openai_and_anthropic(tmp_path, dflash2_dir):
-    target = write_tool_target(tmp_path / "tools")
+def test_the_tool_targets_template_as_mlx_lm_reads_it(tools_dir):
+    """What the tool-call tests stand on, through mlx-lm's own tokenizer loader: it infers the
+    json_tools parser from TOOL_TEMPLATE; the template writes the tool definitions and earlier
+    calls into the prompt, the calls in the form that parser reads back; and every chat prompt,
+    with tools or without, ends with the token the target's chain starts from."""
+    from mlx_lm.utils import load_tokenizer
+    from tokenizers import Tokenizer
+
+    newline = Tokenizer.from_file(str(tools_dir / "tokenizer.json")).encode(
+        "<|im_start|>assistant\n").ids[-1]
+    tok = load_tokenizer(tools_dir)
+    assert (tok.tool_call_start, tok.tool_call_end) == ("<tool_call>", "</tool_call>")
+    want = {"name": "get_weather", "arguments": {"city": "Paris"}}
+    assert tok.tool_parser(TOOL_CALL) == want
+    turns = [{"role": "user", "content": "Weather in Paris?"},
+             {"role": "assistant", "tool_calls": [{"type": "function", "function": want}]},
+             {"role": "tool", "content": "sunny"}]
+    text = tok.apply_chat_template(turns, tools=[WEATHER], tokenize=False,
+                                   add_generation_prompt=True)
+    assert [json.loads(line) for line in text.split("Tools:\n")[1].splitlines()[:1]] == [WEATHER]
+    assert tok.tool_parser(text.split("<tool_call>")[-1].split("</tool_call>")[0]) == want
+    for tools in ([WEATHER], None):
+        prompt = tok.apply_chat_template(turns[:1], tools=tools, tokenize=False,
+                                         add_generation_prompt=True)
+        assert ("Tools:" in prompt) == bool(tools), prompt
+        assert tok.encode(prompt, add_special_tokens=False)[-1] == newline, prompt
+
+
+def test_tool_calls_openai_and_anthropic(tools_dir, dflash2_dir):
+    target = tools_dir
     s = Server("--model", target, "--draft", dflash2_dir, "--max-tokens", 32)
     try:
         oa = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)

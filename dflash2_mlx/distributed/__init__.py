@@ -20,6 +20,8 @@ of the weights: `keep_only_stage` empties, in the model object, the weights the 
 run). Views and rollbacks come from `dflash2_mlx.views`, as for the single process.
 """
 
+from ..lazy import exports
+
 # Public names, imported on first use (PEP 562): `python -m dflash2_mlx.distributed.watchdog`
 # imports this package and must start without MLX.
 _EXPORTS = {
@@ -34,17 +36,4 @@ _EXPORTS = {
     "FAMILIES": "shard",
 }
 __all__ = list(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'dflash2_mlx.distributed' has no attribute '{name}'")
-    from importlib import import_module
-
-    value = getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = exports(__name__, _EXPORTS, globals())

@@ -1,0 +1,407 @@
+"""The batched engine: one step advances every running sequence, each with its own source
+(plain, drafter, lookup) and width, in ONE target forward over all their rows.
+
+A step, for the running sequences s_1..s_B in the rows of the batch cache:
+  plan     each sequence's policy picks its source and width w_b, as `engine.generate_tokens`
+           does alone (the same calls, the same per-sequence random keys); drafts come from
+           the lookup or from the drafter (one pass per drafting sequence)
+  verify   the target runs [B, T = max w_b]: row b is [anchor_b, drafts_b, padding]
+  accept   per sequence, greedy prefix match or rejection sampling on its own rows
+  rollback `RaggedKVCache.commit`: row b keeps its a_b + 1 rows, the rest become holes
+Before the decode rows, `step(prefill_budget=n)` prefills the waiting sequences for up to n
+prompt tokens (chunked; a sequence joins the batch once its prompt is in). A sequence leaves
+at a stop token, its max_tokens or `cancel`, and its single-sequence `DecodeState` can be kept
+(`Request.keep_state`) for the prefix cache; a `DecodeState` can start a sequence too.
+
+Greedy output equals generating alone token for token (up to the near-ties SPEC.md section 10
+describes: a batched row is not bitwise the single one); seeded sampling draws the same
+sample as alone. Layout and measurements: docs/batching.md.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from .adaptive import DRAFTER, LOOKUP, PLAIN, FixedWidth, ShadowLookup
+from .batch_cache import RaggedKVCache, batch_cache, check_batchable
+from .drafter import Drafter, Proposal
+from .engine import (Cycle, DecodeState, GenerationStats, Step, _choose, _commit, _draft,
+                     _reuse, prefill)
+from .lookup import LookupConfig, LookupIndex
+from .sampling import Sampling, greedy_accept, rejection_accept
+from .target import Target
+
+STOP, LENGTH, CANCELLED = "stop", "length", "cancelled"
+
+
+class StepCost:
+    """Seconds of one target step as a function of the total rows it verifies: measured
+    points (rows -> seconds), linear between them and past the last. The first form of the
+    batch cost model; the context-aware one (long-context work) is to replace it behind the
+    same `step_cost(rows)`."""
+
+    def __init__(self, points: dict[int, float]):
+        if not points or any(r < 1 or s < 0 for r, s in points.items()):
+            raise ValueError(f"StepCost: points must map rows >= 1 to seconds >= 0, got {points}")
+        self.rows = sorted(points)
+        self.seconds = [points[r] for r in self.rows]
+
+    @classmethod
+    def from_cycle_cost(cls, cost) -> "StepCost":
+        """From the single-sequence calibration (`adaptive.CycleCost.verify`, w rows at w)."""
+        return cls({w: s for w, s in enumerate(cost.verify, 1)})
+
+    def step_cost(self, rows: int) -> float:
+        r, s = self.rows, self.seconds
+        if len(r) == 1:
+            return s[0] * rows / r[0]
+        i = min(max(1, next((j for j, x in enumerate(r) if x >= rows), len(r) - 1)), len(r) - 1)
+        slope = (s[i] - s[i - 1]) / (r[i] - r[i - 1])
+        return max(0.0, s[i - 1] + slope * (rows - r[i - 1]))
+
+
+class BatchAwareWidth:
+    """A sequence's policy in a batch: an `AdaptiveWidth` (its acceptance estimates, updates
+    and probes) whose choice weighs what the sequence's rows add to the whole step. With the
+    other sequences verifying `rows` rows and committing about `tokens` tokens, a width w of
+    expected E(w) tokens is worth (tokens + E(w)) / (step_cost(rows + w) + draft(w)): the
+    batch's tokens per second. Alone (no others) it chooses exactly as its AdaptiveWidth."""
+
+    def __init__(self, inner, cost: StepCost):
+        self.inner, self.cost = inner, cost
+        self.others = (0, 0.0)            # (rows, tokens) of the rest of this step
+
+    def set_batch(self, rows: int, tokens: float) -> None:
+        self.others = (rows, tokens)
+
+    def choose(self, available: dict | None = None, match_n: int = 0) -> tuple[str, int]:
+        rows, tokens = self.others
+        if rows == 0:
+            return self.inner.choose(available, match_n)
+        inner = self.inner
+        available = dict(inner.widths) if available is None else available
+        best, best_rate = (PLAIN, 1), (tokens + 1) / self.cost.step_cost(rows + 1)
+        for source, most in available.items():
+            e, p = 1.0, 1.0
+            for w, alpha in zip(range(2, min(most, inner.widths[source]) + 1),
+                                inner.alphas(source, match_n)):
+                p *= alpha
+                e += p
+                draft = inner.cost.draft[w - 1] if source == DRAFTER else 0.0
+                rate = (tokens + e) / (self.cost.step_cost(rows + w) + draft)
+                if rate > best_rate:
+                    best, best_rate = (source, w), rate
+        return best
+
+    def next_plain(self, available: dict) -> bool:
+        return self.inner.next_plain(available) if self.others[0] == 0 else False
+
+    def update(self, *args, **kwargs) -> None:
+        self.inner.update(*args, **kwargs)
+
+
+@dataclass
+class Request:
+    """One sequence to generate. policy: its own width policy object (`adaptive.FixedWidth`,
+    `AdaptiveWidth`, or `BatchAwareWidth`; default FixedWidth(1), plain decoding); lookup:
+    draft from its context too; state: a `DecodeState` to start from (advanced in place);
+    keep_state: keep its state when it leaves (`BatchEngine.pop_state`)."""
+
+    prompt: list[int]
+    max_tokens: int = 256
+    sampling: Sampling = field(default_factory=Sampling)
+    policy: object = None
+    stop_ids: frozenset = frozenset()
+    lookup: bool = False
+    seed: int | None = None
+    state: DecodeState | None = None
+    keep_state: bool = False
+
+
+@dataclass(frozen=True)
+class Event:
+    """What a step did for one sequence: the tokens it committed, and why it ended (None:
+    it runs on)."""
+
+    id: int
+    tokens: list[int]
+    finish: str | None = None
+
+
+class _Sequence:
+    def __init__(self, rid: int, req: Request, state: DecodeState, key: mx.array,
+                 lookup: LookupConfig | None):
+        self.id, self.req, self.state, self.key = rid, req, state, key
+        self.policy = req.policy if req.policy is not None else FixedWidth(1)
+        self.lookup = lookup
+        self.todo = req.prompt[len(state.tokens):]          # prompt ids not yet prefilled
+        self.stats = GenerationStats(prompt_tokens=len(req.prompt),
+                                     cached_tokens=len(state.tokens))
+        self.tokens: list[int] = []
+        self.index: LookupIndex | None = None
+        self.shadow = ShadowLookup(self.policy)
+        self.launched: mx.array | None = None   # the key alone would have launched a plain
+        self.logits = None                      # step with (its next step is that one)
+        self.tic = time.perf_counter()
+
+
+@dataclass
+class _Plan:
+    seq: _Sequence
+    source: str
+    width: int
+    match: int
+    drafts: mx.array | None = None             # [1, w-1]
+    proposal: Proposal | None = None
+    sample_key: mx.array | None = None         # a plain step's
+    accept_key: mx.array | None = None         # a drafting cycle's
+
+
+class BatchEngine:
+    """Continuous batching over one target (and drafter). Drive it from one thread:
+    `add(request) -> id`, `step(prefill_budget) -> [Event]`, `cancel(id)`; `running` and
+    `waiting` count the sequences in the batch and those still prefilling or queued.
+
+    lookup: the lookup's settings for requests with `lookup=True`. max_batch: the most
+    sequences decoding at once (the others wait). prefill_step_size: the prefill's chunk, as
+    alone."""
+
+    def __init__(self, target: Target, drafter: Drafter | None = None, *,
+                 lookup: LookupConfig | None = None, max_batch: int | None = None,
+                 prefill_step_size: int = 2048):
+        check_batchable(target.make_cache())
+        self.target, self.drafter = target, drafter
+        self.lookup = lookup or LookupConfig()
+        self.max_batch, self.prefill_step_size = max_batch, prefill_step_size
+        self.keep = drafter.context_window if drafter is not None else None
+        self.cache: list[RaggedKVCache] | None = None
+        self.rows: list[_Sequence] = []               # decoding, in the cache's row order
+        self.queue: deque[_Sequence] = deque()        # prefilling (the first) or waiting
+        self.states: dict[int, DecodeState] = {}
+        self.stats: dict[int, GenerationStats] = {}
+        self.history: list[tuple[int, int, float]] = []   # per decode step: sequences,
+        self._next = 0                                    # rows verified (B x T), seconds
+
+    # ---- the scheduler's interface
+    @property
+    def running(self) -> int:
+        return len(self.rows)
+
+    @property
+    def waiting(self) -> int:
+        return len(self.queue)
+
+    def add(self, request: Request) -> int:
+        if not request.prompt:
+            raise ValueError("the prompt is empty: give at least one token")
+        if request.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {request.max_tokens}")
+        state = _reuse(request.state, list(request.prompt), self.target, self.drafter)
+        rid, self._next = self._next, self._next + 1
+        seed = request.seed if request.seed is not None else \
+            int.from_bytes(os.urandom(4), "little")
+        seq = _Sequence(rid, request, state, mx.random.key(seed),
+                        self.lookup if request.lookup else None)
+        self.stats[rid] = seq.stats
+        self.queue.append(seq)
+        return rid
+
+    def cancel(self, rid: int) -> bool:
+        """Drop a sequence now (queued or running); False when it is not here."""
+        for seq in self.queue:
+            if seq.id == rid:
+                self.queue.remove(seq)
+                return True
+        for i, seq in enumerate(self.rows):
+            if seq.id == rid:
+                self._leave([i])
+                return True
+        return False
+
+    def pop_state(self, rid: int) -> DecodeState | None:
+        """The single-sequence state of a sequence that left with `keep_state`."""
+        return self.states.pop(rid, None)
+
+    def step(self, prefill_budget: int | None = None) -> list[Event]:
+        """Prefill waiting sequences for up to `prefill_budget` prompt tokens (None: no
+        limit; a sequence whose prompt is in joins the batch), then one decode step of every
+        running sequence."""
+        events: list[Event] = []
+        budget = math.inf if prefill_budget is None else prefill_budget
+        while self.queue and budget > 0 and (self.max_batch is None
+                                             or len(self.rows) < self.max_batch):
+            seq = self.queue[0]
+            budget -= self._prefill(seq, budget)
+            if seq.todo:
+                break
+            self.queue.popleft()
+            events.append(self._start(seq))
+        if self.rows:
+            events.extend(self._decode())
+        return events
+
+    # ---- joining
+    def _prefill(self, seq: _Sequence, budget: float) -> int:
+        """Prefill up to `budget` prompt ids of `seq` -> how many it took. The last chunk is
+        `engine.prefill`'s (its last row alone gives the first token's logits)."""
+        todo, state = seq.todo, seq.state
+        tic = time.perf_counter()
+        if len(todo) <= budget:
+            seq.logits = prefill(self.target, state, todo, self.prefill_step_size, self.keep)
+            n = len(todo)
+        else:
+            n = int(budget)
+            x = mx.array(todo[:n], dtype=mx.uint32)[None]
+            for start in range(0, n, self.prefill_step_size):
+                _, feats = self.target.forward(x[:, start:start + self.prefill_step_size],
+                                               state.cache)
+                state.add_features(feats, self.keep)
+                mx.eval([c.state for c in state.cache], state.pending)
+            state.tokens.extend(todo[:n])
+        seq.todo = todo[n:]
+        seq.stats.prefill_s += time.perf_counter() - tic
+        return n
+
+    def _start(self, seq: _Sequence) -> Event:
+        """The first token, from the prefill's logits; the sequence joins the batch."""
+        seq.key, k = mx.random.split(seq.key)
+        first = seq.req.sampling.sample(seq.logits, k).item()
+        seq.logits = None
+        seq.tokens = [first]
+        if seq.lookup is not None:
+            seq.index = LookupIndex(seq.lookup, list(seq.req.prompt) + seq.tokens)
+        seq.stats.generated_tokens = 1
+        seq.tic = time.perf_counter()
+        finish = self._finished(seq)
+        if finish is not None:
+            self._keep(seq)
+            return Event(seq.id, [first], finish)
+        rows = batch_cache(seq.state.cache)
+        seq.state.cache = None                        # the rows live in the batch now
+        if self.cache is None:
+            self.cache = rows
+        else:
+            for c, r in zip(self.cache, rows):
+                c.extend(r)
+        self.rows.append(seq)
+        return Event(seq.id, [first])
+
+    # ---- one decode step
+    def _plan(self, seq: _Sequence) -> _Plan:
+        """What `generate_tokens` does alone before its verify, for one sequence."""
+        room = seq.req.max_tokens - len(seq.tokens)
+        choice = _choose(seq.policy, self.drafter, seq.index, seq.lookup, room)
+        forced = seq.launched is not None
+        source, width = (PLAIN, 1) if forced else (choice.source, choice.width)
+        if source != LOOKUP:
+            seq.shadow.offer(choice.guess, choice.match)
+        seq.key, k_draft, k_accept = mx.random.split(seq.key, 3)
+        if source == PLAIN:
+            plan = _Plan(seq, PLAIN, 1, choice.match,
+                         sample_key=seq.launched if forced else k_accept)
+            launch = (room > 1 and choice.source == PLAIN
+                      and seq.policy.next_plain(choice.available))
+            seq.launched = k_draft if launch else None
+            return plan
+        anchor = mx.array([[seq.tokens[-1]]], dtype=mx.uint32)
+        proposal = _draft(self.target, self.drafter, seq.state, anchor, choice,
+                          seq.req.sampling, k_draft)
+        return _Plan(seq, source, width, choice.match, proposal.tokens.astype(mx.uint32),
+                     proposal, accept_key=k_accept)
+
+    def _decode(self) -> list[Event]:
+        tic = time.perf_counter()
+        # batch-aware policies see the others' rows: those planned now, else their last width
+        widths = [s.stats.steps[-1].width if s.stats.steps else 1 for s in self.rows]
+        plans = []
+        for i, seq in enumerate(self.rows):
+            if hasattr(seq.policy, "set_batch"):
+                seq.policy.set_batch(sum(widths) - widths[i], len(self.rows) - 1.0)
+            plans.append(self._plan(seq))
+            widths[i] = plans[-1].width
+        T = max(p.width for p in plans)
+        rows = []
+        for p in plans:
+            row = [mx.array([[p.seq.tokens[-1]]], dtype=mx.uint32)]
+            if p.drafts is not None:
+                row.append(p.drafts)
+            if p.width < T:
+                row.append(mx.zeros((1, T - p.width), mx.uint32))
+            rows.append(mx.concatenate(row, axis=1) if len(row) > 1 else row[0])
+        logits, feats = self.target.forward(mx.concatenate(rows), self.cache)  # [B, T, V]
+        greedy_ids = (mx.argmax(logits, axis=-1).astype(mx.uint32)
+                      if any(p.seq.req.sampling.greedy for p in plans) else None)
+        results = [self._accept(i, p, logits, greedy_ids) for i, p in enumerate(plans)]
+        mx.eval(results)
+        accepted = [int(a.item()) for a, _ in results]
+        for c in self.cache:
+            c.commit([a + 1 for a in accepted])
+        seconds = time.perf_counter() - tic
+        self.history.append((len(plans), len(plans) * T, seconds))
+        events, leaving = [], []
+        for i, (p, a, (_, bonus)) in enumerate(zip(plans, accepted, results)):
+            seq = p.seq
+            drafts = p.drafts[0, :a].tolist() if a else []
+            step = Step(drafts, bonus, None if feats is None else feats[i : i + 1])
+            new = _commit(seq.state, seq.tokens[-1], step, self.keep, set(seq.req.stop_ids))
+            seq.stats.steps.append(Cycle(p.source, p.width, a))
+            seq.policy.update(p.source, p.width, a, seconds if len(plans) == 1 else None,
+                              p.match)
+            seq.tokens.extend(new)                # widths never exceed the room left
+            if seq.index is not None:
+                seq.index.extend(new)
+                seq.shadow.commit(new)
+            seq.stats.generated_tokens = len(seq.tokens)
+            seq.stats.decode_s = time.perf_counter() - seq.tic
+            finish = self._finished(seq)
+            if finish is not None:
+                leaving.append(i)
+            events.append(Event(seq.id, new, finish))
+        if leaving:
+            self._leave(leaving)
+        return events
+
+    def _accept(self, i: int, p: _Plan, logits: mx.array, greedy_ids: mx.array | None):
+        """Row i's (accepted drafts a, bonus token [1] or []) on the device."""
+        sampling = p.seq.req.sampling
+        if p.source == PLAIN:
+            if sampling.greedy:
+                return mx.array(0), greedy_ids[i, :1]
+            return mx.array(0), sampling.sample(logits[i : i + 1, 0], p.sample_key)
+        w = p.width
+        if sampling.greedy:
+            return greedy_accept(p.drafts[0], greedy_ids[i, :w])
+        q = p.proposal.dense_q(logits.shape[-1])[0]                              # [w-1, V]
+        return rejection_accept(p.drafts[0], sampling.probs(logits[i, :w]), q, p.accept_key)
+
+    # ---- leaving
+    @staticmethod
+    def _finished(seq: _Sequence) -> str | None:
+        if seq.tokens[-1] in seq.req.stop_ids:
+            return STOP
+        return LENGTH if len(seq.tokens) >= seq.req.max_tokens else None
+
+    def _keep(self, seq: _Sequence) -> None:
+        if seq.req.keep_state:
+            self.states[seq.id] = seq.state
+
+    def _leave(self, rows: list[int]) -> None:
+        for i in rows:
+            seq = self.rows[i]
+            if seq.req.keep_state:
+                seq.state.cache = [c.to_single(i) for c in self.cache]
+                self._keep(seq)
+        stay = [i for i in range(len(self.rows)) if i not in set(rows)]
+        self.rows = [self.rows[i] for i in stay]
+        if not stay:
+            self.cache = None
+            mx.clear_cache()
+            return
+        for c in self.cache:
+            c.filter(stay)

@@ -1,0 +1,256 @@
+"""The batch engine's attention cache: one mlx-lm `BatchKVCache` per layer whose rows keep
+their own length, so each row drops its own rejected tail after a verify.
+
+Layout (docs/batching.md): the B rows share one slot axis [B, n_kv, S, D]; every step writes
+T slots to every row (the step's widest block; a narrower row is padded on the right). Each
+slot has a position per row (`pos`, host numpy [B, S]; -1 marks a hole: a rejected draft, a
+padding row, a row joined shorter than the others, a slot past a sliding window). Rope takes
+the per-row `offset` (the next position of each row: its token count), and `make_mask` builds
+[B, 1, N, S + N] from the positions, so holes are never attended to and a sliding window is a
+condition on positions, not on slots. After the forward, `commit(keep)` says how many of the T
+slots each row keeps; slots that are holes in every row at the end are trimmed at once, and
+holes elsewhere are squeezed out by `compact` when they make up a quarter of the buffer (a
+gather of the kept slots, right-aligned).
+
+Only the public protocol of the models is used: `update_and_fetch`, `make_mask`, `offset`.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
+
+from .views import RollbackRotatingKVCache
+
+COMPACT_MIN = 64          # slots of holes before a compaction is worth its gather
+
+
+class RaggedKVCache(BatchKVCache):
+    """Rows of different lengths with holes; `window`: a sliding-window layer's size (slots
+    no query can see any more become holes)."""
+
+    def __init__(self, batch: int = 0, window: int | None = None):
+        super().__init__([0] * batch)
+        self.window = window
+        self.pos = np.zeros((batch, 0), np.int64)       # [B, S] position of each slot, -1: hole
+        self.lengths = np.zeros(batch, np.int64)        # next position of each row
+        self.offset = mx.array(self.lengths, dtype=mx.int32)
+
+    @property
+    def batch(self) -> int:
+        return len(self.lengths)
+
+    # ---- the models' protocol
+    def update_and_fetch(self, keys, values):
+        offset = self.offset                # rope positions stay put until `commit`
+        out = super().update_and_fetch(keys, values)
+        self.offset = offset
+        return out
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None,
+                  **kwargs) -> mx.array:
+        """[B, 1, N, S + N]: query j of row b (position lengths[b] + j) sees the slots of row b
+        whose position is at most its own (and within the window)."""
+        q = self.lengths[:, None] + np.arange(N)[None]                     # [B, N]
+        k = np.concatenate([self.pos[:, : self._idx], q], axis=1)          # [B, S + N]
+        visible = (k[:, None, :] >= 0) & (k[:, None, :] <= q[:, :, None])
+        if window_size is not None:
+            visible &= q[:, :, None] - k[:, None, :] < window_size
+        return mx.array(visible[:, None])
+
+    def is_trimmable(self):
+        return False                        # rows go back by `commit`, not by one count
+
+    def trim(self, n):
+        raise NotImplementedError("a RaggedKVCache drops rejected rows per row: use commit")
+
+    # ---- per-row rollback
+    def commit(self, keep) -> None:
+        """After a forward of T rows: row b keeps the first keep[b] of them (0 <= keep[b] <= T),
+        the rest become holes."""
+        keep = np.asarray(keep, np.int64)
+        T = self._idx - self.pos.shape[1]
+        if keep.shape != (self.batch,) or T < 0 or (keep < 0).any() or (keep > T).any():
+            raise ValueError(f"commit: keep must give 0..{T} rows for each of the "
+                             f"{self.batch} rows, got {keep.tolist()}")
+        j = np.arange(T)[None]
+        new = np.where(j < keep[:, None], self.lengths[:, None] + j, -1)
+        self.pos = np.concatenate([self.pos, new], axis=1)
+        self.lengths = self.lengths + keep
+        self.offset = mx.array(self.lengths, dtype=mx.int32)
+        if self.window is not None:       # no later query can see these: free them
+            self.pos = np.where(self.pos > self.lengths[:, None] - self.window, self.pos, -1)
+        self._drop_trailing_holes()
+        self._maybe_compact()
+
+    def _maybe_compact(self) -> None:
+        holes = self._idx - int((self.pos >= 0).sum(axis=1).max(initial=0))
+        if holes >= max(COMPACT_MIN, self._idx // 4):
+            self.compact()
+
+    def _drop_trailing_holes(self) -> None:
+        used = np.flatnonzero((self.pos >= 0).any(axis=0))
+        end = int(used[-1]) + 1 if len(used) else 0
+        if end < self._idx:
+            self._idx = end
+            self.pos = self.pos[:, :end]
+
+    def compact(self) -> None:
+        """Squeeze the holes out: each row's kept slots, in order, right-aligned in a buffer as
+        long as the longest row (the shorter rows start with holes)."""
+        valid = self.pos >= 0
+        n = int(valid.sum(axis=1).max(initial=0))
+        # holes first, then the kept slots in slot order (a stable sort on the flag)
+        order = np.argsort(valid, axis=1, kind="stable")[:, self._idx - n:]
+        self.pos = np.take_along_axis(self.pos, order, axis=1)
+        if self.keys is not None:
+            B, H, _, D = self.keys.shape
+            idx = mx.array(order.astype(np.int32))[:, None, :, None]
+            self.keys = mx.take_along_axis(self.keys[..., : self._idx, :],
+                                           mx.broadcast_to(idx, (B, H, n, D)), axis=2)
+            self.values = mx.take_along_axis(
+                self.values[..., : self._idx, :],
+                mx.broadcast_to(idx, (B, H, n, self.values.shape[3])), axis=2)
+        self._idx = n
+
+    # ---- rows joining and leaving
+    def filter(self, batch_indices) -> None:
+        """Keep the given rows, in that order."""
+        rows = np.asarray(batch_indices, np.int64)
+        if self.keys is not None:
+            idx = mx.array(rows.astype(np.int32))
+            self.keys, self.values = self.keys[idx], self.values[idx]
+        self.pos, self.lengths = self.pos[rows], self.lengths[rows]
+        self.offset = mx.array(self.lengths, dtype=mx.int32)
+        self.left_padding = mx.zeros((len(rows),), mx.int32)
+        if not len(rows):
+            self.keys = self.values = None
+            self._idx, self.pos = 0, np.zeros((0, 0), np.int64)
+            return
+        self._drop_trailing_holes()
+        self._maybe_compact()   # the slots only the departed rows used are holes now
+
+    def extend(self, other: "RaggedKVCache") -> None:
+        """Append the rows of `other` (both right-aligned to the longer slot count)."""
+        if other.window != self.window:
+            raise ValueError(f"cannot join a cache of window {other.window} to one of window "
+                             f"{self.window}")
+        if other.batch == 0:
+            return
+        if self.batch == 0:
+            self.__dict__.update({k: v for k, v in vars(other).items()})
+            return
+        n = max(self._idx, other._idx)
+
+        def padded(c: RaggedKVCache):
+            left = n - c._idx
+            pos = np.pad(c.pos[:, : c._idx], ((0, 0), (left, 0)), constant_values=-1)
+            k, v = c.keys[..., : c._idx, :], c.values[..., : c._idx, :]
+            if left:
+                widths = [(0, 0), (0, 0), (left, 0), (0, 0)]
+                k, v = mx.pad(k, widths), mx.pad(v, widths)
+            return k, v, pos
+
+        (k1, v1, p1), (k2, v2, p2) = padded(self), padded(other)
+        self.keys, self.values = mx.concatenate([k1, k2]), mx.concatenate([v1, v2])
+        self.pos = np.concatenate([p1, p2])
+        self.lengths = np.concatenate([self.lengths, other.lengths])
+        self.offset = mx.array(self.lengths, dtype=mx.int32)
+        self.left_padding = mx.zeros((self.batch,), mx.int32)
+        self._idx = n
+
+    @classmethod
+    def from_single(cls, cache) -> "RaggedKVCache":
+        """One row from a single-sequence cache (mlx-lm's KVCache, or a sliding-window
+        RotatingKVCache without kept sink rows)."""
+        if type(cache) is KVCache:
+            keys, values, n = cache.keys, cache.values, cache.offset
+            out = cls(1)
+            if n:
+                keys, values = keys[..., :n, :], values[..., :n, :]
+            first = 0
+        elif isinstance(cache, RotatingKVCache) and cache.keep == 0:
+            keys, values, offset, _, max_size, idx = cache.state
+            out = cls(1, window=max_size)
+            if keys is not None:
+                if idx == keys.shape[2]:             # after a multi-row update: in order
+                    pass
+                elif idx < offset:                   # rotated in place: oldest from idx on
+                    keys = mx.concatenate([keys[..., idx:, :], keys[..., :idx, :]], axis=2)
+                    values = mx.concatenate([values[..., idx:, :], values[..., :idx, :]],
+                                            axis=2)
+                else:
+                    keys, values = keys[..., :idx, :], values[..., :idx, :]
+            n = 0 if keys is None else keys.shape[2]
+            first = offset - n
+        else:
+            raise ValueError(f"the batch engine cannot hold a {type(cache).__name__} "
+                             "(attention caches only: KVCache, RotatingKVCache with keep=0)")
+        if n:
+            out.keys, out.values = keys, values
+            out._idx = n
+            out.pos = (first + np.arange(n))[None]
+        out.lengths = np.array([first + n], np.int64)
+        out.offset = mx.array(out.lengths, dtype=mx.int32)
+        if out.window is not None:
+            out.pos = np.where(out.pos > out.lengths[:, None] - out.window, out.pos, -1)
+        return out
+
+    def to_single(self, row: int):
+        """Row `row` as a single-sequence cache of the kind `from_single` takes (a
+        RollbackRotatingKVCache for a window), holding what the row can still attend to."""
+        slots = np.flatnonzero(self.pos[row, : self._idx] >= 0)
+        n, length = len(slots), int(self.lengths[row])
+        if n and not np.array_equal(self.pos[row, slots], np.arange(length - n, length)):
+            raise RuntimeError("a row's kept slots are not its latest positions in order")
+        if self.window is None:
+            if n != length:
+                raise RuntimeError(f"row {row} holds {n} of its {length} positions")
+            out = KVCache()
+        else:
+            out = RollbackRotatingKVCache(self.window, 0)
+        if n:
+            idx = mx.array(slots.astype(np.int32))
+            keys = mx.contiguous(self.keys[row : row + 1, :, idx])
+            values = mx.contiguous(self.values[row : row + 1, :, idx])
+            if self.window is None:
+                out.keys, out.values, out.offset = keys, values, n
+            else:
+                out.state = (keys, values, length, 0, self.window, n)
+        return out
+
+    def extract(self, idx):
+        return self.to_single(idx)
+
+    @classmethod
+    def merge(cls, caches):
+        out = cls(0)
+        for c in caches:
+            out.extend(cls.from_single(c))
+        return out
+
+    def size(self):
+        return self._idx
+
+    @property
+    def nbytes(self):
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+def batch_cache(single: list) -> list[RaggedKVCache]:
+    """One row per layer from a single-sequence target cache; ValueError naming the layer's
+    cache type when the batch cannot hold it (a recurrent layer, a quantized cache)."""
+    return [RaggedKVCache.from_single(c) for c in single]
+
+
+def check_batchable(single: list) -> None:
+    """ValueError when some layer's cache cannot join a batch (the caller can then generate
+    that request alone)."""
+    bad = sorted({type(c).__name__ for c in single
+                  if not (type(c) is KVCache or (isinstance(c, RotatingKVCache) and
+                                                 c.keep == 0))})
+    if bad:
+        raise ValueError(f"the batch engine serves attention-only targets; this target has "
+                         f"{', '.join(bad)} layers (recurrent or quantized caches): generate "
+                         "its requests one at a time")

@@ -1,0 +1,392 @@
+"""The batch engine: its ragged cache against single-sequence caches, and every sequence of a
+batch generating exactly what it generates alone, whatever runs beside it."""
+
+import random
+from types import SimpleNamespace
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.utils import _get_classes
+
+from dflash2_mlx.batch_cache import RaggedKVCache, batch_cache, check_batchable
+from dflash2_mlx.target import TargetAdapter
+from test_families import CONFIGS
+
+
+def tiny(name: str):
+    cfg = CONFIGS[name]
+    model_class, args_class = _get_classes(cfg)
+    mx.random.seed(7)
+    model = model_class(args_class.from_dict(cfg))
+    embed = TargetAdapter(model).embed_tokens
+    embed.weight = embed.weight * (1 if name == "gemma3_text" else 4)
+    mx.eval(model.parameters())
+    return TargetAdapter(model)
+
+
+@pytest.fixture(scope="module", params=["llama", "llama-sliding"])
+def adapter(request):
+    if request.param == "llama":
+        cfg = {k: v for k, v in CONFIGS["llama-sliding"].items()
+               if k not in ("layer_types", "sliding_window")}
+        CONFIGS.setdefault("llama", cfg)
+    return tiny(request.param)
+
+
+def single_trim(cache: list, n: int) -> None:
+    for c in cache:
+        assert c.trim(n) == n
+
+
+def test_ragged_rows_equal_single_caches(adapter):
+    """Rows of different lengths verifying blocks of different widths, each keeping its own
+    count: every row's logits are its single cache's, through trims, holes and compactions,
+    and each row converts back to the single cache it equals."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(300) for _ in range(n)] for n in (3, 11, 7)]
+    alone = [adapter.make_cache() for _ in prompts]
+    batch = None
+    for p, cache in zip(prompts, alone):
+        adapter.forward(mx.array([p]), cache)
+        rows = batch_cache(cache)
+        batch = rows if batch is None else [b.extend(r) or b for b, r in zip(batch, rows)]
+    compacted = 0
+    for step in range(60):
+        widths = [rng.randint(1, 6) for _ in prompts]
+        T = max(widths)
+        blocks = [[rng.randrange(300) for _ in range(w)] for w in widths]
+        x = mx.array([b + [0] * (T - len(b)) for b in blocks])
+        logits, _ = adapter.forward(x, batch)
+        for i, (block, cache) in enumerate(zip(blocks, alone)):
+            ref, _ = adapter.forward(mx.array([block]), cache)
+            np.testing.assert_allclose(np.array(logits[i, : len(block)]), np.array(ref[0]),
+                                       atol=1e-4, rtol=1e-4, err_msg=f"step {step} row {i}")
+        keep = [rng.randint(1, w) for w in widths]     # the engine keeps the anchor row
+        before = batch[0].size()
+        for c in batch:
+            c.commit(keep)
+        compacted += batch[0].size() < before
+        for k, w, cache in zip(keep, widths, alone):
+            if k < w:
+                single_trim(cache, w - k)
+    assert compacted, "no step compacted the cache: the test does not reach compaction"
+    for i, cache in enumerate(alone):
+        for b, c in zip(batch, cache):
+            back = b.to_single(i)
+            assert back.offset == c.offset
+            k_ref = c.state[0][..., -back.keys.shape[2]:, :] if back.keys.shape[2] < c.offset \
+                else c.state[0][..., : c.offset, :]
+            if isinstance(b.window, int):
+                continue        # a rotated buffer's order is its own; the logits said enough
+            # the same rows (a batched projection differs from a single one in the last bits)
+            np.testing.assert_allclose(np.array(back.keys), np.array(k_ref), atol=1e-5)
+
+
+def test_leave_and_join_keep_rows(adapter):
+    rng = random.Random(1)
+    prompts = [[rng.randrange(300) for _ in range(n)] for n in (5, 9, 4, 12)]
+    alone = [adapter.make_cache() for _ in prompts]
+    for p, cache in zip(prompts, alone):
+        adapter.forward(mx.array([p]), cache)
+    batch = batch_cache(alone[0])
+    for cache in alone[1:3]:
+        for b, r in zip(batch, batch_cache(cache)):
+            b.extend(r)
+    for c in batch:
+        c.filter([0, 2])                   # row 1 leaves
+    for b, r in zip(batch, batch_cache(alone[3])):
+        b.extend(r)                        # a longer row joins
+    rows = [alone[0], alone[2], alone[3]]
+    x = mx.array([[7, 8], [9, 10], [11, 12]])
+    logits, _ = adapter.forward(x, batch)
+    for i, cache in enumerate(rows):
+        ref, _ = adapter.forward(x[i : i + 1], cache)
+        np.testing.assert_allclose(np.array(logits[i]), np.array(ref[0]), atol=1e-4, rtol=1e-4)
+
+
+def test_commit_checks_its_counts(adapter):
+    batch = batch_cache(adapter.make_cache())
+    with pytest.raises(ValueError, match="commit"):
+        batch[0].commit([1])             # nothing was forwarded
+    with pytest.raises(NotImplementedError):
+        batch[0].trim(1)
+
+
+def test_recurrent_family_is_refused():
+    target = tiny("qwen3_5")
+    with pytest.raises(ValueError, match="one at a time"):
+        check_batchable(target.make_cache())
+
+
+# --------------------------------------------------------------------------- the engine
+
+import dflash2_mlx
+from dflash2_mlx.adaptive import FixedWidth
+from dflash2_mlx.batch import CANCELLED, BatchEngine, Request
+from dflash2_mlx.sampling import Sampling
+from test_exactness import OracleDrafter, mlx_lm_greedy
+
+
+class Oracles:
+    """One `OracleDrafter` per sequence behind the engine's one drafter: a sequence's drafter
+    cache (made when it is added) says whose oracle drafts for it."""
+
+    def __init__(self, vocab):
+        self.vocab, self.next, self.seed = vocab, [], 0
+        self.context_window, self.args = None, SimpleNamespace(block_size=16)
+
+    def expect(self, prompt_len, truth):
+        """The oracle of the next sequence added."""
+        self.seed += 1
+        self.next.append(OracleDrafter(prompt_len, truth, self.vocab, seed=self.seed))
+
+    def make_cache(self):
+        return [self.next.pop(0)]
+
+    @staticmethod
+    def skip_context(cache, n):
+        cache[0].skip_context(cache, n)
+
+    def propose(self, target, anchor, feats, cache, width, sampling, key):
+        return cache[0].propose(target, anchor, feats, cache, width, sampling, key)
+
+
+@pytest.fixture(scope="module")
+def pipe(llama_dir, dflash2_dir):
+    return dflash2_mlx.load(str(llama_dir), str(dflash2_dir))
+
+
+def _kinds(pipe):
+    """(policy, lookup) of each kind of sequence: plain, drafter at several widths, lookup
+    alone, and the pipeline's adaptive policy (one copy per sequence)."""
+    import copy
+    return [(FixedWidth(1), False), (FixedWidth(4), False), (FixedWidth(16), True),
+            (FixedWidth(7), False), (copy.deepcopy(pipe.width_policy()), True)]
+
+
+def run(engine, arrivals: dict, budget=None, cancel_at: dict | None = None, before_add=None):
+    """Drive `engine`: arrivals[step] = [(key, Request)] join before that step (after
+    `before_add(key)`); cancel_at[step] = [key] are cancelled then -> {key: (tokens, finish)}."""
+    ids, out, step = {}, {}, 0
+    while step <= max(arrivals, default=0) or engine.running or engine.waiting:
+        for key, req in arrivals.get(step, []):
+            if before_add is not None:
+                before_add(key)
+            ids[engine.add(req)] = key
+            out[key] = ([], None)
+        for key in (cancel_at or {}).get(step, []):
+            rid = next(r for r, k in ids.items() if k == key)
+            assert engine.cancel(rid)
+            out[key] = (out[key][0], CANCELLED)
+        for ev in engine.step(prefill_budget=budget):
+            toks, _ = out[ids[ev.id]]
+            toks.extend(ev.tokens)
+            out[ids[ev.id]] = (toks, ev.finish)
+        step += 1
+        assert step < 2000
+    return out
+
+
+def test_sixteen_sequences_joining_and_leaving_are_exact(pipe):
+    """16 sequences of different prompt lengths and max_tokens, plain / drafter / lookup /
+    adaptive, joining at random steps with a small prefill budget (prompts in chunks): each
+    equals mlx-lm's greedy output alone, token for token."""
+    rng = random.Random(3)
+    vocab = pipe.adapter.vocab_size
+    oracles = Oracles(vocab)
+    engine = BatchEngine(pipe.adapter, oracles, prefill_step_size=8)
+    arrivals, refs, truths = {}, {}, {}
+    kinds = _kinds(pipe)
+    for k in range(16):
+        n = rng.randint(2, 40)
+        prompt = [rng.randrange(vocab - 1) for _ in range(n)]
+        if k % 3 == 0:                     # a repetitive prompt: the lookup has matches
+            prompt = (prompt[:6] * 8)[:n + 6]
+        max_tokens = rng.choice([1, 2] + list(range(20, 60)))
+        ref = mlx_lm_greedy(pipe.target, prompt, max_tokens)
+        stop = ()
+        if k % 4 == 1 and len(ref) > 5:      # a token it emits ends it early
+            stop = frozenset([ref[len(ref) // 2]])
+            ref = ref[: ref.index(ref[len(ref) // 2]) + 1]
+        policy, lookup = kinds[k % len(kinds)]
+        if k >= len(kinds):
+            import copy
+            policy = copy.deepcopy(policy)
+        truths[k] = (len(prompt), mlx_lm_greedy(pipe.target, prompt, max_tokens + 16))
+        arrivals.setdefault(rng.randrange(12), []).append(
+            (k, Request(prompt, max_tokens, policy=policy, lookup=lookup, stop_ids=stop)))
+        refs[k] = (ref, "stop" if stop else "length")
+    out = run(engine, arrivals, budget=12, before_add=lambda k: oracles.expect(*truths[k]))
+    for k, ref in refs.items():
+        assert out[k] == ref, f"sequence {k}"
+    assert engine.cache is None and not engine.rows
+    # what the test reached: full batches, drafts accepted from both sources, ragged steps
+    assert max(n for n, _, _ in engine.history) >= 6
+    steps = [c for s in engine.stats.values() for c in s.steps]
+    assert any(c.source == "drafter" and c.accepted for c in steps)
+    assert any(c.source == "lookup" and c.accepted for c in steps)
+    assert any(r > n for n, r, _ in engine.history), "no step verified drafts"
+    assert sum(s.prompt_tokens > 12 for s in engine.stats.values()) >= 4   # chunked prefills
+
+
+def test_cancelled_sequence_leaves_others_exact(pipe):
+    rng = random.Random(5)
+    vocab = pipe.adapter.vocab_size
+    engine = BatchEngine(pipe.adapter, pipe.drafter)
+    prompts = [[rng.randrange(vocab - 1) for _ in range(n)] for n in (5, 17, 9, 30)]
+    arrivals = {0: [(k, Request(p, 30, policy=FixedWidth(4 + k), lookup=k % 2 == 1))
+                    for k, p in enumerate(prompts)]}
+    out = run(engine, arrivals, cancel_at={4: [1]})
+    assert out[1][1] == CANCELLED and 0 < len(out[1][0]) < 30
+    for k in (0, 2, 3):
+        assert out[k] == (mlx_lm_greedy(pipe.target, prompts[k], 30), "length"), k
+
+
+@pytest.mark.parametrize("family", ["llama-sliding", "gemma3_text"])
+def test_sliding_window_families_are_exact(family):
+    """Windows of 6 positions, prompts and outputs far longer: plain and lookup rows."""
+    target = tiny(family)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(300) for _ in range(n)] for n in (3, 14, 8, 25, 6)]
+    prompts[1] = (prompts[1][:4] * 6)[:14]
+    arrivals = {k: [(k, Request(p, 40, policy=FixedWidth(1 + 3 * (k % 3)), lookup=k % 3 > 0))]
+                for k, p in enumerate(prompts)}
+    out = run(BatchEngine(target, None), arrivals, budget=9)
+    for k, p in enumerate(prompts):
+        assert out[k] == (mlx_lm_greedy(target.model, p, 40), "length"), k
+
+
+def test_seeded_sampling_equals_alone(pipe):
+    """The same seed draws the same tokens alone and batched beside others (per-sequence
+    keys, the same key schedule as alone: plain runs, drafter and lookup cycles)."""
+    from dflash2_mlx.engine import generate_tokens
+    from dflash2_mlx.lookup import LookupConfig
+
+    rng = random.Random(8)
+    vocab = pipe.adapter.vocab_size
+    sampling = Sampling(temperature=0.9, top_p=0.95)
+    specs = [(FixedWidth(1), False), (FixedWidth(4), False), (FixedWidth(6), True),
+             (FixedWidth(1), True)]
+    arrivals, refs = {}, {}
+    for k, (policy, lookup) in enumerate(specs):
+        prompt = [rng.randrange(vocab - 1) for _ in range(5 + 7 * k)]
+        refs[k] = [t for new in generate_tokens(
+            pipe.adapter, pipe.drafter, prompt, max_tokens=32, sampling=sampling,
+            policy=policy, stop_ids=set(), lookup=LookupConfig() if lookup else None,
+            seed=100 + k) for t in new]
+        arrivals.setdefault(k % 2, []).append(
+            (k, Request(prompt, 32, sampling, policy=policy, lookup=lookup, seed=100 + k)))
+    out = run(BatchEngine(pipe.adapter, pipe.drafter), arrivals)
+    for k, ref in refs.items():
+        assert out[k] == (ref, "length"), k
+    assert len({tuple(r) for r in refs.values()}) == len(refs)
+
+
+def test_memory_returns_to_idle_after_a_burst(pipe):
+    rng = random.Random(9)
+    vocab = pipe.adapter.vocab_size
+
+    def burst():
+        engine = BatchEngine(pipe.adapter, pipe.drafter)
+        arrivals = {s: [(8 * s + k, Request([rng.randrange(vocab - 1) for _ in range(40)], 24,
+                                            policy=FixedWidth(1 + k % 5), lookup=k % 2 == 1))
+                        for k in range(8)] for s in range(2)}
+        run(engine, arrivals)
+        return engine
+
+    burst()                                  # the first use compiles and allocates for good
+    mx.clear_cache()
+    idle = mx.get_active_memory()
+    engine = burst()
+    mx.clear_cache()
+    assert engine.cache is None and not engine.states
+    assert mx.get_active_memory() <= idle + 64 * 1024, (idle, mx.get_active_memory())
+
+
+def test_state_kept_on_leaving_restarts_exactly(pipe):
+    """A finished sequence's DecodeState (its row out of the batch) starts a longer prompt
+    that extends it, in another batch: exact, and its prefix is not prefilled again."""
+    rng = random.Random(12)
+    vocab = pipe.adapter.vocab_size
+    prompt = [rng.randrange(vocab - 1) for _ in range(20)]
+    engine = BatchEngine(pipe.adapter, pipe.drafter)
+    others = [Request([rng.randrange(vocab - 1) for _ in range(9)], 12, policy=FixedWidth(3))
+              for _ in range(2)]
+    out = run(engine, {0: [(0, Request(prompt, 10, policy=FixedWidth(4), keep_state=True)),
+                           (1, others[0])], 2: [(2, others[1])]})
+    state = engine.pop_state(0)
+    assert state is not None and state.tokens == prompt + out[0][0][:-1]
+    follow = prompt + out[0][0] + [5, 6, 7]
+    cached = len(state.tokens)          # the state is advanced in place from here
+    engine = BatchEngine(pipe.adapter, pipe.drafter)
+    out2 = run(engine, {0: [(0, Request(follow, 20, policy=FixedWidth(5), state=state)),
+                            (1, others[0])]})
+    assert out2[0] == (mlx_lm_greedy(pipe.target, follow, 20), "length")
+    assert engine.stats[0].cached_tokens == cached
+
+
+@pytest.mark.parametrize("block_size", ["auto", 4, 1])
+def test_generate_batch_equals_generate(pipe, block_size):
+    prompts = ["def add(a, b):", "Hello! How can I help you today?", "for i in range(10):",
+               "class Stack:\n    def push(self, x):"]
+    limits = [30, 12, 25, 1]
+    gens = pipe.generate_batch(prompts, max_tokens=limits, block_size=block_size,
+                               max_batch=3, prefill_budget=16)
+    for prompt, n, gen in zip(prompts, limits, gens):
+        alone = pipe.generate(prompt, max_tokens=n, block_size=block_size)
+        assert (gen.tokens, gen.text, gen.finish_reason) == \
+            (alone.tokens, alone.text, alone.finish_reason), prompt
+        assert gen.stats.generated_tokens == len(gen.tokens)
+    seen = {i for i, _ in pipe.stream_batch(prompts[:2], max_tokens=5)}
+    assert seen == {0, 1}
+    with pytest.raises(ValueError, match="max_tokens"):
+        pipe.generate_batch(prompts, max_tokens=[3])
+
+
+def test_batch_aware_policy_narrows_as_rows_get_dearer():
+    """Alone it chooses as its AdaptiveWidth; beside more and more rows it narrows the
+    drafter's block, then stops drafting, while a long lookup match (acceptance near 1) still
+    drafts. Costs: a fixed part plus a part per row, as a verify on a CPU."""
+    from dflash2_mlx.adaptive import DRAFTER, LOOKUP, PLAIN, AdaptiveWidth, CycleCost
+    from dflash2_mlx.batch import BatchAwareWidth, StepCost
+
+    verify = tuple(0.05 + 0.012 * w for w in range(1, 17))
+    cost = CycleCost(draft=(0.0,) + (0.01,) * 15, verify=verify)
+    step = StepCost.from_cycle_cost(cost)
+    assert step.step_cost(4) == pytest.approx(verify[3])
+    assert step.step_cost(40) == pytest.approx(0.05 + 0.012 * 40)
+    inner = AdaptiveWidth(cost, {DRAFTER: 16, LOOKUP: 16})
+    rng = random.Random(0)
+    for _ in range(400):
+        a = next(k for k in range(16) if k == 15 or rng.random() > 0.7)   # alpha 0.7
+        inner.update(DRAFTER, 16, a)
+        inner.update(LOOKUP, 16, 15, None, 8)   # a long match copies on
+    policy = BatchAwareWidth(inner, step)
+    available = {DRAFTER: 16}
+    assert policy.choose(available) == AdaptiveWidth.choose(inner, available)
+    widths = []
+    for others in range(1, 40, 4):
+        policy.set_batch(rows=others * 2, tokens=float(others))
+        widths.append(policy.choose(available)[1])
+    assert widths == sorted(widths, reverse=True) and widths[0] > 2 and widths[-1] == 1
+    policy.set_batch(rows=40, tokens=40.0)        # 40 plain rows beside it
+    assert policy.choose({DRAFTER: 16}) == (PLAIN, 1)
+    assert policy.choose({DRAFTER: 16, LOOKUP: 16}, 8)[0] == LOOKUP
+
+
+def test_batch_aware_policies_stay_exact(pipe):
+    import copy
+    from dflash2_mlx.batch import BatchAwareWidth, StepCost
+
+    rng = random.Random(13)
+    vocab = pipe.adapter.vocab_size
+    step = StepCost.from_cycle_cost(pipe.width_policy().cost)
+    prompts = [[rng.randrange(vocab - 1) for _ in range(4 + 5 * k)] for k in range(6)]
+    arrivals = {}
+    for k, p in enumerate(prompts):                  # two join at each of the first steps
+        policy = BatchAwareWidth(copy.deepcopy(pipe.width_policy()), step)
+        arrivals.setdefault(k // 2, []).append((k, Request(p, 30, policy=policy, lookup=True)))
+    out = run(BatchEngine(pipe.adapter, pipe.drafter), arrivals)
+    for k, p in enumerate(prompts):
+        assert out[k] == (mlx_lm_greedy(pipe.target, p, 30), "length"), k
