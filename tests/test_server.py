@@ -302,6 +302,7 @@ CHAT = "/v1/chat/completions"
 MSG = "/v1/messages"
 OK_CHAT = {"model": "llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 OK_MSG = {"model": "llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+SURROGATE = b'{"model": "llama", "max_tokens": 4, "%s": [{"role": "user", "content": "\\ud800"}]}'
 LONG = "the quick brown fox " * 200                       # far beyond CONTEXT tokens
 
 BAD = [
@@ -362,6 +363,31 @@ BAD = [
     ("anthropic: tool_result in an assistant turn", MSG, {**OK_MSG, "messages": [
         {"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "x",
                                            "content": "1"}]}]}, 400, "user turn", None),
+    # found by the reliability audit (issue 22): 500s, ignored fields, a wrong field name
+    ("nested too deeply", CHAT, b"[" * 60_000, 400, "nested too deeply", None),
+    ("nested too deeply anthropic", MSG, b"[" * 60_000, 400, "nested too deeply", None),
+    ("lone surrogate in chat content", CHAT, SURROGATE % b"messages", 400, "lone surrogate",
+     "messages.0.content"),
+    ("lone surrogate in messages content", MSG, SURROGATE % b"messages", 400,
+     "lone surrogate", None),
+    ("lone surrogate in model", CHAT, b'{"model": "\\ud800", "messages": [{"role": "user", '
+     b'"content": "hi"}], "max_tokens": 4}', 400, "lone surrogate", "model"),
+    ("lone surrogate in model anthropic", MSG, b'{"model": "\\udfff", "max_tokens": 4, '
+     b'"messages": [{"role": "user", "content": "hi"}]}', 400, "lone surrogate", None),
+    ("completions: lone surrogate", "/v1/completions", b'{"model": "llama", "prompt": '
+     b'"a\\ud800", "max_tokens": 4}', 400, "prompt: the text holds a lone surrogate", "prompt"),
+    ("completions: prompt longer than the context", "/v1/completions",
+     {"model": "llama", "prompt": LONG, "max_tokens": 4}, 400, "context", "prompt"),
+    ("top_logprobs", CHAT, {**OK_CHAT, "top_logprobs": 2}, 400, "top_logprobs is not supported",
+     "top_logprobs"),
+    ("best_of", "/v1/completions", {"model": "llama", "prompt": "a", "best_of": 2}, 400,
+     "best_of is not supported", "best_of"),
+    ("suffix", "/v1/completions", {"model": "llama", "prompt": "a", "suffix": "b"}, 400,
+     "suffix is not supported", "suffix"),
+    ("bogus tool_choice", CHAT, {**OK_CHAT, "tool_choice": "sometimes"}, 400, "tool_choice",
+     "tool_choice"),
+    ("bogus tool_choice anthropic", MSG, {**OK_MSG, "tool_choice": {"type": "sometimes"}}, 400,
+     "tool_choice", None),
 ]
 
 
@@ -389,6 +415,7 @@ def test_bad_inputs_get_clear_errors_in_each_apis_shape(server, pipe):
             if param is not None:
                 assert err["error"]["param"] == param, (name, err)
         assert words.lower() in message.lower(), (name, message)
+        assert message.count("prompt:") <= 1 and "Error" not in message, (name, message)
     # authentication: missing and wrong keys, both shapes
     for path, ok in ((CHAT, OK_CHAT), (MSG, OK_MSG)):
         for key in (None, "wrong", KEY + "x"):
@@ -396,6 +423,9 @@ def test_bad_inputs_get_clear_errors_in_each_apis_shape(server, pipe):
             assert r.status_code == 401, (path, key, r.text)
             assert ("authentication_error" if path == MSG else "invalid_api_key") in r.text
     assert httpx.get(server.url + "/v1/models", timeout=10).status_code == 401
+    # an empty x-api-key beside a valid bearer key is no key, not a wrong one
+    r = _post(server, CHAT, OK_CHAT, headers={"x-api-key": ""})
+    assert r.status_code == 200, r.text
     assert httpx.get(server.url + "/v1/nothing", timeout=10).json()["error"]["message"]
     # still serving, and correctly
     r = _post(server, CHAT, {**OK_CHAT, "temperature": 0, "max_tokens": 8})

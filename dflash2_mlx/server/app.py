@@ -27,15 +27,10 @@ health_router = APIRouter()
 async def health(service: ServiceDep):
     scheduler, config = service.scheduler, service.config
     ok = scheduler.alive
-    cache = scheduler.prompt_cache
     return JSONResponse({"status": "ok" if ok else "unavailable", "model": config.model_id,
                          "busy": scheduler.busy, "waiting": scheduler.waiting,
                          "served": scheduler.served, "cancelled": scheduler.cancelled,
-                         "prompt_cache": None if cache is None else {
-                             **cache.stats.to_dict(), "entries": len(cache),
-                             "bytes": cache.nbytes,
-                             "disk": cache.disk.describe() if cache.disk else None}},
-                        200 if ok else 503)
+                         "prompt_cache": scheduler.cache_figures}, 200 if ok else 503)
 
 
 def create_app(pipe: Pipeline, config: ServerConfig, *, worker_thread: bool = True) -> FastAPI:
@@ -74,20 +69,33 @@ def create_app(pipe: Pipeline, config: ServerConfig, *, worker_thread: bool = Tr
 
 # --------------------------------------------------------------------------- running it
 
-def serve(pipe: Pipeline, config: ServerConfig, *, host: str = "127.0.0.1", port: int = 8080,
-          shutdown_timeout: float = 5.0,
-          ready: Callable[[str], object] | None = None) -> None:
-    """Serve until SIGINT / SIGTERM, then return (exit status 0). In-flight requests get
-    `shutdown_timeout` seconds to finish, then are cancelled at their next cycle.
-
-    The generations run on the calling (main) thread, HTTP on a uvicorn thread: MLX stays on
-    one thread, and the signals reach the main thread, where Python delivers them."""
-    import signal
-
+def http_server(app: FastAPI, config: ServerConfig, *, host: str, port: int,
+                shutdown_timeout: float, ready: Callable[[str], object] | None = None):
+    """The uvicorn server `serve` runs: h11 with a deadline on each request's head (uvicorn
+    has none: a connection that sends nothing would stay open) and, as the last resort behind
+    the scheduler's own deadline, a graceful-shutdown timeout a few seconds past it."""
     import uvicorn
+    from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    app = create_app(pipe, config, worker_thread=False)
-    scheduler: Scheduler = app.state.scheduler
+    class Protocol(H11Protocol):
+        """Closes a connection whose request head is not complete `read_timeout` seconds after
+        it opened or after its last response (the body has `BodyLimit`'s deadline)."""
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._arm(None)
+
+        def on_response_complete(self):
+            done = self.cycle
+            super().on_response_complete()
+            self._arm(done)
+
+        def _arm(self, done):
+            """The next head must be in within read_timeout: a cycle other than `done`."""
+            def expire():
+                if self.cycle is done and not self.transport.is_closing():
+                    self.transport.close()
+            asyncio.get_running_loop().call_later(config.read_timeout, expire)
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None):
@@ -97,13 +105,38 @@ def serve(pipe: Pipeline, config: ServerConfig, *, host: str = "127.0.0.1", port
                 where = bound[0] if bound else (host, port)
                 ready(f"http://{_host_for_url(where[0])}:{where[1]}")
 
-    server = Server(uvicorn.Config(
-        app, host=host, port=port, log_level="warning", access_log=False,
-        timeout_graceful_shutdown=max(1, int(round(shutdown_timeout))), lifespan="on"))
+    return Server(uvicorn.Config(
+        app, host=host, port=port, http=Protocol, log_level="warning", access_log=False,
+        timeout_graceful_shutdown=shutdown_timeout + 5.0, lifespan="on"))
+
+
+def serve(pipe: Pipeline, config: ServerConfig, *, host: str = "127.0.0.1", port: int = 8080,
+          shutdown_timeout: float = 5.0,
+          ready: Callable[[str], object] | None = None) -> None:
+    """Serve until SIGINT / SIGTERM, then return (exit status 0). In-flight requests get
+    `shutdown_timeout` seconds (fractions honoured) to finish; then the running generation is
+    cancelled at its next cycle and answered with a 503 (a stream: its error event, then its
+    end), as are the requests still queued. A second Ctrl-C stops waiting.
+
+    The generations run on the calling (main) thread, HTTP on a uvicorn thread: MLX stays on
+    one thread, and the signals reach the main thread, where Python delivers them."""
+    import signal
+
+    app = create_app(pipe, config, worker_thread=False)
+    scheduler: Scheduler = app.state.scheduler
+    server = http_server(app, config, host=host, port=port, shutdown_timeout=shutdown_timeout,
+                         ready=ready)
+    # the deadline is the scheduler's, not uvicorn's: cancelled here, every response ends in its
+    # own shape before uvicorn would cut it
+    deadline = threading.Timer(shutdown_timeout, scheduler.stop)
+    deadline.daemon = True
 
     def on_signal(sig, _frame):
         if server.should_exit and sig == signal.SIGINT:
             server.force_exit = True            # a second Ctrl-C: stop waiting
+            scheduler.stop()
+        elif not server.should_exit:
+            deadline.start()
         server.should_exit = True
 
     def http() -> None:
@@ -120,6 +153,7 @@ def serve(pipe: Pipeline, config: ServerConfig, *, host: str = "127.0.0.1", port
     finally:
         server.should_exit = True
         thread.join()
+        deadline.cancel()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if not server.started:

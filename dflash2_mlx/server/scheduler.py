@@ -53,13 +53,23 @@ class QueueFull(Exception):
     pass
 
 
+class ShuttingDown(Exception):
+    pass
+
+
+SHUTDOWN = "the server is shutting down"
+
+
 class Scheduler:
     """Requests wait in a bounded first-in first-out queue; one worker thread owns the model and
     runs them one at a time, so MLX never sees two generations at once.
 
     The HTTP layer only calls `submit` and reads `Job.events` (dicts: {"text", "tokens"} per
     cycle, then {"done": finish_reason, "stats", "prompt_tokens", "cached_tokens"} or
-    {"error": message}); a batching scheduler can replace `_run` without touching the routes.
+    {"error": message, "status"}: 503 for a generation cancelled by the shutdown, 500 for a
+    failure); a batching scheduler can replace `_run` without touching the routes. `/health`
+    reads `cache_figures`, which the worker publishes after every job: the prompt cache is only
+    ever touched by the worker.
     """
 
     def __init__(self, pipe: Pipeline, *, queue_size: int = 16,
@@ -74,6 +84,9 @@ class Scheduler:
         self._current: Job | None = None
         self.served = 0
         self.cancelled = 0           # generations ended early because the client left
+        self._closing = threading.Lock()
+        self._closed = False
+        self.cache_figures: dict | None = None
 
     def start(self) -> None:
         """Run the worker on a thread of its own (an app served by another ASGI runner).
@@ -83,27 +96,34 @@ class Scheduler:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Cancel the running job at its next cycle and end the worker; queued jobs are told
-        the server stopped."""
-        if (job := self._current) is not None:
-            job.cancel("shutdown")
-        while True:
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job.emit({"error": "the server is shutting down", "status": 503})
-        self._queue.put(None)
-        if self._thread is not None:
+        """Cancel the running job at its next cycle (it ends with a 503 error event) and end
+        the worker; queued jobs get the 503 now, later submissions `ShuttingDown`. Safe to
+        call again, from any thread."""
+        with self._closing:
+            first, self._closed = not self._closed, True
+            if (job := self._current) is not None:
+                job.cancel("shutdown")
+            while True:
+                try:
+                    job = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    job.emit({"error": SHUTDOWN, "status": 503})
+            if first:
+                self._queue.put(None)        # drained, and nothing is added once closed
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> Job:
         job = Job(request, loop)
-        try:
-            self._queue.put_nowait(job)
-        except queue.Full:
-            raise QueueFull from None
+        with self._closing:
+            if self._closed:
+                raise ShuttingDown
+            try:
+                self._queue.put_nowait(job)
+            except queue.Full:
+                raise QueueFull from None
         return job
 
     @property
@@ -117,6 +137,7 @@ class Scheduler:
     def work(self) -> None:
         """Run jobs until `stop`; on whichever thread calls it."""
         self._running = True
+        self._publish()
         try:
             self._serve_jobs()
         finally:
@@ -138,7 +159,16 @@ class Scheduler:
             finally:
                 self.served += 1
                 self.cancelled += job.why == "client"
+                self._publish()
                 self.busy, self._current = False, None
+
+    def _publish(self) -> None:
+        """The prompt cache's figures for /health, read here on the worker's thread (another
+        thread iterating the cache while the worker changes it could fail)."""
+        c = self.prompt_cache
+        self.cache_figures = None if c is None else {
+            **c.stats.to_dict(), "entries": len(c), "bytes": c.nbytes,
+            "disk": c.disk.describe() if c.disk else None}
 
     def _run(self, job: Job) -> None:
         r = job.request
@@ -164,6 +194,10 @@ class Scheduler:
             # the state now covers the prompt and the answer (but its last token): the next
             # turn of this conversation starts from it. An exception above skips this.
             cache.insert(state)
+        if job.why == "shutdown":
+            # not a finish: the client gets an error (a 503, or its stream's error event)
+            job.emit({"error": f"{SHUTDOWN}: the generation was cancelled", "status": 503})
+            return
         stats = chunk.stats.to_dict() if chunk is not None else {}
         finish = (chunk.finish_reason if chunk is not None else None) or "cancelled"
         job.emit({"done": finish, "stats": stats, "prompt_tokens": len(r.prompt),

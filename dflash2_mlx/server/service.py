@@ -15,7 +15,7 @@ from .. import log as logs
 from ..pipeline import Pipeline
 from .config import ServerConfig
 from .errors import APIError
-from .scheduler import GenerationRequest, Job, QueueFull, Scheduler
+from .scheduler import SHUTDOWN, GenerationRequest, Job, QueueFull, Scheduler, ShuttingDown
 from .text_stream import Piece, TextStream
 
 log = logs.get(__name__)
@@ -104,6 +104,8 @@ class Service:
             raise APIError(429, f"the server is busy: {self.config.queue_size} requests are "
                            "already waiting; retry later", kind="rate_limit_error",
                            code="queue_full") from None
+        except ShuttingDown:
+            raise APIError(503, SHUTDOWN, kind="server_error") from None
 
     async def run(self, job: Job, text: TextStream, request: Request | None = None
                   ) -> AsyncIterator[tuple[list[Piece], dict | None]]:
