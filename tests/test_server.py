@@ -27,6 +27,9 @@ import dflash2_mlx  # noqa: E402
 from fixtures import BLOCK, BODY, CAP, CONTEXT, KEY, TOOL_CALL, Server  # noqa: E402
 
 T0 = {"temperature": 0}  # the anthropic client has no sampling arguments; the API has them
+# max_tokens of the generations a test stops: beyond what the tiny model writes in the test's
+# time, so that none ends by itself first (4,000 sometimes did, under a light load)
+LIMIT = 60_000
 
 
 @pytest.fixture(scope="module")
@@ -532,21 +535,24 @@ def test_tool_calls_openai_and_anthropic(tools_dir, dflash2_dir):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_shutdown_with_a_request_in_flight_exits_0(llama_dir, dflash2_dir, sig):
-    s = Server("--model", llama_dir, "--draft", dflash2_dir, "--max-tokens", 4000,
-               "--shutdown-timeout", 1)
-    seen, ended = [], threading.Event()
+    """Past the grace period (0.3 s: fractions count) the running stream ends in its own shape
+    (an error event, then [DONE]) and a queued request gets the documented 503 JSON; the
+    process exits 0 with no uvicorn cancellation in its log."""
+    s = Server("--model", llama_dir, "--draft", dflash2_dir, "--max-tokens", LIMIT,
+               "--context-length", 2 * LIMIT, "--shutdown-timeout", 0.3)
+    seen, ended, queued = [], threading.Event(), {}
+    body = {"model": "llama", "max_tokens": LIMIT, "temperature": 0,
+            "messages": [{"role": "user", "content": "count"}]}
 
     def client():
-        body = {"model": "llama", "max_tokens": 4000, "temperature": 0, "stream": True,
-                "messages": [{"role": "user", "content": "count"}]}
-        try:
-            with httpx.stream("POST", s.url + "/v1/chat/completions", json=body,
-                              timeout=60) as r:
-                for line in r.iter_lines():
-                    seen.append(line)
-        except httpx.HTTPError:
-            pass              # the connection may be cut once the grace period is over
+        with httpx.stream("POST", s.url + "/v1/chat/completions", json={**body, "stream": True},
+                          timeout=60) as r:
+            for line in r.iter_lines():
+                seen.append((time.time(), line))
         ended.set()
+
+    def waiting():
+        queued["reply"] = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=60)
 
     t = threading.Thread(target=client, daemon=True)
     t.start()
@@ -554,10 +560,246 @@ def test_shutdown_with_a_request_in_flight_exits_0(llama_dir, dflash2_dir, sig):
     while len(seen) < 4:
         assert time.time() < deadline
         time.sleep(0.02)
+    q = threading.Thread(target=waiting, daemon=True)
+    q.start()
+    while s.health()["waiting"] < 1:
+        assert time.time() < deadline
+        time.sleep(0.02)
     tic = time.time()
     rc = s.stop(sig)
     assert rc == 0, "".join(s.log)
     assert time.time() - tic < 15
     assert ended.wait(10)                # the client was not left hanging
+    q.join(10)
+    lines = [line for _, line in seen if line]
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    assert "shutting down" in json.loads(lines[-2][6:])["error"]["message"], lines[-3:]
+    cut = next(at for at, line in seen if "shutting down" in line)
+    assert 0.3 <= cut - tic < 0.9, cut - tic       # the grace period, not rounded up to 1 s
+    reply = queued["reply"]
+    assert reply.status_code == 503 and "shutting down" in reply.json()["error"]["message"]
     log = "".join(s.log)
     assert "Traceback" not in log and "stopped" in log, log
+    assert "graceful shutdown exceeded" not in log, log
+
+
+# --------------------------------------------------------------------------- in process
+# The app under httpx.ASGITransport (or called as ASGI directly), the scheduler's worker on the
+# main thread as `serve` runs it, started when the test says so: what depends on timing on a
+# real server (a queued request, a disconnect, a shutdown) happens here in a set order.
+
+def in_process(pipe, clients, **config):
+    """Run `await clients(app, http, go)` on a thread of its own (http: an httpx client on the
+    app; go: a threading.Event that starts the worker) and return its result."""
+    from dflash2_mlx.server import ServerConfig, create_app
+
+    app = create_app(pipe, ServerConfig("llama", **{"max_tokens": CAP, "block_size": BLOCK,
+                                                     **config}), worker_thread=False)
+    scheduler, go, out = app.state.scheduler, threading.Event(), {}
+
+    async def main():
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://dflash2.test",
+                                     timeout=60) as http:
+            out["result"] = await clients(app, http, go)
+
+    def thread():
+        try:
+            asyncio.run(main())
+        except BaseException as e:  # noqa: BLE001 - raised again on the main thread
+            out["error"] = e
+        finally:
+            go.set()
+            scheduler.stop()                      # ends scheduler.work() below
+
+    t = threading.Thread(target=thread)
+    t.start()
+    go.wait()
+    scheduler.work()
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out.get("result")
+
+
+async def _until(condition, timeout=30.0):
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def _sse_lines(body: str) -> list[str]:
+    return [line for line in body.split("\n") if line]
+
+
+def test_a_queued_stream_sends_keep_alive_pings_then_the_same_text(pipe):
+    msgs = [{"role": "user", "content": "def add(a, b):"}]
+    want = pipe.generate("def add(a, b):", max_tokens=8).text
+
+    async def clients(app, http, go):
+        async def release():                       # pings while it waits for the worker
+            await asyncio.sleep(0.5)
+            go.set()
+        body = {"model": "llama", "messages": msgs, "max_tokens": 8, "temperature": 0,
+                "stream": True}
+        r, _ = await asyncio.gather(http.post("/v1/chat/completions", json=body), release())
+        return r
+
+    r = in_process(pipe, clients, ping_interval=0.05)
+    lines = _sse_lines(r.text)
+    assert lines.count(": ping") >= 3, lines[:12]
+    events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events) == want
+    assert lines[-1] == "data: [DONE]"
+
+
+def test_a_non_streaming_client_that_leaves_cancels_its_generation(pipe):
+    """The app called as ASGI: the client's connection closes once the generation runs; the
+    job must stop at a cycle then, not run to its max_tokens (events come every cycle, so
+    the check cannot wait for a pause between them)."""
+    body = json.dumps({"model": "llama", "prompt": "count:", "max_tokens": LIMIT,
+                       "temperature": 0}).encode()
+
+    async def clients(app, http, go):
+        scheduler, gone, sent = app.state.scheduler, asyncio.Event(), []
+        messages = iter([{"type": "http.request", "body": body, "more_body": False}])
+
+        async def receive():
+            if (m := next(messages, None)) is not None:
+                return m
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": "/v1/completions",
+                 "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+                 "headers": [(b"content-type", b"application/json"),
+                             (b"content-length", str(len(body)).encode())],
+                 "client": ("127.0.0.1", 1), "server": ("dflash2.test", 80)}
+        go.set()
+        call = asyncio.ensure_future(app(scope, receive, send))
+        await _until(lambda: scheduler.busy)
+        await asyncio.sleep(0.2)
+        gone.set()                                 # the client closed its connection
+        await asyncio.wait_for(call, 30)
+        await _until(lambda: not scheduler.busy)
+        return scheduler.served, scheduler.cancelled
+
+    tic = time.time()
+    assert in_process(pipe, clients, max_tokens=LIMIT, context_length=2 * LIMIT) == (1, 1)
+    assert time.time() - tic < 30
+
+
+def test_shutdown_answers_the_running_and_the_queued_requests_with_503(pipe):
+    """A generation cancelled by the shutdown is not a finish: its stream ends with an error
+    event (then [DONE]), a queued stream too (Anthropic's overloaded_error), a queued plain
+    request gets the 503 JSON body, and a request after the stop gets it at once."""
+    msgs = [{"role": "user", "content": "count:"}]
+    chat = {"model": "llama", "messages": msgs, "max_tokens": LIMIT, "temperature": 0}
+
+    async def clients(app, http, go):
+        scheduler = app.state.scheduler
+        go.set()
+        running = asyncio.ensure_future(http.post("/v1/chat/completions",
+                                                  json={**chat, "stream": True}))
+        await _until(lambda: scheduler.busy)
+        queued = [asyncio.ensure_future(http.post("/v1/messages", json={
+                      "model": "llama", "max_tokens": LIMIT, "messages": msgs, "stream": True})),
+                  asyncio.ensure_future(http.post("/v1/chat/completions", json=chat))]
+        await _until(lambda: scheduler.waiting == 2)
+        scheduler.stop()                           # what serve's deadline calls
+        replies = await asyncio.gather(running, *queued)
+        replies.append(await http.post("/v1/chat/completions", json=chat))
+        return replies
+
+    stream, anthropic_stream, plain, late = in_process(pipe, clients, max_tokens=LIMIT,
+                                                       context_length=2 * LIMIT)
+    lines = _sse_lines(stream.text)
+    assert lines[-1] == "data: [DONE]"
+    error = json.loads(lines[-2][6:])["error"]
+    assert error["type"] == "server_error" and "shutting down" in error["message"]
+    assert not any('"finish_reason": "stop"' in x for x in lines)
+    lines = _sse_lines(anthropic_stream.text)
+    assert lines[-2:-1] == ["event: error"]
+    assert json.loads(lines[-1][6:])["error"]["type"] == "overloaded_error"
+    for r in (plain, late):
+        assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
+
+
+def test_health_reads_the_figures_the_worker_published(pipe):
+    """The prompt cache is only touched on the worker's thread: /health, on the HTTP thread,
+    reads what the worker published after its last job."""
+    from dflash2_mlx.prompt_cache import PromptCache
+
+    touched = set()
+
+    class Recording(PromptCache):
+        def __len__(self):
+            touched.add(threading.current_thread().name)
+            return super().__len__()
+
+    async def clients(app, http, go):
+        app.state.scheduler.prompt_cache = Recording(4)
+        go.set()
+        r = await http.post("/v1/chat/completions", json={**OK_CHAT, "temperature": 0})
+        assert r.status_code == 200, r.text
+        return (await http.get("/health")).json()
+
+    health = in_process(pipe, clients)
+    assert health["served"] == 1 and health["prompt_cache"]["entries"] == 1
+    assert touched == {threading.main_thread().name}, touched
+
+
+def test_an_unexpected_error_is_a_500_that_closes_the_connection(pipe):
+    async def clients(app, http, go):
+        async def broken():
+            raise RuntimeError("a secret detail")
+        app.add_api_route("/broken", broken)       # an error no route expects
+        return await http.get("/broken")
+
+    r = in_process(pipe, clients)
+    assert r.status_code == 500 and r.headers["connection"] == "close"
+    assert r.json()["error"]["type"] == "server_error"
+    assert "secret" not in r.text
+
+
+def test_a_client_that_sends_nothing_is_closed(pipe):
+    """Over a real socket, uvicorn as `serve` configures it: a connection that sends nothing,
+    or half a request head, or half a body, is closed after read_timeout seconds."""
+    import socket
+
+    from dflash2_mlx.server import ServerConfig, create_app
+    from dflash2_mlx.server.app import http_server
+
+    config = ServerConfig("llama", read_timeout=1.0)
+    urls = []
+    server = http_server(create_app(pipe, config, worker_thread=False), config,
+                         host="127.0.0.1", port=0, shutdown_timeout=1.0, ready=urls.append)
+    thread = threading.Thread(target=server.run)
+    thread.start()
+    try:
+        deadline = time.time() + 30
+        while not urls:
+            assert time.time() < deadline and thread.is_alive()
+            time.sleep(0.02)
+        host, port = urls[0].rsplit("/", 1)[1].split(":")
+        head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n")
+        for sent in (b"", b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n", head + b"{"):
+            with socket.create_connection((host, int(port)), timeout=10) as s:
+                s.sendall(sent)
+                tic, got = time.time(), b""
+                while chunk := s.recv(65536):     # b"": the server closed the connection
+                    got += chunk
+                assert 0.5 < time.time() - tic < 8, sent
+            if sent.startswith(head):
+                assert b" 408 " in got.split(b"\r\n")[0] and b"did not arrive" in got, got
+            else:
+                assert got == b"", got
+    finally:
+        server.should_exit = True
+        thread.join(30)
