@@ -576,7 +576,8 @@ def test_shutdown_with_a_request_in_flight_exits_0(llama_dir, dflash2_dir, sig):
     q.join(10)
     lines = [line for _, line in seen if line]
     assert lines[-1] == "data: [DONE]", lines[-3:]
-    assert "shutting down" in json.loads(lines[-2][6:]).get("error", {}).get("message", ""), (len(lines), lines[-3:])
+    last = json.loads(lines[-2][6:])
+    assert "shutting down" in last.get("error", {}).get("message", ""), lines[-3:]
     cut = next(at for at, line in seen if "shutting down" in line)
     assert 1.4 <= cut - tic < 6, cut - tic          # the grace period, not rounded to 1 s
     reply = queued["reply"]

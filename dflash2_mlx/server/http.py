@@ -122,8 +122,8 @@ class BodyLimit:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             return await self.app(scope, receive, send)
         path = scope["path"]
-        headers = dict(scope["headers"])
-        declared = headers.get(b"content-length", b"").decode("latin-1")
+        declared = next((v for k, v in scope["headers"] if k == b"content-length"),
+                        b"").decode("latin-1")
         if declared.isdigit() and int(declared) > self.limit:
             return await self._refuse(APIError(413, f"the request body is {declared} bytes; "
                                                f"the limit is {self.limit}"), path, scope, send)
@@ -152,8 +152,8 @@ class BodyLimit:
                 return {"type": "http.request", "body": bytes(body), "more_body": False}
             return await receive()
 
-        headers[b"content-type"] = b"application/json"
-        scope = {**scope, "headers": list(headers.items())}
+        headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+        scope = {**scope, "headers": headers + [(b"content-type", b"application/json")]}
         await self.app(scope, replay, send)
 
     @staticmethod

@@ -257,8 +257,9 @@ def _arguments(text: str, where: str) -> dict:
 
 
 def chat_messages(req: ResponsesRequest) -> list[dict]:
-    """`instructions` and `input` as chat messages (the shape `openai_routes.openai_messages` gives):
-    a function_call joins the assistant turn before it, a function_call_output is a tool turn."""
+    """`instructions` and `input` as chat messages (the shape `openai_routes.openai_messages`
+    gives): a function_call joins the assistant turn before it, a function_call_output is a
+    tool turn."""
     out: list[dict[str, Any]] = []
     if req.instructions:
         out.append({"role": "system", "content": req.instructions})
