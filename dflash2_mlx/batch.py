@@ -41,23 +41,31 @@ STOP, LENGTH, CANCELLED = "stop", "length", "cancelled"
 
 
 class StepCost:
-    """Seconds of one target step as a function of the total rows it verifies: measured
-    points (rows -> seconds), linear between them and past the last. The first form of the
-    batch cost model; the context-aware one (long-context work) is to replace it behind the
-    same `step_cost(rows)`."""
+    """Seconds of one target step as a function of the rows it verifies (B x T: the padded
+    block of every sequence): measured points (rows -> seconds), linear between them and past
+    the last, corrected online by `observe` (the engine times every step). The first form of
+    the batch cost model; the context-aware one (long-context work) is to replace it behind
+    the same `step_cost(rows)` and `observe(rows, seconds)`.
 
-    def __init__(self, points: dict[int, float]):
+    The correction is a ratio of timed over modelled seconds per octave of rows (1, 2-3, 4-7,
+    ...: a batch's rows can get dearer than one sequence's calibration extrapolates, once the
+    step is compute-bound), decayed by `decay` per observation of that octave; an octave with
+    fewer than 3 timed steps takes the ratio of the nearest one that has them."""
+
+    def __init__(self, points: dict[int, float], decay: float = 0.9):
         if not points or any(r < 1 or s < 0 for r, s in points.items()):
             raise ValueError(f"StepCost: points must map rows >= 1 to seconds >= 0, got {points}")
         self.rows = sorted(points)
         self.seconds = [points[r] for r in self.rows]
+        self.decay = decay
+        self.timed: dict[int, list[float]] = {}   # octave -> [count, modelled s, timed s]
 
     @classmethod
     def from_cycle_cost(cls, cost) -> "StepCost":
         """From the single-sequence calibration (`adaptive.CycleCost.verify`, w rows at w)."""
         return cls({w: s for w, s in enumerate(cost.verify, 1)})
 
-    def step_cost(self, rows: int) -> float:
+    def calibrated(self, rows: int) -> float:
         r, s = self.rows, self.seconds
         if len(r) == 1:
             return s[0] * rows / r[0]
@@ -65,42 +73,96 @@ class StepCost:
         slope = (s[i] - s[i - 1]) / (r[i] - r[i - 1])
         return max(0.0, s[i - 1] + slope * (rows - r[i - 1]))
 
+    def ratio(self, rows: int) -> float:
+        """Timed over modelled seconds near `rows` (1 before any timed step)."""
+        octave = int(rows).bit_length()
+        trusted = [o for o, (n, _, _) in self.timed.items() if n >= 3]
+        if not trusted:
+            return 1.0
+        _, model, timed = self.timed[min(trusted, key=lambda o: (abs(o - octave), -o))]
+        return timed / model if model > 0 else 1.0
+
+    def step_cost(self, rows: int) -> float:
+        return self.calibrated(rows) * self.ratio(rows)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """A step of `rows` rows took `seconds` (its drafting left out)."""
+        model = self.calibrated(rows)
+        if model <= 0 or seconds <= 0:
+            return
+        # a one-off stall (first-use compilation, the OS) must not swamp the estimate
+        seconds = min(seconds, 2.0 * self.step_cost(rows))
+        n, m, t = self.timed.get(int(rows).bit_length(), (0.0, 0.0, 0.0))
+        d = self.decay
+        self.timed[int(rows).bit_length()] = [n + 1, m * d + model, t * d + seconds]
+
 
 class BatchAwareWidth:
     """A sequence's policy in a batch: an `AdaptiveWidth` (its acceptance estimates, updates
-    and probes) whose choice weighs what the sequence's rows add to the whole step. With the
-    other sequences verifying `rows` rows and committing about `tokens` tokens, a width w of
-    expected E(w) tokens is worth (tokens + E(w)) / (step_cost(rows + w) + draft(w)): the
-    batch's tokens per second. Alone (no others) it chooses exactly as its AdaptiveWidth."""
+    and probes) whose choice weighs the whole step's tokens per second. A step verifies
+    B x T rows (T: the widest block), so a width w costs every row of the batch; the engine
+    tells the policy (`set_batch`) what the sequences planned before it this step chose
+    (width, expected tokens, draft seconds) and how many plan after it, and those are assumed
+    to follow its choice (they are the same kind of sequence, as far as it knows). With n
+    sequences, planned tokens E_p and draft seconds D_p, widest planned block W and f = 1 +
+    the number still to plan, w of expected E(w) and draft d(w) is worth
+        (E_p + f E(w)) / (step_cost(n max(W, w)) + D_p + f d(w)).
+    The first to plan in a step of like sequences so picks the best fixed width for the batch
+    size, and the others find its rows already paid. Alone it chooses exactly as its
+    AdaptiveWidth. `last`: (expected tokens, draft seconds) of its latest choice."""
 
     def __init__(self, inner, cost: StepCost):
         self.inner, self.cost = inner, cost
-        self.others = (0, 0.0)            # (rows, tokens) of the rest of this step
+        self.planned: list[tuple[int, float, float]] = []
+        self.after = 0
+        self.last = (1.0, 0.0)
+        self.plain_run = 0                  # batched plain choices since drafting or a probe
 
-    def set_batch(self, rows: int, tokens: float) -> None:
-        self.others = (rows, tokens)
+    def set_batch(self, planned: list[tuple[int, float, float]], after: int) -> None:
+        self.planned, self.after = list(planned), after
 
-    def choose(self, available: dict | None = None, match_n: int = 0) -> tuple[str, int]:
-        rows, tokens = self.others
-        if rows == 0:
-            return self.inner.choose(available, match_n)
+    def _options(self, available: dict, match_n: int):
+        """(source, w, E(w), draft seconds) of every choice on offer, plain first."""
         inner = self.inner
-        available = dict(inner.widths) if available is None else available
-        best, best_rate = (PLAIN, 1), (tokens + 1) / self.cost.step_cost(rows + 1)
+        yield PLAIN, 1, 1.0, 0.0
         for source, most in available.items():
             e, p = 1.0, 1.0
             for w, alpha in zip(range(2, min(most, inner.widths[source]) + 1),
                                 inner.alphas(source, match_n)):
                 p *= alpha
                 e += p
-                draft = inner.cost.draft[w - 1] if source == DRAFTER else 0.0
-                rate = (tokens + e) / (self.cost.step_cost(rows + w) + draft)
-                if rate > best_rate:
-                    best, best_rate = (source, w), rate
+                yield source, w, e, inner.cost.draft[w - 1] if source == DRAFTER else 0.0
+
+    def choose(self, available: dict | None = None, match_n: int = 0) -> tuple[str, int]:
+        available = dict(self.inner.widths) if available is None else available
+        options = {(s, w): (e, d) for s, w, e, d in self._options(available, match_n)}
+        if not self.planned and not self.after:
+            best = self.inner.choose(available, match_n)
+        else:
+            n = len(self.planned) + self.after + 1
+            widest = max((w for w, _, _ in self.planned), default=1)
+            tokens = sum(e for _, e, _ in self.planned)
+            draft = sum(d for _, _, d in self.planned)
+            f = 1 + self.after
+
+            def rate(choice):
+                e, d = options[choice]
+                rows = n * max(widest, choice[1])
+                return (tokens + f * e) / (self.cost.step_cost(rows) + draft + f * d)
+            best = max(options, key=rate)
+            # probe as AdaptiveWidth does (else a dip in the estimates would stop drafting for
+            # good), but only while drafting is near paying: a probe pads every row of the step
+            near = best[1] > 1 or any(rate(c) >= self.inner.far * rate(best)
+                                      for c in options if c[1] > 1)
+            self.plain_run = self.plain_run + 1 if best[1] == 1 and near else 0
+            if self.plain_run >= self.inner.probe_every and (DRAFTER, 2) in options:
+                self.plain_run, best = 0, (DRAFTER, 2)
+        self.last = options.get(best, (1.0, 0.0))
         return best
 
     def next_plain(self, available: dict) -> bool:
-        return self.inner.next_plain(available) if self.others[0] == 0 else False
+        alone = not self.planned and not self.after
+        return self.inner.next_plain(available) if alone else False
 
     def update(self, *args, **kwargs) -> None:
         self.inner.update(*args, **kwargs)
@@ -317,14 +379,15 @@ class BatchEngine:
 
     def _decode(self) -> list[Event]:
         tic = time.perf_counter()
-        # batch-aware policies see the others' rows: those planned now, else their last width
-        widths = [s.stats.steps[-1].width if s.stats.steps else 1 for s in self.rows]
-        plans = []
+        # batch-aware policies see what the sequences before them chose and how many follow
+        plans, planned = [], []
         for i, seq in enumerate(self.rows):
             if hasattr(seq.policy, "set_batch"):
-                seq.policy.set_batch(sum(widths) - widths[i], len(self.rows) - 1.0)
+                seq.policy.set_batch(planned, len(self.rows) - 1 - i)
             plans.append(self._plan(seq))
-            widths[i] = plans[-1].width
+            e, d = getattr(seq.policy, "last", (1.0, 0.0))
+            planned.append((plans[-1].width, e if plans[-1].width > 1 else 1.0,
+                            d if plans[-1].source == DRAFTER else 0.0))
         T = max(p.width for p in plans)
         rows = []
         for p in plans:
@@ -344,6 +407,10 @@ class BatchEngine:
             c.commit([a + 1 for a in accepted])
         seconds = time.perf_counter() - tic
         self.history.append((len(plans), len(plans) * T, seconds))
+        verify = seconds - sum(d for _, _, d in planned)     # drafting at its calibration
+        for cost in {id(c): c for c in (getattr(s.policy, "cost", None) for s in self.rows)
+                     if isinstance(c, StepCost)}.values():
+            cost.observe(len(plans) * T, verify)
         events, leaving = [], []
         for i, (p, a, (_, bonus)) in enumerate(zip(plans, accepted, results)):
             seq = p.seq

@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten
 
 from . import blas, log, runtime, settings as check
 from .drafter import Drafter
-from .batch import BatchEngine, Request
+from .batch import BatchAwareWidth, BatchEngine, Request, StepCost
 from .adaptive import DRAFTER, LOOKUP, AdaptiveWidth, FixedWidth, load_or_measure_costs
 from .engine import DecodeState, GenerationStats, generate_tokens
 from .kernels import resolve_kernel_path
@@ -258,10 +258,12 @@ class Pipeline:
         engine = BatchEngine(self.adapter, self.drafter, lookup=self.lookup_config,
                              max_batch=max_batch, prefill_step_size=self.prefill_step_size)
         index, detoks = {}, {}
+        step = StepCost.from_cycle_cost(self.width_policy().cost) if b == "auto" else None
         for i, prompt in enumerate(prompts):
             ids = self.encode(prompt, chat_template, system)
             wide = b if self.max_ctx is None or len(ids) < self.max_ctx else 1
-            policy = copy.deepcopy(self.width_policy()) if wide == "auto" else FixedWidth(wide)
+            policy = BatchAwareWidth(copy.deepcopy(self.width_policy()), step) \
+                if wide == "auto" else FixedWidth(wide)
             rid = engine.add(Request(ids, check.max_tokens(limits[i]), sampling, policy,
                                      stop_ids, lookup and wide != 1,
                                      None if seed is None else seed + i))

@@ -279,3 +279,65 @@ def test_sampling_is_reproducible_with_seed(tiny):
                         for t in s]
     assert run(5) == run(5)
     assert any(run(5) != run(s) for s in (6, 7, 8))
+
+
+class PerSequenceOracles:
+    """One `NoisyOracle` per sequence behind the batch engine's one drafter: a sequence's
+    drafter cache (made when it is added) holds its own oracle."""
+
+    context_window = None
+    args = SimpleNamespace(block_size=16)
+
+    def __init__(self, model, sampling):
+        self.model, self.sampling = model, sampling
+
+    def make_cache(self):
+        oracle = NoisyOracle(self.model, self.sampling)
+        return [oracle, *oracle.make_cache()]
+
+    def skip_context(self, cache, n):
+        pass
+
+    def propose(self, target, anchor, feats, cache, width, sampling, key):
+        return cache[0].propose(target, anchor, feats, cache[1:], width, sampling, key)
+
+
+@pytest.mark.parametrize("kind", ["oracle", "dflash2"])
+def test_joint_distribution_batched_unseeded(tiny, kind):
+    """Unseeded sampling in the batch engine follows the target's distribution: N sequences
+    of PROMPT drafting width-3 blocks, no seed, batched 12 at a time with other sequences
+    beside them (plain, wider drafter blocks, lookup on another prompt) that join and leave
+    at other steps (the per-step prefill budget staggers the joins). Chi-square at alpha=1e-3 on
+    the joint of the first three tokens, as for the single-sequence engine."""
+    from dflash2_mlx.batch import BatchEngine, Request
+
+    model, drafters = tiny
+    sampling = Sampling(1.0)
+    if kind == "oracle":
+        adapter, drafter = TargetAdapter(model, (0,)), PerSequenceOracles(model, sampling)
+    else:
+        drafter = drafters[kind]
+        adapter = TargetAdapter(model, drafter.args.target_layer_ids)
+    engine = BatchEngine(adapter, drafter, lookup=LookupConfig(1, 4), max_batch=12)
+    measured, others = set(), [(FixedWidth(1), False, 6), (FixedWidth(4), False, 9),
+                               (FixedWidth(3), True, 5)]
+    for k in range(N):
+        measured.add(engine.add(Request(PROMPT, 4, sampling, policy=FixedWidth(3))))
+        if k % 4 == 0:                                     # a sequence of another kind
+            policy, lookup, n = others[(k // 4) % len(others)]
+            engine.add(Request(LOOKUP_PROMPT, n, sampling, policy=policy, lookup=lookup))
+    out, accepted, beside = {}, [], 0
+    while engine.running or engine.waiting:
+        beside = max(beside, engine.running)
+        for ev in engine.step(prefill_budget=30):
+            out.setdefault(ev.id, []).extend(ev.tokens)
+    for rid in measured:
+        accepted += [c.accepted for c in engine.stats[rid].steps if c.source != "plain"]
+    assert beside >= 8 and max(n for n, _, _ in engine.history) >= 8
+    assert {0, 1} <= set(accepted), "both acceptance and rejection must occur"
+    counts = {}
+    for rid in measured:
+        toks = tuple(out[rid][:3])
+        counts[toks] = counts.get(toks, 0) + 1
+    stat, df = chi2(counts, exact_joint(model, sampling), N)
+    assert stat < chi2_threshold(df), f"chi2={stat:.1f} df={df}"
