@@ -2,8 +2,10 @@
 `anthropic` clients, on the tiny fixtures; outputs compared with `Pipeline.generate`.
 
 The main server starts once per module (port 0: it prints the port it got); the tool-call and
-shutdown tests start their own. The full-queue test runs the app in process instead, so that it
-can hold the worker until the queue is full.
+shutdown tests start their own. The full-queue test and those of the last section run the app
+in process instead (`in_process`: the worker starts when the test says), so that a queued
+request, a disconnect or a shutdown happens at a set point; the read-timeout test runs uvicorn
+as `serve` configures it, over a real socket.
 """
 
 from __future__ import annotations
