@@ -277,15 +277,17 @@ def rss_bytes(pid: int) -> tuple[int | None, int | None]:
     return now, fields.get("VmHWM")
 
 
-def running_batch(health: dict) -> int | None:
-    """Sequences running now from /health's "batch" object (None where there is none)."""
+def batch_sample(health: dict) -> dict | None:
+    """From /health's "batch" object (None where the server has none): the scheduler's mode,
+    the sequences running now and the rows the last step verified (None where absent)."""
     batch = health.get("batch")
     if not isinstance(batch, dict):
         return None
     running = batch.get("running")
-    if isinstance(running, (list, dict)):
-        return len(running)
-    return running if isinstance(running, int) else None
+    last = batch.get("last_step")
+    return {"mode": batch.get("mode"),
+            "running": len(running) if isinstance(running, (list, dict)) else running,
+            "rows": last.get("rows") if isinstance(last, dict) else None}
 
 
 class Monitor:
@@ -294,7 +296,7 @@ class Monitor:
 
     def __init__(self, server: ServerProcess, every: float = 0.2):
         self.server, self.every = server, every
-        self.rss, self.batch, self.hwm = [], [], None
+        self.rss, self.batch, self.hwm = [], [], None       # batch: batch_sample()s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -306,11 +308,11 @@ class Monitor:
                     self.rss.append(now)
                 if self.server.name != "mlx-lm":
                     try:
-                        n = running_batch(client.get(self.server.url + "/health").json())
+                        b = batch_sample(client.get(self.server.url + "/health").json())
                     except (httpx.HTTPError, ValueError):
-                        n = None
-                    if n is not None:
-                        self.batch.append(n)
+                        b = None
+                    if b is not None:
+                        self.batch.append(b)
                 self._stop.wait(self.every)
 
     def __enter__(self):
@@ -323,10 +325,17 @@ class Monitor:
 
     def figures(self) -> dict:
         mb = 2.0**20
+
+        def seen(key):
+            return [b[key] for b in self.batch if isinstance(b[key], (int, float))]
+
+        running, rows = seen("running"), seen("rows")
         return {"peak_rss_mb": max(self.rss) / mb if self.rss else None,
                 "vmhwm_mb": self.hwm / mb if self.hwm else None,
-                "mean_batch": statistics.mean(self.batch) if self.batch else None,
-                "max_batch_seen": max(self.batch) if self.batch else None}
+                "batch_mode": next((b["mode"] for b in self.batch if b["mode"]), None),
+                "mean_batch": statistics.mean(running) if running else None,
+                "max_batch_seen": max(running) if running else None,
+                "mean_rows_per_step": statistics.mean(rows) if rows else None}
 
 
 # --------------------------------------------------------------------------- requests
@@ -388,11 +397,15 @@ def wave(server: ServerProcess, wave_plans: list[Plan], max_tokens: int) -> dict
 # --------------------------------------------------------------------------- figures
 
 def pct(values: list[float | None], q: float) -> float | None:
-    """The q-quantile (0..1) of the values that are not None, by nearest rank; None if none."""
+    """The q-quantile (0..1) of the values that are not None, interpolated linearly between
+    the closest ranks (numpy's default); None if there are none."""
     values = sorted(v for v in values if v is not None)
     if not values:
         return None
-    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+    pos = q * (len(values) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
 
 
 def weighted(rows: list[dict], value: str, weight: str) -> float | None:
