@@ -66,11 +66,14 @@ def main() -> None:
     print(f"greedy outputs identical: {same}")
     # the policy's own cost per cycle, with nothing else running
     avail, n = {DRAFTER: pipe.drafter.args.block_size}, 2000
+    # an older commit's policy (run through PYTHONPATH) takes no context
+    ctx = (lambda i: (len(ids) + i,)) if "context" in inspect.signature(
+        policy.choose).parameters else (lambda i: ())
     tic = time.perf_counter()
     for i in range(n):
-        s, w = policy.choose(avail, 0, len(ids) + i)
-        policy.next_plain(avail, len(ids) + i + 1)
-        policy.update(PLAIN if w == 1 else s, w, 0, None, 0, len(ids) + i)
+        s, w = policy.choose(avail, 0, *ctx(i))
+        policy.next_plain(avail, *ctx(i + 1))
+        policy.update(PLAIN if w == 1 else s, w, 0, None, 0, *ctx(i))
     print(f"policy choose + next_plain + update: {1e6 * (time.perf_counter() - tic) / n:.0f} "
           f"us per cycle; load average {os.getloadavg()}")
 
