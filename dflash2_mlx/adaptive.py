@@ -168,7 +168,9 @@ class AdaptiveWidth:
         rate = self._rates(dict(self.widths) if available is None else available, match_n,
                            context)
         best = max(rate, key=rate.get)
-        if best[1] > 1 or len(rate) == 1:
+        if len(rate) == 1:          # nothing on offer (the last token of a generation)
+            return best
+        if best[1] > 1:
             self.plain_run = 0
             return best
         if (DRAFTER, 2) in rate and (self.plain_run >= self._probe_gap(rate, context)

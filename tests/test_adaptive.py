@@ -404,7 +404,7 @@ def test_calibration_measures_the_context_slope(pipe):
     pair)."""
     from dflash2_mlx.costs import measure_costs
 
-    model = measure_costs(pipe, 16, context=32, long=(2048,), reps=1)
+    model = measure_costs(pipe, 16, context=32, long=(8192,), reps=3)
     assert len(model.verify_table) == 16 and model.base == 32
     assert model.verify_slope[0] > 0 or model.verify_slope[1] > 0
     assert model.verify(16, 2048) > model.verify(16, 32)
@@ -445,3 +445,15 @@ def test_context_dependent_costs_near_the_best_fixed_choice(kind, context):
             ratios.append(got / best)
         floor = 0.96 if kind in ("nothing repeats", "chat") and calibration is LONG16 else floor
         assert sum(ratios) / len(ratios) >= floor, (calibration is blind, ratios)
+
+
+def test_probes_survive_the_end_of_a_generation():
+    """The last cycle of a generation offers nothing but a plain step (one token of room):
+    that must not restart the count towards the next probe, or generations shorter than the
+    gap between probes would never probe (the drafter never noticed when it pays again)."""
+    policy = AdaptiveWidth(COST, prior=0.01, strength=1e9)
+    probes = 0
+    for _ in range(20):                                   # 20 generations of 30 tokens
+        for room in range(30, 0, -1):
+            probes += policy.choose({DRAFTER: min(8, room)})[1] > 1
+    assert probes >= 600 // (2 * policy._probe_gap(policy._rates({DRAFTER: 8}, 0, None), None))
