@@ -153,9 +153,11 @@ def fit_slope(points: list[tuple[int, int, float]]) -> tuple[float, float]:
 def grow_cache(cache: list, n: int) -> bool:
     """Append n random keys and values to every attention cache of a target (in chunks, so no
     huge temporary) -> False when some layer's cache is not a plain key/value store (a
-    recurrent state, quantized keys): its context cost is then left to the online timing."""
+    recurrent state, quantized keys, a sliding window, which a one-row step rotates beyond
+    any rollback): its context cost is then left to the online timing."""
     stores = [c for c in cache if isinstance(getattr(c, "keys", None), mx.array)
-              and c.keys.ndim == 4 and hasattr(c, "update_and_fetch")]
+              and c.keys.ndim == 4 and hasattr(c, "update_and_fetch")
+              and not hasattr(c, "max_size")]
     if len(stores) != len(cache):
         return False
     for start in range(0, n, 1024):
