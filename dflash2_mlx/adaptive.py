@@ -31,7 +31,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from . import log
-from .costs import CostModel, measure_costs
+from .costs import CostModel, Correction, context_bucket, measure_costs
 from .files import atomic_write
 
 _log = log.get(__name__)
@@ -111,35 +111,15 @@ class AdaptiveWidth:
         # the last cycle chosen was a probe; one that was accepted asks for another at once
         # (the content may have changed: a few cheap probes confirm it within cycles)
         self.probing = self.probe_again = False
-        # timed cycles per (source, width, context bucket or None: any), and per bucket and
-        # overall (None) for the load factor: decayed [count, seconds, modelled seconds]
-        self.timed: dict[tuple, list[float]] = {}
-        self.load: dict[int | None, list[float]] = {}
+        # the timed cycles against the model (`cycle_keys`)
+        self.correction = Correction(decay)
 
     def cycle_cost(self, width: int, source: str = DRAFTER, context: int | None = None) -> float:
-        """Expected seconds of a cycle: the cost model at this context times a correction, the
-        timed cycles' seconds over what the model said for them. The first of these with a few
-        cycles: this (source, width) at this context size, at any size (the model carries it
-        across sizes), every cycle at this size, every cycle (on a busy machine the bare model
-        made every untimed width look cheap, and the policy wandered through them one by
-        one)."""
+        """Expected seconds of a cycle: the cost model at this context times the correction
+        of `cycle_keys`."""
         source = PLAIN if width == 1 else source
-        bucket = context_bucket(context)
-        for table, key in ((self.timed, (source, width, bucket)),
-                           (self.timed, (source, width, None)), (self.load, bucket),
-                           (self.load, None)):
-            count, seconds, modelled = table.get(key, (0.0, 0.0, 0.0))
-            if count >= 3 and modelled > 0:
-                return self.cost.cycle(width, source, context) * seconds / modelled
-        return self.cost.cycle(width, source, context)
-
-    def _load(self, context: int | None) -> float:
-        """Timed over modelled seconds of the cycles at this context size, else of all."""
-        for key in (context_bucket(context), None):
-            count, seconds, modelled = self.load.get(key, (0.0, 0.0, 0.0))
-            if count >= 3 and modelled > 0:
-                return seconds / modelled
-        return 1.0
+        return self.cost.cycle(width, source, context) * self.correction.ratio(
+            cycle_keys(source, width, context))
 
     def counts_for(self, source: str, match_n: int = 0) -> PositionCounts:
         key = source if source != LOOKUP else \
@@ -223,21 +203,17 @@ class AdaptiveWidth:
             self.probe_again, self.probing = accepted > 0, False
         if seconds is not None:
             source = PLAIN if width == 1 else source
-            # a one-off stall (first-use compilation, the OS) must not swamp the estimate
-            seconds = min(seconds, 2.0 * self.cycle_cost(width, source, context))
-            modelled = self.cost.cycle(width, source, context)
-            bucket = context_bucket(context)
-            for key, table in (((source, width, bucket), self.timed),
-                               ((source, width, None), self.timed), (bucket, self.load),
-                               (None, self.load)):
-                count, total, model_total = table.get(key, (0.0, 0.0, 0.0))
-                table[key] = [count * self.decay + 1, total * self.decay + seconds,
-                              model_total * self.decay + modelled]
+            self.correction.observe(cycle_keys(source, width, context), seconds,
+                                    self.cost.cycle(width, source, context))
 
 
-def context_bucket(context: int | None) -> int:
-    """Context sizes timed apart: 0 below 512 tokens (and None), then one per doubling."""
-    return max((context or 0).bit_length() - 9, 0)
+def cycle_keys(source: str, width: int, context: int | None) -> tuple:
+    """A cycle's correction keys, the first with a few timed cycles wins: this (source, width)
+    at this context size, at any size (the model carries it across sizes), every cycle at
+    this size, every cycle (on a busy machine the bare model made every untimed width look
+    cheap, and the policy wandered through them one by one)."""
+    bucket = context_bucket(context)
+    return ((source, width, bucket), (source, width, None), ("all", bucket), ("all", None))
 
 
 class Shadow:

@@ -13,10 +13,11 @@ softmax `exp` per key, and on MLX's CPU backend an `exp` costs ~20x a multiply-a
 tokens a 16-row verify costs several plain steps (SPEC.md section 10); `per_forward` is what
 grows with the context once per forward (the cache's slices, the mask).
 
-A batch: `rows` is every row of the forward (B requests x w rows), `context` the keys each
-row reads (a left-padded batch: its padded length; otherwise the rows' mean context): the
-attention term is then rows x context, as it is computed. Rows beyond the measured table
-extrapolate its last step.
+A batch (`batch.BatchAwareWidth`): `rows` is every row of the forward (B sequences x T rows),
+`context` the slots of the batch cache, which every row's attention reads (the longest row and
+its holes): the attention term is then rows x context, as it is computed. Rows beyond the
+measured table extrapolate its last step. `Correction` is the online correction of both: the
+timed seconds over the model's, per key.
 
 Timings come from `measure_costs` (a few seconds, once per machine and model pair; cached by
 `adaptive.load_or_measure_costs`). The long contexts are made cheaply: the target's caches
@@ -103,6 +104,44 @@ class CostModel:
         return cls(tuple(map(float, entry["draft"])), tuple(map(float, entry["verify"])),
                    int(base), tuple(map(float, entry["verify_slope"])),
                    tuple(map(float, entry["draft_slope"])))
+
+
+class Correction:
+    """The online correction of a `CostModel`: the seconds timed over the seconds the model
+    said, decayed by `decay` per observation, per key (a policy's keys: a (source, width) at a
+    context size, a batch step's rows at a context size, ...). `ratio(keys)` is the first key
+    with `trust` observations or more, so a caller lists its keys from the most specific to
+    the most general; the model's figure times the ratio is the estimate."""
+
+    def __init__(self, decay: float = 0.95, trust: float = 3.0):
+        self.decay, self.trust = decay, trust
+        self.table: dict = {}                 # key -> (count, timed s, modelled s), decayed
+
+    def ratio(self, keys) -> float:
+        """Timed over modelled seconds of the first trusted key (1.0: none is)."""
+        for key in keys:
+            count, seconds, modelled = self.table.get(key, (0.0, 0.0, 0.0))
+            if count >= self.trust and modelled > 0:
+                return seconds / modelled
+        return 1.0
+
+    def observe(self, keys, seconds: float, modelled: float) -> None:
+        """Something the model prices at `modelled` seconds took `seconds`; every key learns
+        it. A one-off stall (first-use compilation, the OS) must not swamp the estimate: at
+        most twice the current one counts."""
+        keys = list(keys)
+        if modelled <= 0 or seconds <= 0:
+            return
+        seconds = min(seconds, 2.0 * modelled * self.ratio(keys))
+        d = self.decay
+        for key in keys:
+            count, total, model_total = self.table.get(key, (0.0, 0.0, 0.0))
+            self.table[key] = (count * d + 1, total * d + seconds, model_total * d + modelled)
+
+
+def context_bucket(context: int | None) -> int:
+    """Context sizes corrected apart: 0 below 512 tokens (and None), then one per doubling."""
+    return max((context or 0).bit_length() - 9, 0)
 
 
 def _number(x) -> bool:
