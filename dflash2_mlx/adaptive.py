@@ -121,19 +121,24 @@ class AdaptiveWidth:
         return self.cost.cycle(width, source, context) * self.correction.ratio(
             cycle_keys(source, width, context))
 
-    def counts_for(self, source: str, match_n: int = 0) -> PositionCounts:
-        key = source if source != LOOKUP else \
+    def counts_for(self, source: str, match_n: int = 0,
+                   context: int | None = None) -> PositionCounts:
+        """A source's counts; the lookup's per suffix length bucket and per context size (a
+        recurring 3-gram in 8k tokens of code is a weaker cue than in a short chat)."""
+        key = source if source != LOOKUP else (
             f"{LOOKUP}:{max([b for b in MATCH_BUCKETS if b <= match_n] or [0])}"
+            f":{context_bucket(context)}")
         if key not in self.counts:
             self.counts[key] = PositionCounts(self.widths[source] - 1, self.decay)
         return self.counts[key]
 
-    def alphas(self, source: str = DRAFTER, match_n: int = 0) -> list[float]:
+    def alphas(self, source: str = DRAFTER, match_n: int = 0,
+               context: int | None = None) -> list[float]:
         """Estimated alpha_k of a source (the lookup's: for suffix matches of length
-        `match_n`). Position 1 starts from `prior`; a later position starts from the estimate
+        `match_n` at this context size). Position 1 starts from `prior`; a later position starts from the estimate
         of the one before it, so positions that are rarely reached (drafting goes badly) do
         not keep an optimistic prior that has no evidence."""
-        c = self.counts_for(source, match_n)
+        c = self.counts_for(source, match_n, context)
         out, prior = [], self.prior_hits / self.prior_tries
         for h, t in zip(c.hits, c.tries):
             prior = (h + prior * self.prior_tries) / (t + self.prior_tries)
@@ -187,7 +192,7 @@ class AdaptiveWidth:
         for source, most in available.items():
             tokens, p = 1.0, 1.0               # E(w), accumulated over the widths in turn
             for w, alpha in zip(range(2, min(most, self.widths[source]) + 1),
-                                self.alphas(source, match_n)):
+                                self.alphas(source, match_n, context)):
                 p *= alpha
                 tokens += p
                 rate[(source, w)] = tokens / self.cycle_cost(w, source, context)
@@ -198,7 +203,7 @@ class AdaptiveWidth:
         """After a cycle of `width` drafted by `source` that accepted `accepted` drafts (and
         took `seconds`; `match_n` and `context` as given to `choose`)."""
         if width > 1:
-            self.counts_for(source, match_n).update(width, accepted)
+            self.counts_for(source, match_n, context).update(width, accepted)
         if self.probing and source == DRAFTER:        # (shadows score the lookup only)
             self.probe_again, self.probing = accepted > 0, False
         if seconds is not None:
@@ -229,24 +234,24 @@ class Shadow:
 
     def __init__(self, policy, source: str = LOOKUP):
         self.policy, self.source = policy, source
-        self.open: tuple[list[int], int] | None = None     # (proposal, match_n)
-        self.seen: list[int] = []                          # tokens committed since
+        self.open: tuple[list[int], int, int | None] | None = None   # (proposal, match_n,
+        self.seen: list[int] = []                                     # context); committed since
 
-    def offer(self, guess, match_n: int = 0) -> None:
+    def offer(self, guess, match_n: int = 0, context: int | None = None) -> None:
         """A proposal (token ids) this cycle does not verify; ignored while one is followed."""
         if guess and self.open is None:
-            self.open, self.seen = (list(guess), match_n), []
+            self.open, self.seen = (list(guess), match_n, context), []
 
     def commit(self, new: list[int]) -> None:
         if self.open is None:
             return
-        guess, match_n = self.open
+        guess, match_n, context = self.open
         self.seen.extend(new)
         a = next((i for i, (g, t) in enumerate(zip(guess, self.seen)) if g != t), None)
         if a is None and len(self.seen) < len(guess):
             return                                         # all agree so far: keep following
         self.policy.update(self.source, len(guess) + 1, len(guess) if a is None else a,
-                           None, match_n)
+                           None, match_n, context)
         self.open = None
 
 

@@ -94,7 +94,7 @@ class BatchAwareWidth:
         for source, most in available.items():
             e, p = 1.0, 1.0
             for w, alpha in zip(range(2, min(most, inner.widths[source]) + 1),
-                                inner.alphas(source, match_n)):
+                                inner.alphas(source, match_n, context)):
                 p *= alpha
                 e += p
                 yield source, w, e, inner.cost.draft(w, context) if source == DRAFTER else 0.0
@@ -353,7 +353,7 @@ class BatchEngine:
         forced = seq.launched is not None
         source, width = (PLAIN, 1) if forced else (choice.source, choice.width)
         if source != LOOKUP:
-            seq.shadow.offer(choice.guess, choice.match)
+            seq.shadow.offer(choice.guess, choice.match, context)
         seq.key, k_draft, k_accept = mx.random.split(seq.key, 3)
         if source == PLAIN:
             plan = _Plan(seq, PLAIN, 1, choice.match,

@@ -382,7 +382,7 @@ def generate_tokens(target: Target, drafter: Drafter | None, prompt: list[int], 
             # launched last step: this cycle is that plain step
             source, width = (PLAIN, 1) if ahead is not None else (choice.source, choice.width)
             if source != LOOKUP:
-                shadow.offer(choice.guess, choice.match)
+                shadow.offer(choice.guess, choice.match, context)
             key, k_draft, k_accept = mx.random.split(key, 3)
             if source == PLAIN:
                 # launch the next plain step too, unless the policy wanted to draft here (the
