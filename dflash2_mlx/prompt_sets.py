@@ -129,8 +129,10 @@ def _module_text(name: str, tokens: int) -> str:
 
 
 def _last_function(code: str) -> str:
+    """The name of the last function or method defined in `code` (a cut of textwrap has
+    methods only)."""
     names = [line.split("def ", 1)[1].split("(", 1)[0] for line in code.splitlines()
-             if line.startswith("def ")]
+             if line.lstrip().startswith("def ")]
     return names[-1] if names else "main"
 
 
