@@ -5,9 +5,10 @@ them for each matching rule, priced by the calibrated cost model at the prompt's
 Rules: the longest recurring suffix from `min_n` tokens (2 or 3), a minimum that grows with the
 context (`LookupConfig.grow_from`: one more per doubling from 2k or from 1k tokens, the
 default), and the most recent occurrence of any suffix long enough (the shortest one's: every
-occurrence of a longer suffix is one of the shorter). The policy is `AdaptiveWidth` with the lookup alone, its
-estimates learnt from its cycles and from `Shadow` as in the engine. Per set and rule: the
-lookup's cycles, tau, and the estimated speedup over plain decoding at that context.
+occurrence of a longer suffix is one of the shorter). The policy is `AdaptiveWidth` with the
+lookup alone, its estimates learnt from its cycles and from `Shadow` as in the engine. Per
+set and rule: the lookup's cycles, tau, and the estimated speedup over plain decoding at that
+context.
 
     python benchmarks/lookup_context.py --sizes 2k --max-tokens 96 --outputs /tmp/lk.json
     python benchmarks/lookup_context.py --sizes 2k,4k,8k --copy
@@ -57,7 +58,7 @@ def _copy_answer(pipe, prompt: str) -> tuple[list[int], list[int]]:
 
 
 def replay(prompt, output, index, policy, cost):
-    """The lookup-or-plain policy over `output` -> (tokens, seconds, lookup cycles, accepted)."""
+    """The lookup-or-plain policy over `output` -> (tokens, seconds, cycles, accepted)."""
     shadow = Shadow(policy, LOOKUP)
     n, seconds, cycles, accepted = 1, 0.0, 0, 0
     while n < len(output):
@@ -92,7 +93,7 @@ def main() -> None:
     ap.add_argument("--outputs", default=None, help="cache of the greedy outputs (JSON)")
     ap.add_argument("--copy", action="store_true", help="replay copying answers (see above)")
     ap.add_argument("--fresh", action="store_true",
-                    help="calibrate now (the cached calibration may have been timed under load)")
+                    help="calibrate now (the cached one may have been timed under load)")
     a = ap.parse_args()
     pipe = dflash2_mlx.load()
     cost = (measure_costs if a.fresh else load_or_measure_costs)(pipe, pipe.max_width(True))

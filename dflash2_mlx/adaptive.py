@@ -9,12 +9,13 @@ alpha_j tokens and costs C(w, n) = draft(w, n) + verify(w, n) seconds at context
 lookup drafts for free; `costs.CostModel`). Costs are measured once per machine, model pair
 and precision, at a few context lengths, and cached, then corrected by the cycles actually
 timed (a busy machine, per-cycle bookkeeping the calibration does not see), per context size
-(`context_bucket`): a (source, width) timed a few times at this context size costs the model's
-figure times what its cycles took over what the model said, one not yet timed the model's
-figure times that ratio over all the cycles timed at this size (or at any). The alphas are running
-estimates per source: counts of the recent tries of each position (older tries decay), so a
-change of content - code to chat - shows within tens of cycles. The lookup's proposals
-that no cycle verified are scored against the tokens that committed (`Shadow`), so its
+(`costs.context_bucket`, `costs.Correction`): a (source, width) timed a few times at this
+context size costs the model's figure times what its cycles took over what the model said,
+one not yet timed the model's figure times that ratio over all the cycles timed at this size
+(or at any). The alphas are running estimates per source (the lookup's per suffix length and
+context size): counts of the recent tries of each position (older tries decay), so a change
+of content - code to chat - shows within tens of cycles. The lookup's proposals that no
+cycle verified are scored against the tokens that committed (`Shadow`), so its
 estimates stay current for free; the drafter's cannot be, so while the policy decodes plainly
 it drafts one token now and then to notice when drafting pays again: probes spaced so that
 what they cost over plain steps stays under 1% of the time where drafting is far from paying
@@ -135,9 +136,9 @@ class AdaptiveWidth:
     def alphas(self, source: str = DRAFTER, match_n: int = 0,
                context: int | None = None) -> list[float]:
         """Estimated alpha_k of a source (the lookup's: for suffix matches of length
-        `match_n` at this context size). Position 1 starts from `prior`; a later position starts from the estimate
-        of the one before it, so positions that are rarely reached (drafting goes badly) do
-        not keep an optimistic prior that has no evidence."""
+        `match_n` at this context size). Position 1 starts from `prior`; a later position
+        starts from the estimate of the one before it, so positions that are rarely reached
+        (drafting goes badly) do not keep an optimistic prior that has no evidence."""
         c = self.counts_for(source, match_n, context)
         out, prior = [], self.prior_hits / self.prior_tries
         for h, t in zip(c.hits, c.tries):

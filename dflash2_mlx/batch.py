@@ -147,13 +147,16 @@ class BatchAwareWidth:
         self.inner.update(*args, **kwargs)
 
 
-@functools.lru_cache(maxsize=1024)
 def step_keys(rows: int, context: int | None) -> tuple:
     """A batched verify's correction keys (`costs.Correction`), nearest first: its octave of
     rows (1, 2-3, 4-7, ...: a batch's rows can get dearer than one sequence's calibration
     extrapolates, once the step is compute-bound), then the other octaves by distance, the
     wider first, at this context size, then at any."""
-    octave, bucket = int(rows).bit_length(), context_bucket(context)
+    return _step_keys(int(rows).bit_length(), context_bucket(context))
+
+
+@functools.lru_cache(maxsize=None)
+def _step_keys(octave: int, bucket: int) -> tuple:
     order = sorted(range(1, 17), key=lambda o: (abs(o - octave), -o))
     return tuple((o, b) for b in (bucket, None) for o in order)
 
