@@ -121,23 +121,23 @@ class BatchAwareWidth:
                 return (tokens + f * e) / (self.step_cost(rows, slots) + draft + f * d)
             best = max(options, key=rate)
             # probe as AdaptiveWidth does (else a dip in the estimates would stop drafting for
-            # good), but only while drafting is near paying: a probe pads every row of the
-            # step, and those planning after it find two rows paid and draft too (far from
-            # paying, probes at AdaptiveWidth's far budget cost B = 8 and 16 3-10% in
-            # simulation). Spaced by what a batched probe costs over a plain step.
+            # good), spaced by what a batched probe costs: it pads every row of the step
             near = any(rate(c) >= self.inner.far * rate(best) for c in options if c[1] > 1)
-            self.plain_run = self.plain_run + 1 if best[1] == 1 and near else 0
-            if (DRAFTER, 2) in options and self.plain_run >= self._probe_gap(n, slots, context):
+            self.plain_run = self.plain_run + 1 if best[1] == 1 else 0
+            if best[1] == 1 and (DRAFTER, 2) in options and \
+                    self.plain_run >= self._probe_gap(n, slots, context, near):
                 self.plain_run, best = 0, (DRAFTER, 2)
         self.last = options.get(best, (1.0, 0.0))
         return best
 
-    def _probe_gap(self, n: int, slots: int | None, context: int | None) -> float:
-        """Plain steps between batched probes: a probe's extra seconds (its n more rows, its
-        drafter pass) over a plain step's, over AdaptiveWidth's near budget."""
+    def _probe_gap(self, n: int, slots: int | None, context: int | None, near: bool) -> float:
+        """Plain steps between this sequence's probes: a probe's extra seconds (its n more
+        rows, its drafter pass) over a plain step's, over AdaptiveWidth's budget (the near
+        one while drafting nearly pays), times the n sequences: each probe pads the whole
+        step, so the batch's probes together stay within the budget."""
         plain = self.step_cost(n, slots)
         extra = self.step_cost(2 * n, slots) - plain + self.inner.cost.draft(2, context)
-        return max(extra, 0.0) / plain / self.inner.budget[1]
+        return n * max(extra, 0.0) / plain / self.inner.budget[near]
 
     def next_plain(self, available: dict, context: int | None = None) -> bool:
         alone = not self.planned and not self.after
