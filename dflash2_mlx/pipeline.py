@@ -15,7 +15,8 @@ from mlx.utils import tree_flatten
 
 from . import blas, log, runtime, settings as check
 from .drafter import Drafter
-from .batch import BatchAwareWidth, BatchEngine, Request, StepCost
+from .batch import BatchAwareWidth, BatchEngine, Request
+from .costs import Correction
 from .adaptive import DRAFTER, LOOKUP, AdaptiveWidth, FixedWidth, load_or_measure_costs
 from .engine import DecodeState, GenerationStats, generate_tokens
 from .kernels import resolve_kernel_path
@@ -258,11 +259,11 @@ class Pipeline:
         engine = BatchEngine(self.adapter, self.drafter, lookup=self.lookup_config,
                              max_batch=max_batch, prefill_step_size=self.prefill_step_size)
         index, detoks = {}, {}
-        step = StepCost.from_cycle_cost(self.width_policy().cost) if b == "auto" else None
+        shared = Correction(decay=0.9)     # the batch's steps, timed once for every sequence
         for i, prompt in enumerate(prompts):
             ids = self.encode(prompt, chat_template, system)
             wide = b if self.max_ctx is None or len(ids) < self.max_ctx else 1
-            policy = BatchAwareWidth(copy.deepcopy(self.width_policy()), step) \
+            policy = BatchAwareWidth(copy.deepcopy(self.width_policy()), shared) \
                 if wide == "auto" else FixedWidth(wide)
             rid = engine.add(Request(ids, check.max_tokens(limits[i]), sampling, policy,
                                      stop_ids, lookup and wide != 1,
