@@ -149,11 +149,14 @@ def _number(x) -> bool:
 
 
 def _at(table: tuple[float, ...], rows: int) -> float:
-    """table[rows - 1], extrapolated linearly past its end (a batch verifies more rows)."""
+    """table[rows - 1], extrapolated linearly past its end (a batch verifies more rows) at
+    the table's mean slope: the monotone fit often ends on a plateau, and its last step alone
+    (0 there) priced a 64-row batch step as a 16-row one, so the batch policy drafted wide."""
     if rows <= len(table):
         return table[rows - 1]
-    step = table[-1] - table[-2] if len(table) > 1 else table[-1]
-    return table[-1] + (rows - len(table)) * max(step, 0.0)
+    n = len(table)
+    step = (table[-1] - table[0]) / (n - 1) if n > 1 else table[-1]
+    return table[-1] + (rows - n) * max(step, 0.0)
 
 
 def monotone(xs: list[float]) -> list[float]:

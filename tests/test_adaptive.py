@@ -370,12 +370,15 @@ def test_two_sources_within_3_percent_of_the_best_fixed_choice(kind):
 
 def test_cost_model_grows_with_the_context_and_the_rows():
     """verify(rows, context) = table + (context - base) * (per_row * rows + per_forward);
-    rows beyond the table (a batch) extrapolate its last step; the drafter's likewise."""
+    rows beyond the table (a batch) extrapolate its mean slope, also where the table ends on a
+    plateau; the drafter's likewise."""
     model = CostModel((0.0, 0.02, 0.03), (0.10, 0.11, 0.13), base=100,
                       verify_slope=(2e-6, 1e-6), draft_slope=(1e-6, 0.0))
     assert model.verify(2) == model.verify(2, 100) == 0.11
     assert model.verify(2, 8100) == pytest.approx(0.11 + 8000 * (2 * 2e-6 + 1e-6))
-    assert model.verify(5, 100) == pytest.approx(0.13 + 2 * 0.02)
+    assert model.verify(5, 100) == pytest.approx(0.13 + 2 * 0.015)
+    flat_end = CostModel((0.0, 0.02, 0.03), (0.10, 0.13, 0.13))
+    assert flat_end.verify(7) == pytest.approx(0.13 + 4 * 0.015)
     assert model.draft(1, 8100) == 0.0 and model.draft(3, 1100) == pytest.approx(0.033)
     assert model.cycle(3, LOOKUP, 1100) == model.verify(3, 1100)
     assert model.cycle(3, DRAFTER, 1100) == pytest.approx(model.verify(3, 1100) + 0.033)
