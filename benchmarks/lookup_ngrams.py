@@ -25,7 +25,8 @@ def replay(prompt: list[int], output: list[int], config: LookupConfig, width: in
     index = LookupIndex(config, prompt + output[:1])
     n, cycles = 1, []
     while n < len(output):
-        guess = index.propose(min(width, len(output) - n + 1) - 1)
+        found = index.propose(min(width, len(output) - n + 1) - 1)
+        guess = found[1] if found else None      # propose gives (suffix length, tokens)
         a = 0
         if guess:
             while a < len(guess) and guess[a] == output[n + a]:
