@@ -26,18 +26,16 @@ class ServerConfig:
     prompt_cache_disk_bytes: int = check.PROMPT_CACHE_DISK_BYTES
     ping_interval: float = 15.0         # seconds of silence before an SSE stream sends `: ping`
     read_timeout: float = 30.0          # seconds a client may take to send headers or a body part
+    max_batch: int = check.MAX_BATCH    # sequences decoding at once; 1: one at a time
+    prefill_chunk: int = check.PREFILL_CHUNK    # prompt tokens per step beside running streams
 
     def __post_init__(self):
         for name in ("max_tokens", "context_length", "max_body_bytes", "queue_size",
-                     "block_size", "prompt_cache_size", "prompt_cache_bytes"):
-            getattr(check, name)(getattr(self, name), name)
+                     "block_size", "prompt_cache_size", "prompt_cache_bytes", "ping_interval",
+                     "read_timeout", "max_batch", "prefill_chunk"):
+            object.__setattr__(self, name, getattr(check, name)(getattr(self, name), name))
         object.__setattr__(self, "prompt_cache_disk_bytes", check.byte_size(
             self.prompt_cache_disk_bytes, "prompt_cache_disk_bytes"))
-        for name in ("ping_interval", "read_timeout"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"ServerConfig.{name}: {value!r} is not a number of seconds "
-                                 "above 0")
 
 
 def model_id_for(model: str) -> str:
