@@ -129,6 +129,37 @@ def test_concurrent_requests_each_give_exactly_their_text_alone(pipe):
     assert health["served"] == 5 and health["cancelled"] == 0
 
 
+def test_a_long_prompt_joins_in_chunks_while_a_stream_keeps_flowing(pipe):
+    """--prefill-chunk 16: a prompt of ~200 tokens joining a running stream prefills over many
+    steps, and the stream commits tokens at each of them; both texts are exact."""
+    long = "the quick brown fox jumps over the lazy dog. " * 20
+    assert len(pipe.encode(long)) > 10 * 16
+    want = [pipe.generate(ENDLESS, max_tokens=200, chat_template=False).text,
+            pipe.generate(long, max_tokens=12).text]
+    seen = []
+
+    async def clients(app, http, go):
+        scheduler = app.state.scheduler
+        go.set()
+        path, body = _completion(ENDLESS, 200)
+        running = asyncio.ensure_future(http.post(path, json=body))
+        await _until(lambda: scheduler.batch_figures["running"] == 1)
+        path, body = _chat(long, 12)
+        joining = asyncio.ensure_future(http.post(path, json=body))
+        while not joining.done():
+            batch = scheduler.batch_figures
+            if batch["prefilling"] == 1 and batch["running"] == 1:
+                seen.append(batch["sequences"][0]["tokens"])
+            await asyncio.sleep(0.002)
+        return await running, await joining
+
+    replies = in_process(pipe, clients, max_tokens=LIMIT, context_length=2 * LIMIT,
+                         prefill_chunk=16)
+    assert [r.json()["choices"][0].get("text") or r.json()["choices"][0]["message"]["content"]
+            for r in replies] == want
+    assert len(set(seen)) >= 3, seen            # the stream advanced during the prefill
+
+
 def _asgi_stream(app, body: dict, gone: asyncio.Event, sent: list):
     """Call the app as ASGI with a streaming completions request whose client closes its
     connection once `gone` is set (httpx's ASGITransport reads a response to its end)."""
@@ -226,8 +257,8 @@ def test_a_prefix_cache_hit_while_batched_gives_the_same_text(pipe):
         go.set()
         body = {"model": "llama", "max_tokens": 16, "temperature": 0}
         one = await http.post("/v1/chat/completions", json={**body, "messages": msgs})
-        other = asyncio.ensure_future(http.post(_completion(ENDLESS, 60)[0],
-                                                json=_completion(ENDLESS, 60)[1]))
+        path, endless = _completion(ENDLESS, 60)
+        other = asyncio.ensure_future(http.post(path, json=endless))
         await _until(lambda: scheduler.batch_figures["running"] == 1)
         two = await http.post("/v1/chat/completions", json={**body, "messages": turn})
         return one, two, await other
@@ -253,9 +284,10 @@ def test_a_full_batch_and_queue_429_then_shutdown_gives_503s(pipe):
     async def clients(app, http, go):
         scheduler = app.state.scheduler
         go.set()
+        # (both never end by themselves: a chat answer would, and free its row)
         running = [asyncio.ensure_future(http.post("/v1/completions", json=endless)),
-                   asyncio.ensure_future(http.post("/v1/chat/completions",
-                                                   json={**chat, "stream": True}))]
+                   asyncio.ensure_future(http.post("/v1/completions",
+                                                   json={**endless, "seed": 1}))]
         await _until(lambda: scheduler.batch_figures["running"] == 2)
         queued = asyncio.ensure_future(http.post("/v1/chat/completions", json=chat))
         await _until(lambda: scheduler.waiting == 1)
