@@ -354,6 +354,12 @@ def test_the_mode_and_the_batch_settings(pipe):
     assert Scheduler(pipe).mode == "batch" and Scheduler(pipe).max_batch == check.MAX_BATCH
     single = Scheduler(pipe, max_batch=1)
     assert (single.mode, single.why) == ("single", "max_batch is 1")
+    pipe.stage = object()                 # what load(pipeline=...) sets for a sharded target
+    try:
+        sharded = Scheduler(pipe)
+    finally:
+        pipe.stage = None
+    assert sharded.mode == "single" and "--pipeline" in sharded.why
     for field, value, words in (("max_batch", 0, "integer >= 1"),
                                 ("prefill_chunk", 0, "integer >= 1"),
                                 ("ping_interval", 0, "seconds > 0"),

@@ -133,7 +133,7 @@ class Scheduler:
         the worker; queued jobs get the 503 now, later submissions `ShuttingDown`. Safe to
         call again, from any thread."""
         with self._closing:
-            first, self._closed = not self._closed, True
+            self._closed = True
             for job in self._jobs:
                 job.cancel("shutdown")
             while True:
@@ -143,8 +143,9 @@ class Scheduler:
                     break
                 if job is not None:
                     job.emit({"error": SHUTDOWN, "status": 503})
-            if first:
-                self._queue.put(None)        # drained, and nothing is added once closed
+            # drained (an earlier call's sentinel too, if the worker has not read it yet: one
+            # goes back), and nothing is added once closed
+            self._queue.put(None)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
