@@ -20,6 +20,7 @@ sample as alone. Layout and measurements: docs/batching.md.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -28,7 +29,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from .adaptive import DRAFTER, LOOKUP, PLAIN, FixedWidth, ShadowLookup
+from .adaptive import DRAFTER, LOOKUP, PLAIN, FixedWidth, Shadow
+from .costs import Correction, context_bucket
 from .batch_cache import RaggedKVCache, batch_cache, check_batchable
 from .drafter import Drafter, Proposal
 from .engine import (Cycle, DecodeState, GenerationStats, Step, _choose, _commit, _draft,
@@ -40,132 +42,123 @@ from .target import Target
 STOP, LENGTH, CANCELLED = "stop", "length", "cancelled"
 
 
-class StepCost:
-    """Seconds of one target step as a function of the rows it verifies (B x T: the padded
-    block of every sequence): measured points (rows -> seconds), linear between them and past
-    the last, corrected online by `observe` (the engine times every step). The first form of
-    the batch cost model; the context-aware one (long-context work) is to replace it behind
-    the same `step_cost(rows)` and `observe(rows, seconds)`.
-
-    The correction is a ratio of timed over modelled seconds per octave of rows (1, 2-3, 4-7,
-    ...: a batch's rows can get dearer than one sequence's calibration extrapolates, once the
-    step is compute-bound), decayed by `decay` per observation of that octave; an octave with
-    fewer than 3 timed steps takes the ratio of the nearest one that has them."""
-
-    def __init__(self, points: dict[int, float], decay: float = 0.9):
-        if not points or any(r < 1 or s < 0 for r, s in points.items()):
-            raise ValueError(f"StepCost: points must map rows >= 1 to seconds >= 0, got {points}")
-        self.rows = sorted(points)
-        self.seconds = [points[r] for r in self.rows]
-        self.decay = decay
-        self.timed: dict[int, list[float]] = {}   # octave -> [count, modelled s, timed s]
-
-    @classmethod
-    def from_cycle_cost(cls, cost) -> "StepCost":
-        """From the single-sequence calibration (`adaptive.CycleCost.verify`, w rows at w)."""
-        return cls({w: s for w, s in enumerate(cost.verify, 1)})
-
-    def calibrated(self, rows: int) -> float:
-        r, s = self.rows, self.seconds
-        if len(r) == 1:
-            return s[0] * rows / r[0]
-        i = min(max(1, next((j for j, x in enumerate(r) if x >= rows), len(r) - 1)), len(r) - 1)
-        slope = (s[i] - s[i - 1]) / (r[i] - r[i - 1])
-        return max(0.0, s[i - 1] + slope * (rows - r[i - 1]))
-
-    def ratio(self, rows: int) -> float:
-        """Timed over modelled seconds near `rows` (1 before any timed step)."""
-        octave = int(rows).bit_length()
-        trusted = [o for o, (n, _, _) in self.timed.items() if n >= 3]
-        if not trusted:
-            return 1.0
-        _, model, timed = self.timed[min(trusted, key=lambda o: (abs(o - octave), -o))]
-        return timed / model if model > 0 else 1.0
-
-    def step_cost(self, rows: int) -> float:
-        return self.calibrated(rows) * self.ratio(rows)
-
-    def observe(self, rows: int, seconds: float) -> None:
-        """A step of `rows` rows took `seconds` (its drafting left out)."""
-        model = self.calibrated(rows)
-        if model <= 0 or seconds <= 0:
-            return
-        # a one-off stall (first-use compilation, the OS) must not swamp the estimate
-        seconds = min(seconds, 2.0 * self.step_cost(rows))
-        n, m, t = self.timed.get(int(rows).bit_length(), (0.0, 0.0, 0.0))
-        d = self.decay
-        self.timed[int(rows).bit_length()] = [n + 1, m * d + model, t * d + seconds]
-
-
 class BatchAwareWidth:
     """A sequence's policy in a batch: an `AdaptiveWidth` (its acceptance estimates, updates
     and probes) whose choice weighs the whole step's tokens per second. A step verifies
     B x T rows (T: the widest block), so a width w costs every row of the batch; the engine
     tells the policy (`set_batch`) what the sequences planned before it this step chose
-    (width, expected tokens, draft seconds) and how many plan after it, and those are assumed
-    to follow its choice (they are the same kind of sequence, as far as it knows). With n
-    sequences, planned tokens E_p and draft seconds D_p, widest planned block W and f = 1 +
-    the number still to plan, w of expected E(w) and draft d(w) is worth
-        (E_p + f E(w)) / (step_cost(n max(W, w)) + D_p + f d(w)).
-    The first to plan in a step of like sequences so picks the best fixed width for the batch
-    size, and the others find its rows already paid. Alone it chooses exactly as its
-    AdaptiveWidth. `last`: (expected tokens, draft seconds) of its latest choice."""
+    (width, expected tokens, draft seconds), how many plan after it and the context the step's
+    attention reads, and those after are assumed to follow its choice (they are the same kind
+    of sequence, as far as it knows). With n sequences, planned tokens E_p and draft seconds
+    D_p, widest planned block W and f = 1 + the number still to plan, w of expected E(w) and
+    draft d(w) is worth
+        (E_p + f E(w)) / (step_cost(n max(W, w), S) + D_p + f d(w)),
+    S the batch cache's slots (docs/batching.md). The first to plan in a step of like
+    sequences so picks the best fixed width for the batch size, and the others find its rows
+    already paid. Alone it chooses exactly as its AdaptiveWidth. `last`: (expected tokens,
+    draft seconds) of its latest choice.
 
-    def __init__(self, inner, cost: StepCost):
-        self.inner, self.cost = inner, cost
+    shared: the steps' correction (`costs.Correction`), one for every sequence of a batch:
+    each step is timed once (`observe`) and every sequence prices the next with it."""
+
+    def __init__(self, inner, shared: Correction | None = None):
+        self.inner = inner
+        self.shared = shared if shared is not None else Correction(decay=0.9)
         self.planned: list[tuple[int, float, float]] = []
-        self.after = 0
+        self.after, self.slots = 0, None
         self.last = (1.0, 0.0)
         self.plain_run = 0                  # batched plain choices since drafting or a probe
 
-    def set_batch(self, planned: list[tuple[int, float, float]], after: int) -> None:
-        self.planned, self.after = list(planned), after
+    def set_batch(self, planned: list[tuple[int, float, float]], after: int,
+                  slots: int | None = None) -> None:
+        """planned: (width, expected tokens, draft seconds) of those planned before it this
+        step; after: how many plan after it; slots: the keys each row's attention reads."""
+        self.planned, self.after, self.slots = list(planned), after, slots
 
-    def _options(self, available: dict, match_n: int):
+    def step_cost(self, rows: int, context: int | None = None) -> float:
+        """Seconds of a batched verify of `rows` rows over `context` slots: the cost model,
+        corrected by the steps timed near that many rows at that context size."""
+        return self.inner.cost.verify(rows, context) * self.shared.ratio(
+            step_keys(rows, context))
+
+    def observe(self, rows: int, context: int | None, seconds: float) -> None:
+        """A batched verify of `rows` rows over `context` slots took `seconds` (its drafting
+        left out)."""
+        self.shared.observe(step_keys(rows, context), seconds,
+                            self.inner.cost.verify(rows, context))
+
+    def _options(self, available: dict, match_n: int, context: int | None):
         """(source, w, E(w), draft seconds) of every choice on offer, plain first."""
         inner = self.inner
         yield PLAIN, 1, 1.0, 0.0
         for source, most in available.items():
             e, p = 1.0, 1.0
             for w, alpha in zip(range(2, min(most, inner.widths[source]) + 1),
-                                inner.alphas(source, match_n)):
+                                inner.alphas(source, match_n, context)):
                 p *= alpha
                 e += p
-                yield source, w, e, inner.cost.draft[w - 1] if source == DRAFTER else 0.0
+                yield source, w, e, inner.cost.draft(w, context) if source == DRAFTER else 0.0
 
-    def choose(self, available: dict | None = None, match_n: int = 0) -> tuple[str, int]:
+    def choose(self, available: dict | None = None, match_n: int = 0,
+               context: int | None = None) -> tuple[str, int]:
+        """As AdaptiveWidth.choose; `context`: this sequence's own tokens (its drafter pass,
+        and its verify when alone)."""
         available = dict(self.inner.widths) if available is None else available
-        options = {(s, w): (e, d) for s, w, e, d in self._options(available, match_n)}
+        options = {(s, w): (e, d) for s, w, e, d in self._options(available, match_n, context)}
         if not self.planned and not self.after:
-            best = self.inner.choose(available, match_n)
+            best = self.inner.choose(available, match_n, context)
         else:
             n = len(self.planned) + self.after + 1
             widest = max((w for w, _, _ in self.planned), default=1)
             tokens = sum(e for _, e, _ in self.planned)
             draft = sum(d for _, _, d in self.planned)
             f = 1 + self.after
+            slots = self.slots if self.slots is not None else context
 
             def rate(choice):
                 e, d = options[choice]
                 rows = n * max(widest, choice[1])
-                return (tokens + f * e) / (self.cost.step_cost(rows) + draft + f * d)
+                return (tokens + f * e) / (self.step_cost(rows, slots) + draft + f * d)
             best = max(options, key=rate)
             # probe as AdaptiveWidth does (else a dip in the estimates would stop drafting for
-            # good), but only while drafting is near paying: a probe pads every row of the step
-            near = best[1] > 1 or any(rate(c) >= self.inner.far * rate(best)
-                                      for c in options if c[1] > 1)
-            self.plain_run = self.plain_run + 1 if best[1] == 1 and near else 0
-            if self.plain_run >= self.inner.probe_every and (DRAFTER, 2) in options:
+            # good), spaced by what a batched probe costs: it pads every row of the step
+            near = any(rate(c) >= self.inner.far * rate(best) for c in options if c[1] > 1)
+            self.plain_run = self.plain_run + 1 if best[1] == 1 else 0
+            if best[1] == 1 and (DRAFTER, 2) in options and \
+                    self.plain_run >= self._probe_gap(n, slots, context, near):
                 self.plain_run, best = 0, (DRAFTER, 2)
         self.last = options.get(best, (1.0, 0.0))
         return best
 
-    def next_plain(self, available: dict) -> bool:
+    def _probe_gap(self, n: int, slots: int | None, context: int | None, near: bool) -> float:
+        """Plain steps between this sequence's probes: a probe's extra seconds (its n more
+        rows, its drafter pass) over a plain step's, over AdaptiveWidth's budget (the near
+        one while drafting nearly pays), times the n sequences: each probe pads the whole
+        step, so the batch's probes together stay within the budget."""
+        plain = self.step_cost(n, slots)
+        extra = self.step_cost(2 * n, slots) - plain + self.inner.cost.draft(2, context)
+        return n * max(extra, 0.0) / plain / self.inner.budget[near]
+
+    def next_plain(self, available: dict, context: int | None = None) -> bool:
         alone = not self.planned and not self.after
-        return self.inner.next_plain(available) if alone else False
+        return self.inner.next_plain(available, context) if alone else False
 
     def update(self, *args, **kwargs) -> None:
         self.inner.update(*args, **kwargs)
+
+
+def step_keys(rows: int, context: int | None) -> tuple:
+    """A batched verify's correction keys (`costs.Correction`), nearest first: its octave of
+    rows (1, 2-3, 4-7, ...: a batch's rows can get dearer than one sequence's calibration
+    extrapolates, once the step is compute-bound), then the other octaves by distance, the
+    wider first, at this context size, then at any."""
+    return _step_keys(int(rows).bit_length(), context_bucket(context))
+
+
+@functools.lru_cache(maxsize=None)
+def _step_keys(octave: int, bucket: int) -> tuple:
+    order = sorted(range(1, 17), key=lambda o: (abs(o - octave), -o))
+    return tuple((o, b) for b in (bucket, None) for o in order)
 
 
 @dataclass
@@ -207,7 +200,7 @@ class _Sequence:
                                      cached_tokens=len(state.tokens))
         self.tokens: list[int] = []
         self.index: LookupIndex | None = None
-        self.shadow = ShadowLookup(self.policy)
+        self.shadow = Shadow(self.policy, LOOKUP)
         self.launched: mx.array | None = None   # the key alone would have launched a plain
         self.logits = None                      # step with (its next step is that one)
         self.tic = time.perf_counter()
@@ -358,17 +351,18 @@ class BatchEngine:
     def _plan(self, seq: _Sequence) -> _Plan:
         """What `generate_tokens` does alone before its verify, for one sequence."""
         room = seq.req.max_tokens - len(seq.tokens)
-        choice = _choose(seq.policy, self.drafter, seq.index, seq.lookup, room)
+        context = len(seq.state.tokens)
+        choice = _choose(seq.policy, self.drafter, seq.index, seq.lookup, room, context)
         forced = seq.launched is not None
         source, width = (PLAIN, 1) if forced else (choice.source, choice.width)
         if source != LOOKUP:
-            seq.shadow.offer(choice.guess, choice.match)
+            seq.shadow.offer(choice.guess, choice.match, context)
         seq.key, k_draft, k_accept = mx.random.split(seq.key, 3)
         if source == PLAIN:
             plan = _Plan(seq, PLAIN, 1, choice.match,
                          sample_key=seq.launched if forced else k_accept)
             launch = (room > 1 and choice.source == PLAIN
-                      and seq.policy.next_plain(choice.available))
+                      and seq.policy.next_plain(choice.available, context + 1))
             seq.launched = k_draft if launch else None
             return plan
         anchor = mx.array([[seq.tokens[-1]]], dtype=mx.uint32)
@@ -381,9 +375,11 @@ class BatchEngine:
         tic = time.perf_counter()
         # batch-aware policies see what the sequences before them chose and how many follow
         plans, planned = [], []
+        slots = max(c.size() for c in self.cache)     # the keys every row's attention reads
+        contexts = [len(seq.state.tokens) for seq in self.rows]
         for i, seq in enumerate(self.rows):
             if hasattr(seq.policy, "set_batch"):
-                seq.policy.set_batch(planned, len(self.rows) - 1 - i)
+                seq.policy.set_batch(planned, len(self.rows) - 1 - i, slots)
             plans.append(self._plan(seq))
             e, d = getattr(seq.policy, "last", (1.0, 0.0))
             planned.append((plans[-1].width, e if plans[-1].width > 1 else 1.0,
@@ -408,9 +404,10 @@ class BatchEngine:
         seconds = time.perf_counter() - tic
         self.history.append((len(plans), len(plans) * T, seconds))
         verify = seconds - sum(d for _, _, d in planned)     # drafting at its calibration
-        for cost in {id(c): c for c in (getattr(s.policy, "cost", None) for s in self.rows)
-                     if isinstance(c, StepCost)}.values():
-            cost.observe(len(plans) * T, verify)
+        timed = {id(s.policy.shared): s.policy for s in self.rows
+                 if isinstance(s.policy, BatchAwareWidth)}
+        for policy in timed.values():                 # once per shared correction
+            policy.observe(len(plans) * T, slots, verify)
         events, leaving = [], []
         for i, (p, a, (_, bonus)) in enumerate(zip(plans, accepted, results)):
             seq = p.seq
@@ -419,7 +416,7 @@ class BatchEngine:
             new = _commit(seq.state, seq.tokens[-1], step, self.keep, set(seq.req.stop_ids))
             seq.stats.steps.append(Cycle(p.source, p.width, a))
             seq.policy.update(p.source, p.width, a, seconds if len(plans) == 1 else None,
-                              p.match)
+                              p.match, contexts[i])
             seq.tokens.extend(new)                # widths never exceed the room left
             if seq.index is not None:
                 seq.index.extend(new)

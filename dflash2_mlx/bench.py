@@ -24,7 +24,7 @@ import numpy as np
 
 from . import log
 from .adaptive import DRAFTER, LOOKUP
-from .engine import Cycle, GenerationStats
+from .engine import Cycle, DecodeState, GenerationStats
 from .files import atomic_path, atomic_write
 
 _log = log.get(__name__)
@@ -59,11 +59,27 @@ def _plain(pipe, ids, temperature, max_tokens, seed, stop_ids) -> Run:
     return Run(tokens, first - tic, end - first, mx.get_peak_memory() / 2**20)
 
 
-def _ours(pipe, ids, temperature, max_tokens, seed, block_size, lookup) -> Run:
+def _ours(pipe, ids, temperature, max_tokens, seed, block_size, lookup,
+          state: DecodeState | None = None) -> Run:
+    """One generation; from a copy of `state` (a prefilled prompt) when given."""
     g = pipe.generate(ids, max_tokens=max_tokens, temperature=temperature, seed=seed,
-                      block_size=block_size, lookup=lookup)
+                      block_size=block_size, lookup=lookup,
+                      state=None if state is None else state.copy())
     s = g.stats
     return Run(g.tokens, s.prefill_s, s.decode_s, mx.get_peak_memory() / 2**20, s.steps)
+
+
+def prefilled(pipe, ids) -> tuple[DecodeState, float]:
+    """The prompt's state after one prefill, and the seconds it took: every system of a long
+    context set starts from a copy (greedy, the state is the same whoever prefills it, so
+    this is fair, and an 8k prefill takes minutes here)."""
+    state = DecodeState.new(pipe.adapter, pipe.drafter)
+    tic = time.perf_counter()
+    pipe.generate(ids, max_tokens=1, block_size=1, state=state)
+    return state, time.perf_counter() - tic
+
+
+PLAIN_NAME = "dflash2-mlx b=1"     # the baseline of the long-context sets: plain decoding
 
 
 class Reference:
@@ -140,10 +156,10 @@ def _paired(a: list[float], b: list[float]) -> float:
     return float(np.median([x / y for x, y in zip(a, b) if y > 0] or [0.0]))
 
 
-def add_ratios(table: dict) -> dict:
-    """`speedup` over mlx-lm for every system, and `vs_reference` for each of ours with a
+def add_ratios(table: dict, baseline: str = "mlx-lm") -> dict:
+    """`speedup` over `baseline` for every system, and `vs_reference` for each of ours with a
     reference run at the same block size; both paired per prompt (`_paired`)."""
-    plain = table["mlx-lm"]["per_prompt_tps"]
+    plain = table[baseline]["per_prompt_tps"]
     for name, row in table.items():
         row["speedup"] = _paired(row["per_prompt_tps"], plain)
         ref = table.get("reference " + name.split(" ", 1)[-1])
@@ -159,7 +175,12 @@ def run_bench(model: str, draft: str, prompt_sets: dict[str, Sequence[str]], *,
     """Run every system on every prompt of each set, alternating; return JSON-ready results
     keyed "<set> T=<t>". Systems: mlx-lm; per block size b, "dflash2-mlx b=<b>" (the drafter
     alone, b up to its block size), "hybrid b=<b>" (drafter and lookup, with `lookup`) and
-    "reference b=<b>". Progress: one bar per set and temperature (`log.progress`)."""
+    "reference b=<b>". Progress: one bar per set and temperature (`log.progress`).
+
+    Sets named "long-..." (`prompt_sets.LONG_SIZES`) prefill each prompt once (`prefilled`)
+    and run every system of ours from a copy of that state, against plain decoding from the
+    same state ("dflash2-mlx b=1", the baseline of their speedups); mlx-lm and the reference
+    would prefill again (minutes at 8k) and are left out there."""
     import dflash2_mlx
 
     from .loading import resolve, save_drafter, stored_quantization
@@ -202,24 +223,43 @@ def run_bench(model: str, draft: str, prompt_sets: dict[str, Sequence[str]], *,
                                "max_tokens": max_tokens, "block_sizes": list(block_sizes),
                                "temperatures": list(temperatures), "seed": seed,
                                "lookup": lookup, "drafter_block_size": block}}
+    long_systems: dict[str, Callable] = {PLAIN_NAME: (
+        lambda ids, t, s, state: _ours(pipe, ids, t, max_tokens, s, 1, False, state))}
+    for b in block_sizes:
+        for hybrid in ((False, True) if lookup else (False,)):
+            if b != 1 and (hybrid or b == "auto" or b <= block):
+                long_systems[f"{'hybrid' if hybrid else 'dflash2-mlx'} b={b}"] = (
+                    lambda ids, t, s, state, b=b, h=hybrid:
+                    _ours(pipe, ids, t, max_tokens, s, b, h, state))
     for set_name, prompts in prompt_sets.items():
         encoded = [pipe.encode(p) for p in prompts]
+        long = set_name.startswith("long-")
+        chosen, baseline = (long_systems, PLAIN_NAME) if long else (systems, "mlx-lm")
         for temperature in temperatures:
-            runs: dict[str, list[Run]] = {name: [] for name in systems}
-            mismatches = []
+            runs: dict[str, list[Run]] = {name: [] for name in chosen}
+            mismatches, prefill_s = [], []
             for i, ids in enumerate(log.progress(encoded, f"{set_name} T={temperature:g}",
                                                  unit="prompt")):
-                for name, run in systems.items():
+                state = None
+                if long:
+                    state, seconds = prefilled(pipe, ids)
+                    prefill_s.append(seconds)
+                for name, run in chosen.items():
                     mx.clear_cache()
                     mx.reset_peak_memory()
-                    runs[name].append(run(ids, temperature, seed + i))
+                    args = (ids, temperature, seed + i) + ((state,) if long else ())
+                    runs[name].append(run(*args))
                 if temperature == 0:
                     outs = {name: r[-1].tokens for name, r in runs.items()}
-                    base = outs["mlx-lm"]
+                    base = outs[baseline]
                     mismatches += [f"prompt {i}: {n}" for n, o in outs.items() if o != base]
-            table = add_ratios({name: summarize(r) for name, r in runs.items()})
+            table = add_ratios({name: summarize(r) for name, r in runs.items()}, baseline)
             key = f"{set_name} T={temperature:g}"
-            results[key] = {"systems": table}
+            results[key] = {"systems": table, "baseline": baseline,
+                            "prompt_tokens": float(np.mean([len(x) for x in encoded]))}
+            if long:
+                for row in table.values():
+                    row["prefill_s"] = float(np.mean(prefill_s))     # the one shared prefill
             if temperature == 0:
                 results[key]["greedy_identical"] = not mismatches
                 results[key]["mismatches"] = mismatches
@@ -236,9 +276,11 @@ def markdown(results: dict) -> str:
 
     lines = []
     for key, part in _parts(results):
-        lines += [f"**{key}**" + (" (greedy outputs identical across all systems)"
-                                  if part.get("greedy_identical") else ""), "",
-                  "| system | decode tok/s | speedup over mlx-lm | vs reference | tau | "
+        base = part.get("baseline", "mlx-lm")
+        lines += [f"**{key}**, {part.get('prompt_tokens', 0):.0f} prompt tokens on average"
+                  + (" (greedy outputs identical across all systems)"
+                     if part.get("greedy_identical") else ""), "",
+                  f"| system | decode tok/s | speedup over {base} | vs reference | tau | "
                   "tau drafter | tau lookup | cycles drafter / lookup / plain | mean width | "
                   "prefill s | peak MiB |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -269,7 +311,7 @@ def plot(results: dict, out: Path) -> list[Path]:
     for ax, (key, part) in zip(axes[:, 0], parts):
         names = list(part["systems"])
         ax.bar(range(len(names)), [part["systems"][n]["speedup"] for n in names],
-               color=["gray" if n == "mlx-lm" else "tab:orange" if n.startswith("reference")
+               color=["gray" if n in ("mlx-lm", PLAIN_NAME) else "tab:orange" if n.startswith("reference")
                       else "tab:green" if n.startswith("hybrid") else "tab:blue"
                       for n in names])
         ax.axhline(1.0, color="black", linewidth=0.5)
@@ -306,7 +348,35 @@ def plot(results: dict, out: Path) -> list[Path]:
     with atomic_path(written[-1]) as tmp:
         fig.savefig(tmp, dpi=120)
     plt.close(fig)
+    long = [(k, v) for k, v in parts if k.startswith("long-")]
+    if long:
+        written.append(_plot_context(plt, long, out / "context.png"))
     return written
+
+
+def _plot_context(plt, parts, path: Path) -> Path:
+    """Speedup over plain decoding against prompt tokens, one line per system and kind of
+    long-context set (long-<kind>-<size> T=<t>)."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    lines: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for key, part in parts:
+        kind = key.split(" ", 1)[0].rsplit("-", 1)[0] + " " + key.split(" ", 1)[1]
+        for name, row in part["systems"].items():
+            if name != part.get("baseline"):
+                lines.setdefault((kind, name), []).append((part["prompt_tokens"],
+                                                           row["speedup"]))
+    for (kind, name), pts in sorted(lines.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{kind}: {name}")
+    ax.axhline(1.0, color="black", linewidth=0.5)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("speedup over plain decoding")
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def write(results: dict, out: Path) -> None:

@@ -26,7 +26,7 @@ from typing import Callable, Iterator
 import mlx.core as mx
 import numpy as np
 
-from .adaptive import DRAFTER, LOOKUP, PLAIN, PositionCounts, ShadowLookup
+from .adaptive import DRAFTER, LOOKUP, PLAIN, PositionCounts, Shadow
 from .drafter import Drafter, Proposal
 from .lookup import LookupConfig, LookupIndex
 from .sampling import Sampling, greedy_accept, rejection_accept
@@ -256,13 +256,13 @@ class Step:
 
 
 def _choose(policy, drafter: Drafter | None, index: LookupIndex | None,
-            lookup: LookupConfig | None, room: int) -> Choice:
+            lookup: LookupConfig | None, room: int, context: int) -> Choice:
     available = {DRAFTER: min(drafter.args.block_size, room)} if drafter is not None else {}
     found = index.propose(min(lookup.max_width, room) - 1) if index and room > 1 else None
     match, guess = found or (0, None)
     if guess:
         available[LOOKUP] = min(lookup.max_width, room)
-    source, width = policy.choose(available, match)
+    source, width = policy.choose(available, match, context)
     return Choice(source, width, available, match, guess)
 
 
@@ -367,7 +367,7 @@ def generate_tokens(target: Target, drafter: Drafter | None, prompt: list[int], 
     anchor = sampling.sample(logits, k).reshape(1, 1).astype(mx.uint32)
     tokens = anchor.reshape(-1).tolist()                      # the generated tokens
     index = LookupIndex(lookup, prompt + tokens) if lookup is not None else None
-    shadow = ShadowLookup(policy)          # lookup proposals no cycle verified, scored anyway
+    shadow = Shadow(policy, LOOKUP)        # lookup proposals no cycle verified, scored anyway
     stats.prefill_s, stats.generated_tokens = time.perf_counter() - tic, 1
     tic = time.perf_counter()
     yield list(tokens)
@@ -377,17 +377,18 @@ def generate_tokens(target: Target, drafter: Drafter | None, prompt: list[int], 
         while len(tokens) < max_tokens and tokens[-1] not in stop_ids:
             cycle_tic = time.perf_counter()
             room = max_tokens - len(tokens)
-            choice = _choose(policy, drafter, index, lookup, room)
+            context = len(state.tokens)           # the keys every verified row reads
+            choice = _choose(policy, drafter, index, lookup, room, context)
             # launched last step: this cycle is that plain step
             source, width = (PLAIN, 1) if ahead is not None else (choice.source, choice.width)
             if source != LOOKUP:
-                shadow.offer(choice.guess, choice.match)
+                shadow.offer(choice.guess, choice.match, context)
             key, k_draft, k_accept = mx.random.split(key, 3)
             if source == PLAIN:
                 # launch the next plain step too, unless the policy wanted to draft here (the
                 # next step may)
                 launch = (room > 1 and choice.source == PLAIN
-                          and policy.next_plain(choice.available))
+                          and policy.next_plain(choice.available, context + 1))
                 step, ahead = _plain_step(target, state, anchor, ahead, launch, sampling,
                                           k_accept, k_draft)
             else:
@@ -396,7 +397,8 @@ def generate_tokens(target: Target, drafter: Drafter | None, prompt: list[int], 
             new = _commit(state, tokens[-1], step, keep, stop_ids)
             a = len(step.accepted)
             stats.steps.append(Cycle(source, width, a))
-            policy.update(source, width, a, time.perf_counter() - cycle_tic, choice.match)
+            policy.update(source, width, a, time.perf_counter() - cycle_tic, choice.match,
+                          context)
             tokens.extend(new)
             if index is not None:
                 index.extend(new)

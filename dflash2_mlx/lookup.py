@@ -14,15 +14,21 @@ from dataclasses import dataclass
 MIN_N = 2        # a single recurring token is too weak a cue (measured: see docs/lookup.md)
 MAX_N = 8        # 8 vs 16: within 1.5% in the replay, and half the index updates
 MAX_WIDTH = 16   # rows a lookup cycle may verify (proposals are width - 1 tokens)
+# from this many tokens of context, one more token of match per doubling (docs/lookup.md: a
+# recurring 2-gram in 2k tokens of code is mostly chance; measured by replay)
+GROW_FROM = 1024
 
 
 @dataclass(frozen=True)
 class LookupConfig:
-    """Suffix lengths tried, longest first, and the widest block a lookup cycle verifies."""
+    """Suffix lengths tried, longest first, down to `shortest(context)`, and the widest block
+    a lookup cycle verifies. grow_from: the context length from which the shortest match
+    grows by one token per doubling (None: min_n at every length)."""
 
     min_n: int = MIN_N
     max_n: int = MAX_N
     max_width: int = MAX_WIDTH
+    grow_from: int | None = GROW_FROM
 
     def __post_init__(self):
         if not 1 <= self.min_n <= self.max_n:
@@ -30,6 +36,15 @@ class LookupConfig:
                              f"min_n={self.min_n}, max_n={self.max_n}")
         if self.max_width < 2:
             raise ValueError(f"lookup max_width must be >= 2, got {self.max_width}")
+        if self.grow_from is not None and self.grow_from < 1:
+            raise ValueError(f"lookup grow_from must be >= 1 or None, got {self.grow_from}")
+
+    def shortest(self, context: int) -> int:
+        """The shortest suffix that counts as a match after `context` tokens: min_n, plus one
+        per doubling from `grow_from` (2, 3 from 1k, 4 from 2k, 5 from 4k ...), at most max_n."""
+        if self.grow_from is None or context < self.grow_from:
+            return self.min_n
+        return min(self.min_n + (context // self.grow_from).bit_length(), self.max_n)
 
 
 class LookupIndex:
@@ -60,7 +75,8 @@ class LookupIndex:
     def match(self) -> tuple[int, int] | None:
         """(n, i): the longest recurring suffix length and where its continuation starts."""
         seq = self.tokens
-        for n in range(min(self.config.max_n, len(seq) - 1), self.config.min_n - 1, -1):
+        for n in range(min(self.config.max_n, len(seq) - 1),
+                       self.config.shortest(len(seq)) - 1, -1):
             i = self.last[n].get(tuple(seq[-n:]))
             if i is not None:
                 return n, i
@@ -68,8 +84,8 @@ class LookupIndex:
 
     def propose(self, k: int) -> tuple[int, list[int]] | None:
         """(n, tokens): the length of the longest recurring suffix, and the k tokens that
-        followed its latest earlier occurrence; None when no suffix of min_n..max_n tokens
-        recurs. A continuation that runs into the present copies on from what it proposed (a
+        followed its latest earlier occurrence; None when no suffix of shortest..max_n
+        tokens recurs. A continuation that runs into the present copies on from what it proposed (a
         period-d repetition continues), so it is always k long."""
         found = self.match()
         if found is None or k < 1:

@@ -15,7 +15,8 @@ from mlx.utils import tree_flatten
 
 from . import blas, log, runtime, settings as check
 from .drafter import Drafter
-from .batch import BatchAwareWidth, BatchEngine, Request, StepCost
+from .batch import BatchAwareWidth, BatchEngine, Request
+from .costs import Correction
 from .adaptive import DRAFTER, LOOKUP, AdaptiveWidth, FixedWidth, load_or_measure_costs
 from .engine import DecodeState, GenerationStats, generate_tokens
 from .kernels import resolve_kernel_path
@@ -251,10 +252,10 @@ class Pipeline:
         stop_ids = self.stop_ids(stop_tokens)
         engine = self.batch_engine(max_batch)
         index, texts = {}, {}
-        step = self.step_cost(b)
+        shared = self.batch_correction()
         for i, prompt in enumerate(prompts):
             rid = self.add_to_batch(engine, self.encode(prompt, chat_template, system),
-                                    check.max_tokens(limits[i]), sampling, b, step,
+                                    check.max_tokens(limits[i]), sampling, b, shared,
                                     lookup=lookup, stop_ids=stop_ids,
                                     seed=None if seed is None else seed + i)
             index[rid], texts[rid] = i, SequenceText(self.tokenizer, stop_ids)
@@ -274,19 +275,21 @@ class Pipeline:
         return BatchEngine(self.adapter, self.drafter, lookup=self.lookup_config,
                            max_batch=max_batch, prefill_step_size=self.prefill_step_size)
 
-    def step_cost(self, b: int | str) -> StepCost | None:
-        """The step cost the batch-aware policies of one batch share (None unless b is "auto")."""
-        return StepCost.from_cycle_cost(self.width_policy().cost) if b == "auto" else None
+    @staticmethod
+    def batch_correction() -> Correction:
+        """The online cost correction the batch-aware policies of one batch share: the batch's
+        steps, timed once for every sequence."""
+        return Correction(decay=0.9)
 
     def add_to_batch(self, engine: BatchEngine, ids: list[int], max_tokens: int,
-                     sampling: Sampling, b: int | str, step: StepCost | None, *, lookup: bool,
+                     sampling: Sampling, b: int | str, shared: Correction, *, lookup: bool,
                      stop_ids: frozenset, seed: int | None, state: DecodeState | None = None,
                      keep_state: bool = False) -> int:
         """Add one prompt (ids) to `engine` with its policy for the checked block size `b`
         (`block_size`; a prompt at or past max_ctx runs plain) -> its id. state, keep_state:
         as `batch.Request`'s (the prefix cache)."""
         wide = b if self.max_ctx is None or len(ids) < self.max_ctx else 1
-        policy = BatchAwareWidth(copy.deepcopy(self.width_policy()), step) \
+        policy = BatchAwareWidth(copy.deepcopy(self.width_policy()), shared) \
             if wide == "auto" else FixedWidth(wide)
         rid = engine.add(Request(ids, max_tokens, sampling, policy, stop_ids,
                                  lookup and wide != 1, seed, state, keep_state))

@@ -101,3 +101,92 @@ def humaneval_prompts(n: int) -> list[str]:
 
 
 PROMPT_SETS = {"humaneval": humaneval_prompts, "agent": agent_prompts, "chat": chat_prompts}
+
+
+# --------------------------------------------------------------------------- long contexts
+# What agents send: a whole source file, a long tool output, earlier turns, then the ask.
+# Sizes are in prompt tokens, approximately: the text is cut at a line boundary after so many
+# characters per token (SmolLM2's tokenizer: this code ~3.6, these logs ~1.8).
+CHARS_PER_TOKEN, LOG_CHARS_PER_TOKEN = 3.6, 1.8
+LONG_SIZES = {"2k": 2000, "4k": 4000, "8k": 8000}
+LONG_MODULES = ["textwrap", "calendar", "difflib", "heapq", "string", "fnmatch", "statistics",
+                "colorsys"]
+
+
+def _cut(text: str, tokens: int, per_token: float = CHARS_PER_TOKEN) -> str:
+    """The first lines of `text` that fit in about `tokens` tokens (whole lines)."""
+    limit = int(tokens * per_token)
+    return text[: text.rfind("\n", 0, limit) + 1] if len(text) > limit else text
+
+
+def _module_text(name: str, tokens: int) -> str:
+    """Module `name`'s source, cut to about `tokens` tokens, with the modules after it in
+    LONG_MODULES appended while it is shorter (so every size can be reached)."""
+    start = LONG_MODULES.index(name)
+    parts = [inspect.getsource(importlib.import_module(m))
+             for m in LONG_MODULES[start:] + LONG_MODULES[:start]]
+    return _cut("\n".join(parts), tokens)
+
+
+def _last_function(code: str) -> str:
+    """The name of the last function or method defined in `code` (a cut of textwrap has
+    methods only)."""
+    names = [line.split("def ", 1)[1].split("(", 1)[0] for line in code.splitlines()
+             if line.lstrip().startswith("def ")]
+    return names[-1] if names else "main"
+
+
+def long_edit_prompts(n: int, tokens: int) -> list[str]:
+    """A standard-library source file pasted whole, then an edit of one of its functions (the
+    answer copies that function)."""
+    out = []
+    for i in range(n):
+        code = _module_text(LONG_MODULES[i % len(LONG_MODULES)], tokens)
+        name = _last_function(code)
+        task = EDITS[i % len(EDITS)].format(name=name, new=f"{name}_checked")
+        out.append(f"Here is a file of our code base:\n\n```python\n{code}```\n\n{task}")
+    return out
+
+
+def long_log_prompts(n: int, tokens: int) -> list[str]:
+    """A long server log (deterministic), then a question answered by quoting lines of it."""
+    out = []
+    for i in range(n):
+        rng = random.Random(1000 + i)
+        log, user = _log(rng, lines=int(tokens * LOG_CHARS_PER_TOKEN / 85) + 1)
+        question = QUESTIONS[i % len(QUESTIONS)].format(user=user)
+        log = _cut(log, tokens, LOG_CHARS_PER_TOKEN)
+        out.append(f"Here is a server log:\n\n```\n{log}```\n\n{question}")
+    return out
+
+
+def long_agent_prompts(n: int, tokens: int) -> list[str]:
+    """A multi-turn agent transcript: the user's task, the agent's tool calls and their
+    outputs (a source file, a test log), then the next instruction."""
+    out = []
+    for i in range(n):
+        module = LONG_MODULES[(i + 3) % len(LONG_MODULES)]
+        code = _module_text(module, int(tokens * 0.7))
+        log, _ = _log(random.Random(2000 + i), lines=int(tokens * 0.2 * LOG_CHARS_PER_TOKEN / 85))
+        name = _last_function(code)
+        out.append(
+            f"User: The function `{name}` in {module}.py misbehaves on empty input. Find the "
+            f"bug and fix it.\n\nAssistant: I will read the file first.\n"
+            f"<tool_call>read_file(\"{module}.py\")</tool_call>\n\n"
+            f"Tool output:\n```python\n{code}```\n\n"
+            f"Assistant: Let me look at the service log of the failing run.\n"
+            f"<tool_call>read_file(\"service.log\")</tool_call>\n\n"
+            f"Tool output:\n```\n{log}\n```\n\n"
+            f"User: Show me the complete function `{name}` with your fix applied, then explain "
+            f"the change in one sentence.")
+    return out
+
+
+def _long(make, tokens):
+    return lambda n: make(n, tokens)
+
+
+for _size, _tokens in LONG_SIZES.items():
+    PROMPT_SETS[f"long-edit-{_size}"] = _long(long_edit_prompts, _tokens)
+    PROMPT_SETS[f"long-log-{_size}"] = _long(long_log_prompts, _tokens)
+    PROMPT_SETS[f"long-agent-{_size}"] = _long(long_agent_prompts, _tokens)

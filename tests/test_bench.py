@@ -95,3 +95,30 @@ class _Draft:
 
     def update(self, _params):
         pass
+
+
+def test_long_context_sets_prefill_once_and_compare_with_plain(llama_dir, tmp_path, monkeypatch):
+    """A "long-" set: every system from a copy of one prefilled state, the baseline plain
+    decoding (b=1) from the same state, greedy outputs identical to it."""
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path))
+    drafter = write_drafter(tmp_path / "b4", drafter_args(dflash2=True, block_size=4), seed=2)
+    text = "def add(a, b):\n    return a + b\n" * 12
+    results = run_bench(str(llama_dir), str(drafter), {"long-edit-test": [text + "def add("]},
+                        block_sizes=(4, "auto"), temperatures=(0.0,), max_tokens=12,
+                        reference=False)
+    part = results["long-edit-test T=0"]
+    assert part["baseline"] == "dflash2-mlx b=1" and part["greedy_identical"]
+    assert set(part["systems"]) == {"dflash2-mlx b=1", "dflash2-mlx b=4", "dflash2-mlx b=auto",
+                                    "hybrid b=4", "hybrid b=auto"}
+    assert part["systems"]["dflash2-mlx b=1"]["speedup"] == 1.0
+    assert part["prompt_tokens"] > 100
+    assert "speedup over dflash2-mlx b=1" in markdown(results)
+
+
+def test_long_prompt_sets_reach_their_sizes():
+    from dflash2_mlx.prompt_sets import PROMPT_SETS
+
+    for kind in ("edit", "log", "agent"):
+        short, long = PROMPT_SETS[f"long-{kind}-2k"](1)[0], PROMPT_SETS[f"long-{kind}-8k"](1)[0]
+        assert 3000 < len(short) < len(long) / 3, kind
+    assert PROMPT_SETS["long-log-4k"](2) == PROMPT_SETS["long-log-4k"](2)     # deterministic

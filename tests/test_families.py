@@ -124,7 +124,7 @@ def test_auto_and_lookup_equal_mlx_lm(target, with_drafter):
     adapter = TargetAdapter(model, drafter.args.target_layer_ids if drafter else ())
     cost = measure_costs(SimpleNamespace(adapter=adapter, drafter=drafter), 16, context=16,
                          reps=1)
-    assert len(cost.verify) == 16 and len(cost.draft) == (8 if drafter else 1)
+    assert len(cost.verify_table) == 16 and len(cost.draft_table) == (8 if drafter else 1)
     widths = {LOOKUP: 16, **({DRAFTER: 8} if drafter else {})}
     prompts = PROMPTS + [PROMPTS[0] + mlx_lm_greedy(model, PROMPTS[0], 20) + PROMPTS[0]]
     lookup_cycles = 0

@@ -61,7 +61,24 @@ def test_repetition_continues_and_no_match_is_none():
     assert LookupIndex(tokens=[1, 2, 1]).propose(3) is None      # min_n 2: one token is no cue
 
 
-@pytest.mark.parametrize("bad", [dict(min_n=0), dict(min_n=5, max_n=4), dict(max_width=1)])
+def test_shortest_match_grows_with_the_context():
+    """From `grow_from` tokens a match needs one more token per doubling of the context: a
+    recurring 2-gram in 2k tokens of code is mostly chance (docs/lookup.md)."""
+    config = LookupConfig()
+    assert [config.shortest(n) for n in (10, 1023, 1024, 2047, 2048, 4096, 8192, 10 ** 6)] \
+        == [2, 2, 3, 3, 4, 5, 6, 8]
+    assert LookupConfig(grow_from=None).shortest(10 ** 6) == 2
+    filler = [100 + (i * 7919) % 5000 for i in range(3000)]     # no 2-gram recurs in it
+    index = LookupIndex(config, [1, 2, 9] + filler + [1, 2])
+    assert index.propose(3) is None                     # 3003 tokens: 4 needed, 2 recur
+    index = LookupIndex(config, [1, 2, 3, 4, 9] + filler + [1, 2, 3, 4])
+    assert index.propose(3) == (4, [9] + filler[:2])
+    assert LookupIndex(LookupConfig(grow_from=None), [1, 2, 9] + filler + [1, 2]).propose(1) \
+        == (2, [9])
+
+
+@pytest.mark.parametrize("bad", [dict(min_n=0), dict(min_n=5, max_n=4), dict(max_width=1),
+                                 dict(grow_from=0)])
 def test_config_is_checked(bad):
     with pytest.raises(ValueError, match="lookup"):
         LookupConfig(**bad)

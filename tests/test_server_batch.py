@@ -243,6 +243,25 @@ def test_stop_strings_and_seeded_sampling_under_batching(pipe):
     assert [t for t, _ in got[3:]] == seeded
 
 
+def test_block_size_auto_batched_stays_exact(pipe):
+    """--block-size auto: each request gets the batch-aware policy (widths chosen per step
+    against the batch's cost); greedy text is still the text alone."""
+    asks = [_chat("def add(a, b):", 24, stream=True), _completion(ENDLESS, 40),
+            _chat("class Stack:", 20)]
+    want = [pipe.generate("def add(a, b):", max_tokens=24, block_size="auto").text,
+            pipe.generate(ENDLESS, max_tokens=40, chat_template=False, block_size="auto").text,
+            pipe.generate("class Stack:", max_tokens=20, block_size="auto").text]
+
+    async def clients(app, http, go):
+        go.set()
+        return await asyncio.gather(*(http.post(p, json=b) for p, b in asks))
+
+    replies = in_process(pipe, clients, block_size="auto")
+    assert [_text(p, r)[0] for (p, _), r in zip(asks, replies)] == want
+    assert all(r.json()["usage"]["dflash2"]["block_size"] == "auto"
+               for (_, b), r in zip(asks, replies) if not b["stream"])
+
+
 def test_a_prefix_cache_hit_while_batched_gives_the_same_text(pipe):
     msgs = [{"role": "system", "content": "You are a small assistant, turn by turn."},
             {"role": "user", "content": "def add(a, b):"}]

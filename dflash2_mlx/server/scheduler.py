@@ -235,7 +235,7 @@ class Scheduler:
     def _serve_batch(self) -> None:
         pipe = self.pipe
         b = pipe.block_size(self.block_size)
-        step_cost, stop_ids = pipe.step_cost(b), pipe.stop_ids()
+        shared, stop_ids = pipe.batch_correction(), pipe.stop_ids()
         engine = pipe.batch_engine(self.max_batch)
         running: dict[int, tuple[Job, SequenceText]] = {}     # engine id -> job, its text
         closing = False
@@ -250,7 +250,7 @@ class Scheduler:
                 elif job.cancelled.is_set():        # its client left while it waited
                     self.cancelled += 1
                 else:
-                    self._admit(engine, job, b, step_cost, stop_ids, running)
+                    self._admit(engine, job, b, shared, stop_ids, running)
             for rid, (job, _) in list(running.items()):
                 if closing:
                     job.cancel("shutdown")
@@ -286,7 +286,7 @@ class Scheduler:
                                                [engine.stats[rid] for rid in running], last)
         # (unreachable: the loop returns once closing with nothing running)
 
-    def _admit(self, engine: BatchEngine, job: Job, b, step_cost, stop_ids, running) -> None:
+    def _admit(self, engine: BatchEngine, job: Job, b, shared, stop_ids, running) -> None:
         """Start a job's sequence, from the prefix cache's state when it has one."""
         r = job.request
         self._register(job)
@@ -295,7 +295,7 @@ class Scheduler:
             if self.prompt_cache is not None:
                 state, _ = self.prompt_cache.fetch(r.prompt)
             rid = self.pipe.add_to_batch(engine, r.prompt, r.max_tokens, r.sampling, b,
-                                         step_cost, lookup=self.pipe.lookup,
+                                         shared, lookup=self.pipe.lookup,
                                          stop_ids=stop_ids, seed=r.seed, state=state,
                                          keep_state=self.prompt_cache is not None)
         except Exception as e:  # noqa: BLE001 - reported to that request; the others run

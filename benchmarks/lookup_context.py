@@ -1,0 +1,148 @@
+"""The lookup at long context, by exact replay: the target's greedy outputs on the long-context
+prompt sets (generated once, cached in --outputs), then the lookup-or-plain policy replayed on
+them for each matching rule, priced by the calibrated cost model at the prompt's context.
+
+Rules: the longest recurring suffix from `min_n` tokens (2 or 3), a minimum that grows with the
+context (`LookupConfig.grow_from`: one more per doubling from 2k or from 1k tokens, the
+default), and the most recent occurrence of any suffix long enough (the shortest one's: every
+occurrence of a longer suffix is one of the shorter). The policy is `AdaptiveWidth` with the
+lookup alone, its estimates learnt from its cycles and from `Shadow` as in the engine. Per
+set and rule: the lookup's cycles, tau, and the estimated speedup over plain decoding at that
+context.
+
+    python benchmarks/lookup_context.py --sizes 2k --max-tokens 96 --outputs /tmp/lk.json
+    python benchmarks/lookup_context.py --sizes 2k,4k,8k --copy
+
+`--copy` replays, in place of the model's outputs, the answer a model that copies would give
+to each long-edit prompt: its function, renamed, in a code block (no generation: only the
+tokenizer runs; the embedded 135M target does not copy at these lengths).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import dflash2_mlx
+from dflash2_mlx.adaptive import LOOKUP, PLAIN, AdaptiveWidth, Shadow, load_or_measure_costs
+from dflash2_mlx.costs import measure_costs
+from dflash2_mlx.lookup import LookupConfig, LookupIndex
+from dflash2_mlx.prompt_sets import LONG_SIZES, PROMPT_SETS, _last_function, long_edit_prompts
+
+
+class RecentIndex(LookupIndex):
+    """The most recent occurrence of a recurring suffix of min_n..max_n tokens (reported with
+    the longest n that recurs there, for the policy's per-length estimates)."""
+
+    def match(self):
+        found = super().match()
+        if found is None:
+            return None
+        n, shortest = found[0], self.config.shortest(len(self.tokens))
+        return n, self.last[shortest][tuple(self.tokens[-shortest:])]
+
+
+def _copy_answer(pipe, prompt: str) -> tuple[list[int], list[int]]:
+    """(prompt ids, the ids of its last function renamed as the edit asks, in a code block)."""
+    code = prompt.split("```python\n", 1)[1].rsplit("```", 1)[0]
+    name = _last_function(code)
+    lines = code.splitlines()
+    start = max(i for i, line in enumerate(lines) if line.lstrip().startswith(f"def {name}("))
+    indent = len(lines[start]) - len(lines[start].lstrip())
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].strip()
+                and len(lines[i]) - len(lines[i].lstrip()) <= indent), len(lines))
+    body = "\n".join(lines[start:end]).rstrip().replace(name, f"{name}_checked")
+    answer = f"```python\n{body}\n```\nThe function is renamed to `{name}_checked`."
+    return pipe.encode(prompt), pipe.tokenizer.encode(answer, add_special_tokens=False)
+
+
+def replay(prompt, output, index, policy, cost):
+    """The lookup-or-plain policy over `output` -> (tokens, seconds, cycles, accepted)."""
+    shadow = Shadow(policy, LOOKUP)
+    n, seconds, cycles, accepted = 1, 0.0, 0, 0
+    while n < len(output):
+        context = len(prompt) + n
+        room = len(output) - n + 1
+        found = index.propose(min(16, room) - 1) if room > 1 else None
+        match, guess = found or (0, None)
+        available = {LOOKUP: min(16, room)} if guess else {}
+        source, w = policy.choose(available, match, context)
+        a = 0
+        if source == LOOKUP:
+            while a < w - 1 and guess[a] == output[n + a]:
+                a += 1
+            cycles, accepted = cycles + 1, accepted + a
+        else:
+            shadow.offer(guess, match)
+        new = output[n : n + a + 1]
+        took = cost.cycle(w, source if w > 1 else PLAIN, context)
+        policy.update(source, w, a, took, match, context)
+        seconds += took
+        index.extend(new)
+        shadow.commit(new)
+        n += len(new)
+    return len(output) - 1, seconds, cycles, accepted
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="2k")
+    ap.add_argument("--prompts", type=int, default=1, help="per set")
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--outputs", default=None, help="cache of the greedy outputs (JSON)")
+    ap.add_argument("--copy", action="store_true", help="replay copying answers (see above)")
+    ap.add_argument("--fresh", action="store_true",
+                    help="calibrate now (the cached one may have been timed under load)")
+    a = ap.parse_args()
+    pipe = dflash2_mlx.load()
+    cost = (measure_costs if a.fresh else load_or_measure_costs)(pipe, pipe.max_width(True))
+    print(f"verify ms at w = 1, 4, 16 at 2k tokens: "
+          f"{', '.join(f'{1e3 * cost.verify(w, 2048):.0f}' for w in (1, 4, 16))}")
+    runs = json.load(open(a.outputs)) if a.outputs and os.path.exists(a.outputs) else {}
+    for size in a.sizes.split(",") if a.copy else ():
+        runs[f"copy-edit-{size}"] = [_copy_answer(pipe, p) for p in
+                                     long_edit_prompts(a.prompts, LONG_SIZES[size])]
+    for size in () if a.copy else a.sizes.split(","):
+        for kind in ("edit", "log", "agent"):
+            name = f"long-{kind}-{size}"
+            if name in runs:
+                continue
+            runs[name] = []
+            for p in PROMPT_SETS[name](a.prompts):
+                ids = pipe.encode(p)
+                out = pipe.generate(ids, max_tokens=a.max_tokens, block_size=1,
+                                    lookup=False).tokens
+                runs[name].append((ids, out))
+            print(f"{name}: {len(runs[name])} greedy outputs", flush=True)
+            if a.outputs:
+                with open(a.outputs, "w") as f:
+                    json.dump(runs, f)
+    rules = {"longest, min_n 2": (LookupIndex, LookupConfig(2, 8, 16, None)),
+             "longest, min_n 3": (LookupIndex, LookupConfig(3, 8, 16, None)),
+             "longest, +1 per doubling from 2k": (LookupIndex, LookupConfig(2, 8, 16, 2048)),
+             "longest, +1 per doubling from 1k (default)": (LookupIndex, LookupConfig()),
+             "most recent, min_n 2": (RecentIndex, LookupConfig(2, 8, 16, None)),
+             "most recent, +1 per doubling from 1k": (RecentIndex, LookupConfig())}
+    print("| set | context | rule | lookup cycles | tau | est. speedup |")
+    print("|---|---|---|---|---|---|")
+    for name, pairs in runs.items():
+        for rule in rules:
+            tokens = seconds = cycles = acc = 0
+            plain = 0.0
+            for ids, out in pairs:
+                kind, config = rules[rule]
+                index = kind(config)
+                index.extend(ids + out[:1])
+                policy = AdaptiveWidth(cost, {LOOKUP: 16})
+                t, s, c, k = replay(ids, out, index, policy, cost)
+                tokens, seconds, cycles, acc = tokens + t, seconds + s, cycles + c, acc + k
+                plain += sum(cost.cycle(1, PLAIN, len(ids) + j) for j in range(1, len(out)))
+            ctx = sum(len(ids) for ids, _ in pairs) // len(pairs)
+            tau = (acc + cycles) / cycles if cycles else 1.0
+            print(f"| {name} | {ctx} | {rule} | {cycles} | {tau:.2f} | "
+                  f"{plain / seconds:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

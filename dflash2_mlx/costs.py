@@ -1,0 +1,307 @@
+"""What a forward costs, as a function of the rows it computes and the context it reads.
+
+`CostModel.verify(rows, context)` is the target's forward of `rows` new rows whose attention
+reads `context` keys each; `draft(width, context)` the drafter's pass of a `width`-row block
+over `context` rows of target features. Both are
+
+    table[rows] + (context - base) * (per_row * rows + per_forward)
+
+with `table` measured per width at a short context `base` (it keeps the uneven shape that
+BLAS blocking gives the width axis) and the two context slopes fitted from forwards timed
+after a few longer contexts. Attention is why the slope exists: every verified row runs one
+softmax `exp` per key, and on MLX's CPU backend an `exp` costs ~20x a multiply-add, so at 8k
+tokens a 16-row verify costs several plain steps (SPEC.md section 10); `per_forward` is what
+grows with the context once per forward (the cache's slices, the mask).
+
+A batch (`batch.BatchAwareWidth`): `rows` is every row of the forward (B sequences x T rows),
+`context` the slots of the batch cache, which every row's attention reads (the longest row and
+its holes): the attention term is then rows x context, as it is computed. Rows beyond the
+measured table extrapolate its last step. `Correction` is the online correction of both: the
+timed seconds over the model's, per key.
+
+Timings come from `measure_costs` (a few seconds, once per machine and model pair; cached by
+`adaptive.load_or_measure_costs`). The long contexts are made cheaply: the target's caches
+are filled with random keys and values (the cost of attention does not depend on them), the
+drafter's with random features, so no quadratic prefill runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from . import log
+from .sampling import Sampling
+
+BASE_CONTEXT = 128                 # the per-width tables are timed after this many tokens
+# The slopes are fitted from forwards after these contexts, at these widths (those <= the
+# widest): attention's cost is linear in the keys, so one long context and three widths pin
+# both slopes; more would cost seconds of calibration on every new machine.
+LONG_CONTEXTS = (2048,)
+SLOPE_WIDTHS = (1, 4, 16)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """draft_table / verify_table: seconds at `base` context, index w-1 for width w (the
+    drafter's pass up to its block size, 0.0 at w = 1; the verify up to the widest any source
+    drafts). *_slope: (per_row, per_forward) extra seconds per context token."""
+
+    draft_table: tuple[float, ...]
+    verify_table: tuple[float, ...]
+    base: int = BASE_CONTEXT
+    verify_slope: tuple[float, float] = (0.0, 0.0)
+    draft_slope: tuple[float, float] = (0.0, 0.0)
+
+    def verify(self, rows: int, context: int | None = None) -> float:
+        """Seconds of a target forward of `rows` rows reading `context` keys (None: base)."""
+        return _at(self.verify_table, rows) + self._extra(self.verify_slope, rows, context)
+
+    def draft(self, width: int, context: int | None = None) -> float:
+        """Seconds of a drafter pass of a `width`-row block (0 at width 1: nothing drafted)."""
+        if width <= 1:
+            return 0.0
+        return _at(self.draft_table, width) + self._extra(self.draft_slope, width, context)
+
+    def cycle(self, width: int, source: str = "drafter", context: int | None = None) -> float:
+        """A cycle of `width` rows: the verify, and the drafter's pass if it drafted (a lookup
+        drafts for free)."""
+        draft = self.draft(width, context) if source == "drafter" else 0.0
+        return self.verify(width, context) + draft
+
+    @property
+    def max_width(self) -> int:
+        return len(self.verify_table)
+
+    def _extra(self, slope: tuple[float, float], rows: int, context: int | None) -> float:
+        if context is None:
+            return 0.0
+        per_row, per_forward = slope
+        return (max(context, 0) - self.base) * (per_row * rows + per_forward)
+
+    def to_dict(self) -> dict:
+        return {"draft": list(self.draft_table), "verify": list(self.verify_table),
+                "base": self.base, "verify_slope": list(self.verify_slope),
+                "draft_slope": list(self.draft_slope)}
+
+    @classmethod
+    def from_dict(cls, entry, draft_widths: int, verify_widths: int) -> "CostModel | None":
+        """The model an entry of `to_dict` describes when it is well formed (tables of
+        `draft_widths` and `verify_widths` non-negative numbers, two slopes of two), else None:
+        a file edited by hand or written by another version is measured again, not trusted."""
+        if not isinstance(entry, dict):
+            return None
+        fields = {"draft": draft_widths, "verify": verify_widths, "verify_slope": 2,
+                  "draft_slope": 2}
+        ok = all(isinstance(xs, list) and len(xs) == n and all(_number(x) for x in xs)
+                 for xs, n in ((entry.get(k), n) for k, n in fields.items()))
+        base = entry.get("base")
+        if not ok or not (_number(base) and base == int(base)):
+            return None
+        return cls(tuple(map(float, entry["draft"])), tuple(map(float, entry["verify"])),
+                   int(base), tuple(map(float, entry["verify_slope"])),
+                   tuple(map(float, entry["draft_slope"])))
+
+
+class Correction:
+    """The online correction of a `CostModel`: the seconds timed over the seconds the model
+    said, decayed by `decay` per observation, per key (a policy's keys: a (source, width) at a
+    context size, a batch step's rows at a context size, ...). `ratio(keys)` is the first key
+    with `trust` observations or more, so a caller lists its keys from the most specific to
+    the most general; the model's figure times the ratio is the estimate."""
+
+    def __init__(self, decay: float = 0.95, trust: float = 3.0):
+        self.decay, self.trust = decay, trust
+        self.table: dict = {}                 # key -> (count, timed s, modelled s), decayed
+
+    def ratio(self, keys) -> float:
+        """Timed over modelled seconds of the first trusted key (1.0: none is)."""
+        for key in keys:
+            count, seconds, modelled = self.table.get(key, (0.0, 0.0, 0.0))
+            if count >= self.trust and modelled > 0:
+                return seconds / modelled
+        return 1.0
+
+    def observe(self, keys, seconds: float, modelled: float) -> None:
+        """Something the model prices at `modelled` seconds took `seconds`; every key learns
+        it. A one-off stall (first-use compilation, the OS) must not swamp the estimate: at
+        most twice the current one counts."""
+        keys = list(keys)
+        if modelled <= 0 or seconds <= 0:
+            return
+        seconds = min(seconds, 2.0 * modelled * self.ratio(keys))
+        d = self.decay
+        for key in keys:
+            count, total, model_total = self.table.get(key, (0.0, 0.0, 0.0))
+            self.table[key] = (count * d + 1, total * d + seconds, model_total * d + modelled)
+
+
+def context_bucket(context: int | None) -> int:
+    """Context sizes corrected apart: 0 below 512 tokens (and None), then one per doubling."""
+    return max((context or 0).bit_length() - 9, 0)
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0
+
+
+def _at(table: tuple[float, ...], rows: int) -> float:
+    """table[rows - 1], extrapolated linearly past its end (a batch verifies more rows) at
+    the table's mean slope: the monotone fit often ends on a plateau, and its last step alone
+    (0 there) priced a 64-row batch step as a 16-row one, so the batch policy drafted wide."""
+    if rows <= len(table):
+        return table[rows - 1]
+    n = len(table)
+    step = (table[-1] - table[0]) / (n - 1) if n > 1 else table[-1]
+    return table[-1] + (rows - n) * max(step, 0.0)
+
+
+def monotone(xs: list[float]) -> list[float]:
+    """Least-squares nondecreasing fit (pool adjacent violators): a wider block never costs
+    less, whatever the timing noise said."""
+    blocks: list[list[float]] = []                 # [mean, count]
+    for x in xs:
+        blocks.append([x, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, n1), (m2, n2) = blocks[-2], blocks.pop()
+            blocks[-1] = [(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2]
+    return [m for m, n in blocks for _ in range(int(n))]
+
+
+def fit_slope(points: list[tuple[int, int, float]]) -> tuple[float, float]:
+    """Least squares of extra = dn * (per_row * w + per_forward) over (w, dn, extra) points
+    (extra: seconds over the same width at base context, dn: context over base) -> the two
+    slopes, each >= 0 (noise must not make a longer context look cheaper)."""
+    sxx = sxy = syy = sx = sy = 0.0
+    for w, dn, extra in points:
+        x, y = dn * w, float(dn)
+        sxx, sxy, syy = sxx + x * x, sxy + x * y, syy + y * y
+        sx, sy = sx + x * extra, sy + y * extra
+    det = sxx * syy - sxy * sxy
+    if not points or det <= 1e-12 * max(sxx * syy, 1e-300):
+        per_row = sx / sxx if sxx else 0.0                   # one width only: all per row
+        return max(per_row, 0.0), 0.0
+    per_row, per_forward = (sx * syy - sy * sxy) / det, (sy * sxx - sx * sxy) / det
+    if per_forward < 0:
+        return max(sx / sxx, 0.0), 0.0
+    if per_row < 0:
+        return 0.0, max(sy / syy, 0.0)
+    return per_row, per_forward
+
+
+def grow_cache(cache: list, n: int) -> bool:
+    """Append n random keys and values to every attention cache of a target (in chunks, so no
+    huge temporary) -> False when some layer's cache is not a plain key/value store (a
+    recurrent state, quantized keys, a sliding window, which a one-row step rotates beyond
+    any rollback): its context cost is then left to the online timing."""
+    stores = [c for c in cache if isinstance(getattr(c, "keys", None), mx.array)
+              and c.keys.ndim == 4 and hasattr(c, "update_and_fetch")
+              and not hasattr(c, "max_size")]
+    if len(stores) != len(cache):
+        return False
+    for start in range(0, n, 1024):
+        rows = min(1024, n - start)
+        for c in stores:
+            b, heads, _, dim = c.keys.shape
+            vdim = c.values.shape[-1]
+            c.update_and_fetch(mx.random.normal((b, heads, rows, dim)).astype(c.keys.dtype),
+                               mx.random.normal((b, heads, rows, vdim)).astype(c.values.dtype))
+        mx.eval([(c.keys, c.values) for c in stores])
+    return True
+
+
+def measure_costs(pipeline, max_width: int, context: int = BASE_CONTEXT,
+            long: tuple[int, ...] = LONG_CONTEXTS, reps: int = 3) -> CostModel:
+    """Time the drafter (widths up to its block size; none without a drafter) and the verify
+    forward at every width up to `max_width` after a `context`-token prompt, then
+    `SLOPE_WIDTHS` at each of the `long` contexts and at `context` again, round-robin (load
+    that comes and goes hits them alike), to fit the context slopes. The fastest of the
+    rounds (other work on the machine only ever adds time: a median still carried a stall
+    that priced 2 rows at 3x one on a busy machine); the tables are fitted nondecreasing in
+    the width."""
+    target, drafter = pipeline.adapter, pipeline.drafter
+    ids = mx.array([[(17 * i) % target.vocab_size for i in range(context)]], dtype=mx.uint32)
+    cache = target.make_cache()
+    _, feats = target.forward(ids, cache)
+    mx.eval(feats, [c.state for c in cache])
+    anchor, greedy = ids[:, -1:], Sampling()
+    block = drafter.args.block_size if drafter is not None else 1
+    dcache = drafter.make_cache() if drafter is not None else None
+    if drafter is not None:
+        drafter.propose(target, anchor, feats, dcache, 2, greedy, mx.random.key(0))
+    widths = list(range(1, max(max_width, block) + 1))
+    d_times, v_times = _time_widths(target, drafter, cache, dcache, anchor, feats, widths,
+                                    block, reps, copy_cache=True)
+    draft = [0.0] + monotone([min(d_times[w]) for w in range(2, block + 1)])
+    verify = monotone([min(v_times[w]) for w in widths])
+    v_slope, d_slope = _measure_slopes(pipeline, [w for w in SLOPE_WIDTHS if w <= widths[-1]],
+                                       context, long, ids, block, max(reps - 1, 1))
+    return CostModel(tuple(draft), tuple(verify), context, v_slope, d_slope)
+
+
+def _time_widths(target, drafter, cache, dcache, anchor, feats, widths, block, reps,
+                 copy_cache: bool):
+    """Seconds per width (a list per width, one per round after a warm-up round) of the
+    drafter's pass and the verify, the forward from `cache` each time: a deep copy of it
+    (copy_cache: a one-row step rotates a sliding window in place, which no rollback can
+    undo), else rolled back (a long context is too big to copy each time)."""
+    greedy = Sampling()
+    d_times: dict[int, list[float]] = {w: [] for w in widths}
+    v_times: dict[int, list[float]] = {w: [] for w in widths}
+    for rep in log.progress(range(reps + 1), "calibration", unit="round"):   # 0 warms up
+        for width in widths:
+            t0 = time.perf_counter()
+            if drafter is not None and 1 < width <= block:
+                p = drafter.propose(target, anchor, feats[:, :0], dcache, width, greedy,
+                                    mx.random.key(0))
+                mx.eval(p.tokens)
+            run = copy.deepcopy(cache) if copy_cache else cache
+            snapshot = None if copy_cache else target.snapshot(run)
+            t1 = time.perf_counter()
+            mx.eval(target.forward(mx.repeat(anchor, width, axis=1), run))
+            t2 = time.perf_counter()
+            if snapshot is not None:
+                snapshot.rollback(0, width)
+            if rep:
+                d_times[width].append(t1 - t0)
+                v_times[width].append(t2 - t1)
+    return d_times, v_times
+
+
+def _measure_slopes(pipeline, widths, context, long, ids, block, reps):
+    """(verify_slope, draft_slope) from the widths timed at each long context against the same
+    widths at `context`, measured alongside; zeros where the target's caches cannot be grown
+    (`grow_cache`) or no long context is asked for."""
+    target, drafter = pipeline.adapter, pipeline.drafter
+    v_points, d_points, base_v, base_d = [], [], {}, {}
+    if not long:
+        return (0.0, 0.0), (0.0, 0.0)
+    for n in (context, *long):
+        cache = target.make_cache()
+        _, feats = target.forward(ids, cache)
+        if not grow_cache(cache, n - context):
+            log.get(__name__).info("the target's cache is not a plain key/value store: its "
+                                   "context cost is learnt from timed cycles only")
+            return (0.0, 0.0), (0.0, 0.0)
+        dcache = drafter.make_cache() if drafter is not None else None
+        if drafter is not None:              # its context: n rows of (random) target features
+            ctx = mx.concatenate([feats, mx.random.normal(
+                (1, n - context, feats.shape[-1])).astype(feats.dtype)], axis=1)
+            mx.eval(drafter.propose(target, ids[:, -1:], ctx, dcache, 2, Sampling(),
+                                    mx.random.key(0)).tokens)
+        d_times, v_times = _time_widths(target, drafter, cache, dcache, ids[:, -1:], feats,
+                                        widths, block, reps, copy_cache=False)
+        for w in widths:
+            v, d = min(v_times[w]), min(d_times[w])
+            if n == context:
+                base_v[w], base_d[w] = v, d
+            else:
+                v_points.append((w, n - context, v - base_v[w]))
+                if 1 < w <= block:
+                    d_points.append((w, n - context, d - base_d[w]))
+        del cache, dcache
+        mx.clear_cache()
+    return fit_slope(v_points), fit_slope(d_points)
