@@ -490,6 +490,19 @@ def serve(
         5.0, "--shutdown-timeout", callback=_flag(check.shutdown_timeout),
         help="Seconds in-flight requests get to finish on Ctrl-C / SIGTERM before they are "
         "cancelled"),
+    max_batch: int = typer.Option(check.MAX_BATCH, "--max-batch", callback=_flag(check.max_batch),
+                                  help="Requests generated at once (continuous batching); "
+                                  "1: one at a time"),
+    prefill_chunk: int = typer.Option(
+        check.PREFILL_CHUNK, "--prefill-chunk", metavar="TOKENS",
+        callback=_flag(check.prefill_chunk), help="Prompt tokens a joining request prefills "
+        "per step while others decode"),
+    ping_interval: float = typer.Option(
+        15.0, "--ping-interval", callback=_flag(check.ping_interval),
+        help="Seconds of silence before a stream sends a keep-alive ping"),
+    read_timeout: float = typer.Option(
+        30.0, "--read-timeout", callback=_flag(check.read_timeout),
+        help="Seconds a client may take to send a request's head or the next part of its body"),
     pipeline: bool = typer.Option(False, "--pipeline", help="Split the target's layers across "
                                   "the ranks started by mlx.launch (rank 0 serves)"),
     pipeline_split: Optional[str] = PIPELINE_SPLIT,
@@ -530,7 +543,9 @@ def serve(
             queue_size=queue_size, api_key=api_key, block_size=block_size,
             prompt_cache_size=prompt_cache_size, prompt_cache_bytes=prompt_cache_bytes,
             prompt_cache_dir=None if prompt_cache_dir is None else str(prompt_cache_dir),
-            prompt_cache_disk_bytes=prompt_cache_disk_bytes or check.PROMPT_CACHE_DISK_BYTES)
+            prompt_cache_disk_bytes=prompt_cache_disk_bytes or check.PROMPT_CACHE_DISK_BYTES,
+            ping_interval=ping_interval, read_timeout=read_timeout, max_batch=max_batch,
+            prefill_chunk=prefill_chunk)
         server.serve(pipe, config, host=host, port=port, shutdown_timeout=shutdown_timeout,
                      ready=lambda url: _log.info(f"serving {config.model_id} on {url}"))
         _log.info("stopped")

@@ -198,10 +198,9 @@ class Pipeline:
                     "plain target decoding")
             b = 1
         policy = self.width_policy() if b == "auto" else FixedWidth(b)
-        stop_ids = set(self.tokenizer.eos_token_ids) | {int(t) for t in stop_tokens}
+        stop_ids = self.stop_ids(stop_tokens)
         stats = GenerationStats(block_size=b)
-        detok = self.tokenizer.detokenizer
-        detok.reset()
+        text = SequenceText(self.tokenizer, stop_ids)
         bar = _PrefillBar()
         steps = generate_tokens(self.adapter, self.drafter, ids, max_tokens=max_tokens,
                                 sampling=sampling, policy=policy, stop_ids=stop_ids,
@@ -211,14 +210,9 @@ class Pipeline:
         try:
             for new in steps:
                 bar.close()                  # the prefill is done once a token is out
-                for t in new:
-                    if t not in stop_ids:
-                        detok.add_token(t)
                 finish = ("stop" if new[-1] in stop_ids else
                           "length" if stats.generated_tokens >= max_tokens else None)
-                if finish:
-                    detok.finalize()
-                yield Chunk(detok.last_segment, new, stats.copy(), finish)
+                yield Chunk(text(new, finish), new, stats.copy(), finish)
         finally:
             bar.close()
 
@@ -255,31 +249,52 @@ class Pipeline:
         if len(limits) != len(prompts):
             raise ValueError(f"max_tokens: {len(limits)} values for {len(prompts)} prompts")
         seed = check.seed(seed)
-        stop_ids = frozenset(self.tokenizer.eos_token_ids) | {int(t) for t in stop_tokens}
-        engine = BatchEngine(self.adapter, self.drafter, lookup=self.lookup_config,
-                             max_batch=max_batch, prefill_step_size=self.prefill_step_size)
-        index, detoks = {}, {}
-        shared = Correction(decay=0.9)     # the batch's steps, timed once for every sequence
+        stop_ids = self.stop_ids(stop_tokens)
+        engine = self.batch_engine(max_batch)
+        index, texts = {}, {}
+        shared = self.batch_correction()
         for i, prompt in enumerate(prompts):
-            ids = self.encode(prompt, chat_template, system)
-            wide = b if self.max_ctx is None or len(ids) < self.max_ctx else 1
-            policy = BatchAwareWidth(copy.deepcopy(self.width_policy()), shared) \
-                if wide == "auto" else FixedWidth(wide)
-            rid = engine.add(Request(ids, check.max_tokens(limits[i]), sampling, policy,
-                                     stop_ids, lookup and wide != 1,
-                                     None if seed is None else seed + i))
-            index[rid], detoks[rid] = i, self.tokenizer.detokenizer
-            engine.stats[rid].block_size = wide
+            rid = self.add_to_batch(engine, self.encode(prompt, chat_template, system),
+                                    check.max_tokens(limits[i]), sampling, b, shared,
+                                    lookup=lookup, stop_ids=stop_ids,
+                                    seed=None if seed is None else seed + i)
+            index[rid], texts[rid] = i, SequenceText(self.tokenizer, stop_ids)
         while engine.running or engine.waiting:
             for ev in engine.step(prefill_budget):
-                detok = detoks[ev.id]
-                for t in ev.tokens:
-                    if t not in stop_ids:
-                        detok.add_token(t)
-                if ev.finish:
-                    detok.finalize()
-                yield index[ev.id], Chunk(detok.last_segment, ev.tokens,
+                yield index[ev.id], Chunk(texts[ev.id](ev.tokens, ev.finish), ev.tokens,
                                           engine.stats[ev.id].copy(), ev.finish)
+
+    # ---- what stream_batch and the server's scheduler share
+    def stop_ids(self, stop_tokens: Sequence[int] = ()) -> frozenset:
+        """The ids that end a generation: the tokenizer's end tokens and `stop_tokens`."""
+        return frozenset(self.tokenizer.eos_token_ids) | {int(t) for t in stop_tokens}
+
+    def batch_engine(self, max_batch: int | None = None) -> BatchEngine:
+        """A `BatchEngine` on this pipeline's target and drafter (ValueError when the target's
+        caches cannot be batched: recurrent layers)."""
+        return BatchEngine(self.adapter, self.drafter, lookup=self.lookup_config,
+                           max_batch=max_batch, prefill_step_size=self.prefill_step_size)
+
+    @staticmethod
+    def batch_correction() -> Correction:
+        """The online cost correction the batch-aware policies of one batch share: the batch's
+        steps, timed once for every sequence."""
+        return Correction(decay=0.9)
+
+    def add_to_batch(self, engine: BatchEngine, ids: list[int], max_tokens: int,
+                     sampling: Sampling, b: int | str, shared: Correction, *, lookup: bool,
+                     stop_ids: frozenset, seed: int | None, state: DecodeState | None = None,
+                     keep_state: bool = False) -> int:
+        """Add one prompt (ids) to `engine` with its policy for the checked block size `b`
+        (`block_size`; a prompt at or past max_ctx runs plain) -> its id. state, keep_state:
+        as `batch.Request`'s (the prefix cache)."""
+        wide = b if self.max_ctx is None or len(ids) < self.max_ctx else 1
+        policy = BatchAwareWidth(copy.deepcopy(self.width_policy()), shared) \
+            if wide == "auto" else FixedWidth(wide)
+        rid = engine.add(Request(ids, max_tokens, sampling, policy, stop_ids,
+                                 lookup and wide != 1, seed, state, keep_state))
+        engine.stats[rid].block_size = wide
+        return rid
 
     def generate_batch(self, prompts: Sequence[str | Sequence[int]],
                        **options) -> list[Generation]:
@@ -290,6 +305,23 @@ class Pipeline:
         return [Generation("".join(c.text for c in chunks), [t for c in chunks for t in c.tokens],
                            chunks[-1].stats, chunks[-1].finish_reason or "length")
                 for chunks in parts]
+
+
+class SequenceText:
+    """One sequence's text as its tokens commit: `text(tokens, finish)` -> the new segment
+    (end tokens are not text; a finish flushes what the detokenizer holds back)."""
+
+    def __init__(self, tokenizer, stop_ids: frozenset):
+        self.detok, self.stop_ids = tokenizer.detokenizer, stop_ids
+        self.detok.reset()
+
+    def __call__(self, tokens: list[int], finish: str | None = None) -> str:
+        for t in tokens:
+            if t not in self.stop_ids:
+                self.detok.add_token(t)
+        if finish:
+            self.detok.finalize()
+        return self.detok.last_segment
 
 
 class _PrefillBar:

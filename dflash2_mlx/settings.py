@@ -23,6 +23,8 @@ DRAFT_GROUP_SIZES = (32, 64, 128)
 SEED_MAX = 2**64 - 1                # mx.random.key takes an unsigned 64-bit seed
 PROMPT_CACHE_DISK_BYTES = 8 * 2**30     # the disk tier's bound when only its folder is given
 HUMANEVAL_PROBLEMS = 164            # the most prompts per set `dflash2-mlx bench` can draw
+MAX_BATCH = 8           # sequences the server decodes at once (to be set by measurement)
+PREFILL_CHUNK = 128     # prompt tokens the server prefills per step beside running streams
 
 
 class SettingError(ValueError):
@@ -49,11 +51,11 @@ def _integer(value, name: str, low: int, high: int | None = None, expected: str 
     return value
 
 
-def _seconds(value, name: str, low: float) -> float:
-    """A finite number of seconds >= low."""
-    expected = f"a finite number of seconds >= {low:g}"
+def _seconds(value, name: str, low: float, above: bool = False) -> float:
+    """A finite number of seconds >= low (> low when `above`)."""
+    expected = f"a finite number of seconds {'>' if above else '>='} {low:g}"
     s = _number(value, name, expected)
-    if not math.isfinite(s) or s < low:
+    if not math.isfinite(s) or s < low or above and s == low:
         raise SettingError(name, value, expected)
     return s
 
@@ -158,6 +160,27 @@ def shutdown_timeout(value, name: str = "shutdown_timeout") -> float:
     return _seconds(value, name, 0.0)
 
 
+def ping_interval(value, name: str = "ping_interval") -> float:
+    """Seconds of silence before an SSE stream sends a keep-alive `: ping`."""
+    return _seconds(value, name, 0.0, above=True)
+
+
+def read_timeout(value, name: str = "read_timeout") -> float:
+    """Seconds a client may take to send a request's head or the next part of its body."""
+    return _seconds(value, name, 0.0, above=True)
+
+
+def max_batch(value, name: str = "max_batch") -> int:
+    """Sequences the server decodes at once (one target forward per step); 1: one request at
+    a time."""
+    return _integer(value, name, 1, expected="an integer >= 1 (1 = one request at a time)")
+
+
+def prefill_chunk(value, name: str = "prefill_chunk") -> int:
+    """Prompt tokens prefilled per step while other sequences decode."""
+    return _integer(value, name, 1)
+
+
 def pipeline_timeout(value, name: str = "pipeline_timeout") -> float:
     """Seconds a rank of a pipeline waits for another."""
     return _seconds(value, name, 1.0)
@@ -245,6 +268,8 @@ def prompt(value, name: str = "prompt"):
 
 __all__ = ["SettingError", "block_size", "lookup", "temperature", "top_p", "top_k", "max_tokens",
            "seed", "port", "context_length", "max_body_bytes", "queue_size", "prompt_cache_size",
-           "prompt_cache_bytes", "shutdown_timeout", "pipeline_timeout", "prompts_per_set",
+           "prompt_cache_bytes", "shutdown_timeout", "ping_interval", "read_timeout",
+           "max_batch", "prefill_chunk", "pipeline_timeout", "prompts_per_set",
            "draft_bits", "draft_group_size", "dtype", "byte_size", "text", "prompt", "DTYPES",
-           "DRAFT_BITS", "DRAFT_GROUP_SIZES", "SEED_MAX", "PROMPT_CACHE_DISK_BYTES"]
+           "DRAFT_BITS", "DRAFT_GROUP_SIZES", "SEED_MAX", "PROMPT_CACHE_DISK_BYTES", "MAX_BATCH",
+           "PREFILL_CHUNK"]

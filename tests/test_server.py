@@ -541,11 +541,12 @@ def test_tool_calls_openai_and_anthropic(tools_dir, dflash2_dir):
 def test_shutdown_with_a_request_in_flight_exits_0(llama_dir, dflash2_dir, sig):
     """Past the grace period (1.4 s: fractions count; it was rounded to 1) the running stream
     ends in its own shape (an error event, then [DONE]) and a queued request gets the
-    documented 503 JSON; the process exits 0 with no uvicorn cancellation in its log. The
+    documented 503 JSON; the process exits 0 with no uvicorn cancellation in its log (one
+    request at a time, so that the second waits; test_server_batch.py stops a batch). The
     scheduler's deadline ends every response, so uvicorn never has to cut one (it did, and
     the end raced the worker, which learnt of the shutdown only once uvicorn had returned)."""
     s = Server("--model", llama_dir, "--draft", dflash2_dir, "--max-tokens", LIMIT,
-               "--context-length", 2 * LIMIT, "--shutdown-timeout", 1.4)
+               "--context-length", 2 * LIMIT, "--shutdown-timeout", 1.4, "--max-batch", 1)
     seen, ended, queued = [], threading.Event(), {}
     body = {"model": "llama", "max_tokens": LIMIT, "temperature": 0, "prompt": ENDLESS}
 
@@ -703,7 +704,8 @@ def test_a_non_streaming_client_that_leaves_cancels_its_generation(pipe):
 def test_shutdown_answers_the_running_and_the_queued_requests_with_503(pipe):
     """A generation cancelled by the shutdown is not a finish: its stream ends with an error
     event (then [DONE]), a queued stream too (Anthropic's overloaded_error), a queued plain
-    request gets the 503 JSON body, and a request after the stop gets it at once."""
+    request gets the 503 JSON body, and a request after the stop gets it at once. One request
+    at a time (max_batch 1), so that two wait; test_server_batch.py stops a running batch."""
     msgs = [{"role": "user", "content": "count:"}]
     chat = {"model": "llama", "messages": msgs, "max_tokens": LIMIT, "temperature": 0}
 
@@ -724,7 +726,7 @@ def test_shutdown_answers_the_running_and_the_queued_requests_with_503(pipe):
         return replies
 
     stream, anthropic_stream, plain, late = in_process(pipe, clients, max_tokens=LIMIT,
-                                                       context_length=2 * LIMIT)
+                                                       context_length=2 * LIMIT, max_batch=1)
     lines = _sse_lines(stream.text)
     assert lines[-1] == "data: [DONE]"
     error = json.loads(lines[-2][6:])["error"]

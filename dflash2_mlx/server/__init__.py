@@ -1,7 +1,8 @@
 """`dflash2-mlx serve`: OpenAI- and Anthropic-compatible HTTP APIs over `Pipeline.stream`.
 
 The HTTP layer only: requests are checked and rendered into prompt ids, then handed to a
-`Scheduler`, which owns the model and runs one generation at a time on its own thread. What the
+`Scheduler`, which owns the model on its own thread and batches the running generations
+(continuous batching; one at a time where the target cannot be batched). What the
 client sees (stop strings, tool calls) is cut out of the streamed text by `TextStream`.
 
   OpenAI     GET /v1/models, POST /v1/chat/completions, POST /v1/completions, GET /health,

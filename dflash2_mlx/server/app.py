@@ -30,6 +30,7 @@ async def health(service: ServiceDep):
     return JSONResponse({"status": "ok" if ok else "unavailable", "model": config.model_id,
                          "busy": scheduler.busy, "waiting": scheduler.waiting,
                          "served": scheduler.served, "cancelled": scheduler.cancelled,
+                         "batch": {**scheduler.batch_figures, "waiting": scheduler.waiting},
                          "prompt_cache": scheduler.cache_figures}, 200 if ok else 503)
 
 
@@ -46,7 +47,8 @@ def create_app(pipe: Pipeline, config: ServerConfig, *, worker_thread: bool = Tr
     prompt_cache = (PromptCache(config.prompt_cache_size, config.prompt_cache_bytes, disk)
                     if config.prompt_cache_size > 0 or disk is not None else None)
     scheduler = Scheduler(pipe, queue_size=config.queue_size, block_size=config.block_size,
-                          prompt_cache=prompt_cache)
+                          prompt_cache=prompt_cache, max_batch=config.max_batch,
+                          prefill_chunk=config.prefill_chunk)
     service = Service(pipe, config, scheduler)
 
     @asynccontextmanager

@@ -17,7 +17,7 @@ class ServerConfig:
     max_tokens: int = 4096              # most tokens one request may ask for
     context_length: int = 8192          # prompt + completion tokens
     max_body_bytes: int = 4 * 2**20
-    queue_size: int = 16                # requests waiting for the model, besides the running one
+    queue_size: int = 16                # requests waiting for the model, besides the running ones
     api_key: str | None = None
     block_size: int | str | None = None     # None: the pipeline's default
     prompt_cache_size: int = 8              # entries in RAM; 0: none (and no disk: no cache)
@@ -26,18 +26,16 @@ class ServerConfig:
     prompt_cache_disk_bytes: int = check.PROMPT_CACHE_DISK_BYTES
     ping_interval: float = 15.0         # seconds of silence before an SSE stream sends `: ping`
     read_timeout: float = 30.0          # seconds a client may take to send headers or a body part
+    max_batch: int = check.MAX_BATCH    # sequences decoding at once; 1: one at a time
+    prefill_chunk: int = check.PREFILL_CHUNK    # prompt tokens per step beside running streams
 
     def __post_init__(self):
         for name in ("max_tokens", "context_length", "max_body_bytes", "queue_size",
-                     "block_size", "prompt_cache_size", "prompt_cache_bytes"):
-            getattr(check, name)(getattr(self, name), name)
+                     "block_size", "prompt_cache_size", "prompt_cache_bytes", "ping_interval",
+                     "read_timeout", "max_batch", "prefill_chunk"):
+            object.__setattr__(self, name, getattr(check, name)(getattr(self, name), name))
         object.__setattr__(self, "prompt_cache_disk_bytes", check.byte_size(
             self.prompt_cache_disk_bytes, "prompt_cache_disk_bytes"))
-        for name in ("ping_interval", "read_timeout"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"ServerConfig.{name}: {value!r} is not a number of seconds "
-                                 "above 0")
 
 
 def model_id_for(model: str) -> str:

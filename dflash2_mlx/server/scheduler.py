@@ -1,5 +1,12 @@
-"""The generation queue: `Scheduler` owns the model and runs one `Job` at a time on its worker
-thread; the HTTP side only submits jobs and reads their events."""
+"""The generation queue: `Scheduler` owns the model on its worker thread; the HTTP side only
+submits jobs and reads their events.
+
+Two modes, one class: "batch", continuous batching on `batch.BatchEngine` (every running
+request advances in one target forward per step, each still speculating; a request joins at
+any step, its prefill chunked under a per-step budget), and "single", one `Job` at a time
+through `Pipeline.stream`, where the engine cannot batch the target (recurrent or quantized
+caches), the target is pipeline-sharded, or max_batch is 1. docs/server.md, "Batching".
+"""
 
 from __future__ import annotations
 
@@ -8,12 +15,16 @@ import queue
 import threading
 from dataclasses import dataclass, field
 
-from .. import log as logs
-from ..engine import DecodeState
-from ..pipeline import Pipeline
+from .. import log as logs, settings as check
+from ..batch import BatchEngine
+from ..batch_cache import check_batchable
+from ..engine import DecodeState, GenerationStats
+from ..pipeline import Pipeline, SequenceText
 from ..sampling import Sampling
 
 log = logs.get(__name__)
+
+BATCH, SINGLE = "batch", "single"
 
 
 @dataclass
@@ -61,32 +72,54 @@ SHUTDOWN = "the server is shutting down"
 
 
 class Scheduler:
-    """Requests wait in a bounded first-in first-out queue; one worker thread owns the model and
-    runs them one at a time, so MLX never sees two generations at once.
+    """Requests wait in a bounded first-in first-out queue; one worker thread owns the model,
+    so MLX never runs on two threads. Batch mode: the worker admits queued jobs into the engine
+    while fewer than `max_batch` run, and steps it (`prefill_chunk` prompt tokens per step
+    while others decode); single mode: one job at a time, as before batching.
 
     The HTTP layer only calls `submit` and reads `Job.events` (dicts: {"text", "tokens"} per
-    cycle, then {"done": finish_reason, "stats", "prompt_tokens", "cached_tokens"} or
+    step, then {"done": finish_reason, "stats", "prompt_tokens", "cached_tokens"} or
     {"error": message, "status"}: 503 for a generation cancelled by the shutdown, 500 for a
-    failure); a batching scheduler can replace `_run` without touching the routes. `/health`
-    reads `cache_figures`, which the worker publishes after every job: the prompt cache is only
-    ever touched by the worker.
+    failure). `/health` reads `cache_figures` and `batch_figures`, which the worker publishes
+    (after every job, after every step): the prompt cache and the engine are only ever touched
+    by the worker.
     """
 
     def __init__(self, pipe: Pipeline, *, queue_size: int = 16,
-                 block_size: int | str | None = None, prompt_cache=None):
+                 block_size: int | str | None = None, prompt_cache=None,
+                 max_batch: int = check.MAX_BATCH, prefill_chunk: int = check.PREFILL_CHUNK):
         self.pipe = pipe
         self.block_size = block_size
         self.prompt_cache = prompt_cache
+        self.max_batch = check.max_batch(max_batch)
+        self.prefill_chunk = check.prefill_chunk(prefill_chunk)
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
         self._thread: threading.Thread | None = None
         self._running = False
         self.busy = False
-        self._current: Job | None = None
+        self._jobs: list[Job] = []   # running (admitted) jobs, guarded by _closing
         self.served = 0
         self.cancelled = 0           # generations ended early because the client left
         self._closing = threading.Lock()
         self._closed = False
         self.cache_figures: dict | None = None
+        self.mode, self.why = self._choose_mode()
+        log.info(f"scheduler: continuous batching, up to {self.max_batch} sequences, "
+                 f"{self.prefill_chunk} prompt tokens prefilled per step"
+                 if self.mode == BATCH else f"scheduler: one request at a time ({self.why})")
+        self.batch_figures: dict = self._figures(0, 0, [])
+
+    def _choose_mode(self) -> tuple[str, str | None]:
+        """(BATCH, None), or (SINGLE, why)."""
+        if self.max_batch == 1:
+            return SINGLE, "max_batch is 1"
+        if self.pipe.stage is not None:
+            return SINGLE, "the target is pipeline-sharded (--pipeline)"
+        try:
+            check_batchable(self.pipe.adapter.make_cache())
+        except ValueError as e:
+            return SINGLE, str(e)
+        return BATCH, None
 
     def start(self) -> None:
         """Run the worker on a thread of its own (an app served by another ASGI runner).
@@ -96,12 +129,12 @@ class Scheduler:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Cancel the running job at its next cycle (it ends with a 503 error event) and end
+        """Cancel the running jobs at their next step (each ends with a 503 error event) and end
         the worker; queued jobs get the 503 now, later submissions `ShuttingDown`. Safe to
         call again, from any thread."""
         with self._closing:
-            first, self._closed = not self._closed, True
-            if (job := self._current) is not None:
+            self._closed = True
+            for job in self._jobs:
                 job.cancel("shutdown")
             while True:
                 try:
@@ -110,8 +143,9 @@ class Scheduler:
                     break
                 if job is not None:
                     job.emit({"error": SHUTDOWN, "status": 503})
-            if first:
-                self._queue.put(None)        # drained, and nothing is added once closed
+            # drained (an earlier call's sentinel too, if the worker has not read it yet: one
+            # goes back), and nothing is added once closed
+            self._queue.put(None)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
@@ -139,28 +173,43 @@ class Scheduler:
         self._running = True
         self._publish()
         try:
-            self._serve_jobs()
+            if self.mode == BATCH:
+                self._serve_batch()
+            else:
+                self._serve_jobs()
         finally:
             self._running = False
             if self.prompt_cache is not None:
                 self.prompt_cache.close()       # the disk tier writes what is queued
 
-    def _serve_jobs(self) -> None:
-        while (job := self._queue.get()) is not None:
-            if job.cancelled.is_set():        # its client left while it waited
-                self.cancelled += 1
-                continue
-            self.busy, self._current = True, job
-            try:
-                self._run(job)
-            except Exception as e:  # noqa: BLE001 - reported to that request; the next one runs
-                log.exception("generation failed")
-                job.emit({"error": f"{type(e).__name__}: {e}", "status": 500})
-            finally:
-                self.served += 1
-                self.cancelled += job.why == "client"
-                self._publish()
-                self.busy, self._current = False, None
+    # ---- bookkeeping both modes share
+    def _register(self, job: Job) -> None:
+        with self._closing:
+            self._jobs.append(job)
+            if self._closed:             # taken from the queue as stop() drained it
+                job.cancel("shutdown")
+        self.busy = True
+
+    def _done(self, job: Job) -> None:
+        with self._closing:
+            self._jobs.remove(job)
+        self.served += 1
+        self.cancelled += job.why == "client"
+        self.busy = bool(self._jobs)
+        self._publish()
+
+    @staticmethod
+    def _final(job: Job, finish: str, stats: dict) -> None:
+        if job.why == "shutdown":
+            # not a finish: the client gets an error (a 503, or its stream's error event)
+            job.emit({"error": f"{SHUTDOWN}: the generation was cancelled", "status": 503})
+            return
+        job.emit({"done": finish, "stats": stats, "prompt_tokens": len(job.request.prompt),
+                  "cached_tokens": stats.get("cached_tokens", 0)})
+
+    @staticmethod
+    def _failed(job: Job, e: Exception) -> None:
+        job.emit({"error": f"{type(e).__name__}: {e}", "status": 500})
 
     def _publish(self) -> None:
         """The prompt cache's figures for /health, read here on the worker's thread (another
@@ -169,6 +218,120 @@ class Scheduler:
         self.cache_figures = None if c is None else {
             **c.stats.to_dict(), "entries": len(c), "bytes": c.nbytes,
             "disk": c.disk.describe() if c.disk else None}
+
+    def _figures(self, running: int, prefilling: int, stats: list[GenerationStats],
+                 last_step: tuple[int, int, float] | None = None) -> dict:
+        """/health's "batch": the running sequences' sizes (never their text)."""
+        return {"mode": self.mode, "why": self.why, "max_batch": self.max_batch,
+                "prefill_chunk": self.prefill_chunk, "running": running,
+                "prefilling": prefilling, "waiting": self.waiting,
+                "sequences": [{"prompt_tokens": s.prompt_tokens,
+                               "cached_tokens": s.cached_tokens,
+                               "tokens": s.generated_tokens} for s in stats],
+                "last_step": None if last_step is None else dict(zip(
+                    ("sequences", "rows", "seconds"), last_step))}
+
+    # ---- batch mode
+    def _serve_batch(self) -> None:
+        pipe = self.pipe
+        b = pipe.block_size(self.block_size)
+        shared, stop_ids = pipe.batch_correction(), pipe.stop_ids()
+        engine = pipe.batch_engine(self.max_batch)
+        running: dict[int, tuple[Job, SequenceText]] = {}     # engine id -> job, its text
+        closing = False
+        while True:
+            while not closing and len(running) < self.max_batch:
+                try:
+                    job = self._queue.get(block=not running)
+                except queue.Empty:
+                    break
+                if job is None:
+                    closing = True
+                elif job.cancelled.is_set():        # its client left while it waited
+                    self.cancelled += 1
+                else:
+                    self._admit(engine, job, b, shared, stop_ids, running)
+            for rid, (job, _) in list(running.items()):
+                if closing:
+                    job.cancel("shutdown")
+                if job.cancelled.is_set():
+                    engine.cancel(rid)              # its rows are freed now
+                    self._leave(engine, rid, running.pop(rid)[0], "cancelled")
+            if not running:
+                if closing:
+                    return
+                continue
+            # a lone prompt prefills in the pipeline's chunks; beside running streams in
+            # prefill_chunk tokens per step, so that they keep flowing
+            budget = self.prefill_chunk if engine.running else pipe.prefill_step_size
+            try:
+                events = engine.step(prefill_budget=budget)
+            except Exception as e:  # noqa: BLE001 - reported to the batch; the next one runs
+                log.exception("generation failed")
+                for job, _ in running.values():
+                    self._failed(job, e)
+                    self._done(job)
+                running.clear()
+                engine = pipe.batch_engine(self.max_batch)
+                continue
+            for ev in events:
+                job, text = running[ev.id]
+                job.emit({"text": text(ev.tokens, ev.finish), "tokens": list(ev.tokens)})
+                if ev.finish is not None:
+                    del running[ev.id]
+                    self._leave(engine, ev.id, job, ev.finish)
+            last = engine.history[-1] if engine.history else None
+            engine.history.clear()        # a server's engine runs for good: keep the last
+            self.batch_figures = self._figures(engine.running, engine.waiting,
+                                               [engine.stats[rid] for rid in running], last)
+        # (unreachable: the loop returns once closing with nothing running)
+
+    def _admit(self, engine: BatchEngine, job: Job, b, shared, stop_ids, running) -> None:
+        """Start a job's sequence, from the prefix cache's state when it has one."""
+        r = job.request
+        self._register(job)
+        try:
+            state = None
+            if self.prompt_cache is not None:
+                state, _ = self.prompt_cache.fetch(r.prompt)
+            rid = self.pipe.add_to_batch(engine, r.prompt, r.max_tokens, r.sampling, b,
+                                         shared, lookup=self.pipe.lookup,
+                                         stop_ids=stop_ids, seed=r.seed, state=state,
+                                         keep_state=self.prompt_cache is not None)
+        except Exception as e:  # noqa: BLE001 - reported to that request; the others run
+            log.exception("generation failed")
+            self._failed(job, e)
+            self._done(job)
+            return
+        running[rid] = (job, SequenceText(self.pipe.tokenizer, stop_ids))
+
+    def _leave(self, engine: BatchEngine, rid: int, job: Job, finish: str) -> None:
+        """A sequence left (finished or cancelled): its state to the prefix cache, its final
+        event to its job."""
+        stats = engine.stats.pop(rid)
+        state = engine.pop_state(rid)
+        if state is not None and self.prompt_cache is not None:
+            # it covers the prompt and the answer (but its last token): the next turn of
+            # this conversation starts from it
+            self.prompt_cache.insert(state)
+        self._final(job, finish, stats.to_dict())
+        self._done(job)
+
+    # ---- single mode
+    def _serve_jobs(self) -> None:
+        while (job := self._queue.get()) is not None:
+            if job.cancelled.is_set():        # its client left while it waited
+                self.cancelled += 1
+                continue
+            self._register(job)
+            try:
+                self._run(job)
+            except Exception as e:  # noqa: BLE001 - reported to that request; the next one runs
+                log.exception("generation failed")
+                self._failed(job, e)
+            finally:
+                self._done(job)
+                self.batch_figures = self._figures(0, 0, [])
 
     def _run(self, job: Job) -> None:
         r = job.request
@@ -186,6 +349,7 @@ class Scheduler:
         try:
             for chunk in steps:
                 job.emit({"text": chunk.text, "tokens": list(chunk.tokens)})
+                self.batch_figures = self._figures(1, 0, [chunk.stats])
                 if job.cancelled.is_set():
                     break
         finally:
@@ -194,12 +358,6 @@ class Scheduler:
             # the state now covers the prompt and the answer (but its last token): the next
             # turn of this conversation starts from it. An exception above skips this.
             cache.insert(state)
-        if job.why == "shutdown":
-            # not a finish: the client gets an error (a 503, or its stream's error event)
-            job.emit({"error": f"{SHUTDOWN}: the generation was cancelled", "status": 503})
-            return
         stats = chunk.stats.to_dict() if chunk is not None else {}
-        finish = (chunk.finish_reason if chunk is not None else None) or "cancelled"
-        job.emit({"done": finish, "stats": stats, "prompt_tokens": len(r.prompt),
-                  "cached_tokens": stats.get("cached_tokens", 0)})
-
+        self._final(job, (chunk.finish_reason if chunk is not None else None) or "cancelled",
+                    stats)
