@@ -23,7 +23,7 @@ DRAFT_GROUP_SIZES = (32, 64, 128)
 SEED_MAX = 2**64 - 1                # mx.random.key takes an unsigned 64-bit seed
 PROMPT_CACHE_DISK_BYTES = 8 * 2**30     # the disk tier's bound when only its folder is given
 HUMANEVAL_PROBLEMS = 164            # the most prompts per set `dflash2-mlx bench` can draw
-MAX_BATCH = 8           # sequences the server decodes at once (to be set by measurement)
+MAX_BATCH = 16          # sequences the server decodes at once (docs/server.md: by the load benchmark)
 PREFILL_CHUNK = 128     # prompt tokens the server prefills per step beside running streams
 
 
