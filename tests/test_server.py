@@ -661,34 +661,41 @@ def test_a_queued_stream_sends_keep_alive_pings_then_the_same_text(pipe):
     assert lines[-1] == "data: [DONE]"
 
 
+def asgi_completion(app, body: dict, gone: asyncio.Event, sent: list):
+    """Call the app as ASGI with a completions request (`body`) whose client closes its
+    connection once `gone` is set (httpx's ASGITransport reads a response to its end); the
+    messages the app sends go to `sent`."""
+    raw = json.dumps(body).encode()
+    messages = iter([{"type": "http.request", "body": raw, "more_body": False}])
+
+    async def receive():
+        if (m := next(messages, None)) is not None:
+            return m
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions",
+             "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"),
+                         (b"content-length", str(len(raw)).encode())],
+             "client": ("127.0.0.1", 1), "server": ("dflash2.test", 80)}
+    return asyncio.ensure_future(app(scope, receive, send))
+
+
 def test_a_non_streaming_client_that_leaves_cancels_its_generation(pipe):
     """The app called as ASGI: the client's connection closes once the generation runs; the
     job must stop at a cycle then, not run to its max_tokens (events come every cycle, so
     the check cannot wait for a pause between them)."""
-    body = json.dumps({"model": "llama", "prompt": ENDLESS, "max_tokens": LIMIT,
-                       "temperature": 0}).encode()
+    body = {"model": "llama", "prompt": ENDLESS, "max_tokens": LIMIT, "temperature": 0}
 
     async def clients(app, http, go):
         scheduler, gone, sent = app.state.scheduler, asyncio.Event(), []
-        messages = iter([{"type": "http.request", "body": body, "more_body": False}])
-
-        async def receive():
-            if (m := next(messages, None)) is not None:
-                return m
-            await gone.wait()
-            return {"type": "http.disconnect"}
-
-        async def send(message):
-            sent.append(message)
-
-        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
-                 "method": "POST", "scheme": "http", "path": "/v1/completions",
-                 "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
-                 "headers": [(b"content-type", b"application/json"),
-                             (b"content-length", str(len(body)).encode())],
-                 "client": ("127.0.0.1", 1), "server": ("dflash2.test", 80)}
         go.set()
-        call = asyncio.ensure_future(app(scope, receive, send))
+        call = asgi_completion(app, body, gone, sent)
         await _until(lambda: scheduler.busy)
         await asyncio.sleep(0.2)
         gone.set()                                 # the client closed its connection

@@ -22,7 +22,8 @@ httpx = pytest.importorskip("httpx")
 
 import dflash2_mlx  # noqa: E402
 from fixtures import BLOCK, write_target  # noqa: E402
-from test_server import ENDLESS, LIMIT, _sse_lines, _until, chat_ids, in_process  # noqa: E402
+from test_server import (ENDLESS, LIMIT, _sse_lines, _until, asgi_completion,  # noqa: E402
+                         chat_ids, in_process)
 
 from dflash2_mlx import settings as check  # noqa: E402
 from dflash2_mlx.engine import common_prefix  # noqa: E402
@@ -160,30 +161,6 @@ def test_a_long_prompt_joins_in_chunks_while_a_stream_keeps_flowing(pipe):
     assert len(set(seen)) >= 3, seen            # the stream advanced during the prefill
 
 
-def _asgi_stream(app, body: dict, gone: asyncio.Event, sent: list):
-    """Call the app as ASGI with a streaming completions request whose client closes its
-    connection once `gone` is set (httpx's ASGITransport reads a response to its end)."""
-    raw = json.dumps(body).encode()
-    messages = iter([{"type": "http.request", "body": raw, "more_body": False}])
-
-    async def receive():
-        if (m := next(messages, None)) is not None:
-            return m
-        await gone.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message):
-        sent.append(message)
-
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": "/v1/completions",
-             "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
-             "headers": [(b"content-type", b"application/json"),
-                         (b"content-length", str(len(raw)).encode())],
-             "client": ("127.0.0.1", 1), "server": ("dflash2.test", 80)}
-    return asyncio.ensure_future(app(scope, receive, send))
-
-
 def test_a_client_that_leaves_mid_batch_leaves_the_others_exact(pipe):
     others = [_chat("def add(a, b):", 30, stream=True), _completion("for i in range(10):", 40)]
     want = [pipe.generate("def add(a, b):", max_tokens=30).text,
@@ -192,7 +169,7 @@ def test_a_client_that_leaves_mid_batch_leaves_the_others_exact(pipe):
     async def clients(app, http, go):
         scheduler, gone, sent = app.state.scheduler, asyncio.Event(), []
         go.set()
-        leaving = _asgi_stream(app, {"model": "llama", "prompt": ENDLESS, "max_tokens": LIMIT,
+        leaving = asgi_completion(app, {"model": "llama", "prompt": ENDLESS, "max_tokens": LIMIT,
                                      "temperature": 0, "stream": True}, gone, sent)
         await _until(lambda: scheduler.batch_figures["running"] == 1)
         tasks = [asyncio.ensure_future(http.post(p, json=b)) for p, b in others]
