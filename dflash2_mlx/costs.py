@@ -274,10 +274,11 @@ def _time_widths(target, drafter, cache, dcache, anchor, feats, widths, block, r
 def _measure_slopes(pipeline, widths, context, long, ids, block, reps):
     """(verify_slope, draft_slope) from the widths timed at each long context against the same
     widths at `context`, measured alongside; zeros where the target's caches cannot be grown
-    (`grow_cache`) or no long context is asked for."""
+    (`grow_cache`), the target is pipeline-sharded (the other ranks' caches cannot be grown
+    from here: they would fall out of step) or no long context is asked for."""
     target, drafter = pipeline.adapter, pipeline.drafter
     v_points, d_points, base_v, base_d = [], [], {}, {}
-    if not long:
+    if not long or getattr(pipeline, "stage", None) is not None:
         return (0.0, 0.0), (0.0, 0.0)
     for n in (context, *long):
         cache = target.make_cache()
