@@ -204,17 +204,11 @@ def test_full_queue_answers_429_and_the_server_recovers(pipe):
     by the real async `openai` client, and its worker starts only once two requests fill the
     queue. Which request is turned away does not depend on the model's speed (the other tests
     here cover the real socket). Each API's route answers a full queue in its own shape."""
-    from dflash2_mlx.server import ServerConfig, create_app
-
-    app = create_app(pipe, ServerConfig("llama", max_tokens=CAP, queue_size=2,
-                                        block_size=BLOCK), worker_thread=False)
-    scheduler = app.state.scheduler
     msgs = [{"role": "user", "content": "count:"}]
     want = pipe.generate("count:", max_tokens=8).text
-    full, out = threading.Event(), {}
 
-    async def clients():
-        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), timeout=60)
+    async def clients(app, http, go):
+        scheduler, out = app.state.scheduler, {}
         oa = openai.AsyncOpenAI(base_url="http://dflash2.test/v1", api_key="none",
                                 max_retries=0, http_client=http)
 
@@ -244,27 +238,13 @@ def test_full_queue_answers_429_and_the_server_recovers(pipe):
             "model": "llama", "max_tokens": 8, "messages": msgs, **T0}), 60)
         assert messages.status_code == 429, messages.text
         refused["messages"] = messages.json()
-        full.set()                                # the worker starts on the main thread
+        go.set()                                  # the worker starts on the main thread
         out["queued"] = [r.choices[0].message.content for r in await asyncio.gather(*queued)]
         out["after"] = (await ask()).choices[0].message.content
-        out["refused"] = refused
+        out["refused"], out["scheduler"] = refused, scheduler
+        return out
 
-    def http_thread():
-        try:
-            asyncio.run(clients())
-        except BaseException as e:  # noqa: BLE001 - raised again on the main thread
-            out["error"] = e
-        finally:
-            full.set()
-            scheduler.stop()                      # ends scheduler.work() below
-
-    thread = threading.Thread(target=http_thread)
-    thread.start()
-    full.wait()
-    scheduler.work()             # MLX on the main thread, as `serve` runs it
-    thread.join()
-    if "error" in out:
-        raise out["error"]
+    out = in_process(pipe, clients, queue_size=2)
     refused = out["refused"]
     for api in ("chat", "responses"):
         assert refused[api]["type"] == "rate_limit_error" and \
@@ -272,7 +252,7 @@ def test_full_queue_answers_429_and_the_server_recovers(pipe):
     assert refused["messages"]["type"] == "error" and \
         refused["messages"]["error"]["type"] == "rate_limit_error", refused["messages"]
     assert out["queued"] == [want, want] and out["after"] == want
-    assert scheduler.served == 3
+    assert out["scheduler"].served == 3
 
 
 def test_disconnect_mid_stream_cancels_then_next_request_works(server, pipe, oa):
