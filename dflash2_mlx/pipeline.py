@@ -18,7 +18,7 @@ from .drafter import Drafter
 from .batch import BatchAwareWidth, BatchEngine, Request
 from .costs import Correction
 from .adaptive import DRAFTER, LOOKUP, AdaptiveWidth, FixedWidth, load_or_measure_costs
-from .engine import DecodeState, GenerationStats, generate_tokens
+from .engine import DecodeState, GenerationStats, common_prefix, generate_tokens
 from .kernels import resolve_kernel_path
 from .lookup import LookupConfig
 from .loading import load_drafter, load_target, resolve, stored_quantization
@@ -113,16 +113,19 @@ class Pipeline:
             n = getattr(self.tokenizer, "model_max_length", None)
         return int(n) if isinstance(n, (int, float)) and 0 < n < 1e12 else None
 
-    def _announce_prompt(self, n: int) -> None:
+    def _announce_prompt(self, n: int, cached: int = 0) -> None:
         """A note when the prompt does not fit the model's context, a line before a long
-        prefill (minutes on a CPU for thousands of tokens)."""
+        prefill (minutes on a CPU for thousands of tokens); `cached`: the prompt tokens a
+        given state already holds (not prefilled again)."""
         ctx = self.context_length
         if ctx is not None and n > ctx:
             _notice(f"the prompt has {n} tokens, more than the model's context of {ctx} "
                     "positions: what the model produces past that point is unreliable")
-        if n > self.prefill_step_size:
-            _log.info(f"prefill of {n} prompt tokens in {-(-n // self.prefill_step_size)} "
-                      f"chunks of {self.prefill_step_size} ...")
+        todo = n - cached
+        if todo > self.prefill_step_size:
+            _log.info(f"prefill of {todo} prompt tokens in "
+                      f"{-(-todo // self.prefill_step_size)} chunks of "
+                      f"{self.prefill_step_size} ...")
 
     def max_width(self, lookup: bool) -> int:
         """The widest block any source can draft: the drafter's block size, the lookup's."""
@@ -192,7 +195,8 @@ class Pipeline:
         b = self.block_size(block_size, lookup)
         max_tokens, seed = check.max_tokens(max_tokens), check.seed(seed)
         ids = self.encode(prompt, chat_template, system)
-        self._announce_prompt(len(ids))
+        self._announce_prompt(len(ids), 0 if state is None else
+                              common_prefix(state.tokens, ids[:-1]))
         if self.max_ctx is not None and len(ids) >= self.max_ctx and b != 1:
             _notice(f"the prompt has {len(ids)} tokens, at or beyond max_ctx={self.max_ctx}: "
                     "plain target decoding")

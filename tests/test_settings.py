@@ -7,6 +7,7 @@ import pytest
 
 import dflash2_mlx
 from dflash2_mlx import settings as check
+from dflash2_mlx.engine import DecodeState
 
 
 @pytest.mark.parametrize("fn, bad", [
@@ -134,8 +135,10 @@ def test_a_prompt_beyond_the_context_is_announced(llama_dir, capfd, caplog, monk
     caplog.set_level("INFO", logger="dflash2_mlx")
     monkeypatch.setattr(log, "progress", _Bar)
     bars.clear()
+    state = DecodeState.new(pipe.adapter, pipe.drafter)
     with pytest.warns(dflash2_mlx.DFlashNotice, match=r"more than the model's context of 4096"):
-        gen = pipe.generate("hello world " * 470, max_tokens=1, chat_template=False)
+        gen = pipe.generate("hello world " * 470, max_tokens=1, chat_template=False,
+                            state=state)
     assert gen.stats.prompt_tokens > 4096
     (prefill,) = [m for m in caplog.messages if "prefill of" in m]  # (and auto's calibration)
     assert "chunks of 1024" in prefill
@@ -144,3 +147,8 @@ def test_a_prompt_beyond_the_context_is_announced(llama_dir, capfd, caplog, monk
     assert (bar.total, bar.unit, bar.closed) == (n, "tok", True)
     assert bar.at == [1024, 2048, 3072, 4096, n - 1]
     assert "Token indices sequence length" not in capfd.readouterr().err
+    # the same prompt again from the state that holds it: nothing to prefill, no such line
+    caplog.clear()
+    with pytest.warns(dflash2_mlx.DFlashNotice):
+        pipe.generate("hello world " * 470, max_tokens=1, chat_template=False, state=state)
+    assert not [m for m in caplog.messages if "prefill of" in m]
