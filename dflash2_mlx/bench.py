@@ -171,11 +171,16 @@ def add_ratios(table: dict, baseline: str = "mlx-lm") -> dict:
 def run_bench(model: str, draft: str, prompt_sets: dict[str, Sequence[str]], *,
               block_sizes: Sequence[int | str] = (2, 4, 8, "auto"),
               temperatures: Sequence[float] = (0.0, 1.0), max_tokens: int = 128,
-              lookup: bool = True, reference: bool = True, seed: int = 0) -> dict:
+              lookup: bool = True, reference: bool = True, seed: int = 0,
+              repeats: int = 1) -> dict:
     """Run every system on every prompt of each set, alternating; return JSON-ready results
     keyed "<set> T=<t>". Systems: mlx-lm; per block size b, "dflash2-mlx b=<b>" (the drafter
     alone, b up to its block size), "hybrid b=<b>" (drafter and lookup, with `lookup`) and
     "reference b=<b>". Progress: one bar per set and temperature (`log.progress`).
+
+    repeats: rounds of every system per prompt, the order rotated each round; round k of
+    one system is paired with round k of the baseline (`_paired`), so a figure is a median
+    over prompts x rounds of ratios measured minutes apart at most.
 
     Sets named "long-..." (`prompt_sets.LONG_SIZES`) prefill each prompt once (`prefilled`)
     and run every system of ours from a copy of that state, against plain decoding from the
@@ -222,7 +227,8 @@ def run_bench(model: str, draft: str, prompt_sets: dict[str, Sequence[str]], *,
                                "prompts": {k: len(v) for k, v in prompt_sets.items()},
                                "max_tokens": max_tokens, "block_sizes": list(block_sizes),
                                "temperatures": list(temperatures), "seed": seed,
-                               "lookup": lookup, "drafter_block_size": block}}
+                               "lookup": lookup, "drafter_block_size": block,
+                               "repeats": repeats}}
     long_systems: dict[str, Callable] = {PLAIN_NAME: (
         lambda ids, t, s, state: _ours(pipe, ids, t, max_tokens, s, 1, False, state))}
     for b in block_sizes:
@@ -244,15 +250,18 @@ def run_bench(model: str, draft: str, prompt_sets: dict[str, Sequence[str]], *,
                 if long:
                     state, seconds = prefilled(pipe, ids)
                     prefill_s.append(seconds)
-                for name, run in chosen.items():
-                    mx.clear_cache()
-                    mx.reset_peak_memory()
-                    args = (ids, temperature, seed + i) + ((state,) if long else ())
-                    runs[name].append(run(*args))
-                if temperature == 0:
-                    outs = {name: r[-1].tokens for name, r in runs.items()}
-                    base = outs[baseline]
-                    mismatches += [f"prompt {i}: {n}" for n, o in outs.items() if o != base]
+                names = list(chosen)
+                for k in range(repeats):
+                    for name in names[k % len(names):] + names[: k % len(names)]:
+                        mx.clear_cache()
+                        mx.reset_peak_memory()
+                        args = (ids, temperature, seed + i) + ((state,) if long else ())
+                        runs[name].append(chosen[name](*args))
+                    if temperature == 0:
+                        outs = {name: r[-1].tokens for name, r in runs.items()}
+                        base = outs[baseline]
+                        mismatches += [f"prompt {i}: {n}" for n, o in outs.items()
+                                       if o != base]
             table = add_ratios({name: summarize(r) for name, r in runs.items()}, baseline)
             key = f"{set_name} T={temperature:g}"
             results[key] = {"systems": table, "baseline": baseline,

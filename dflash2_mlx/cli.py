@@ -410,6 +410,9 @@ def bench(
                                 help="Also run each block size with lookup drafting (hybrid)"),
     temperatures: str = typer.Option("0,1", "--temperatures", help="Comma-separated"),
     max_tokens: int = typer.Option(128, "--max-tokens", "-m", callback=_flag(check.max_tokens)),
+    repeats: int = typer.Option(1, "--repeats", callback=_flag(check.repeats),
+                                help="Rounds of every system per prompt, the order rotated "
+                                "(figures: medians of the paired ratios)"),
     reference: bool = typer.Option(True, "--reference/--no-reference",
                                    help="Include dflash.model_mlx when it is importable"),
     out: Path = typer.Option(Path("bench-results"), "--out", help="Folder for bench.json, "
@@ -440,7 +443,8 @@ def bench(
         with contextlib.redirect_stdout(sys.stderr):
             chosen = {n: PROMPT_SETS[n](prompts) for n in names}
             results = run_bench(model, draft, chosen, block_sizes=sizes, temperatures=temps,
-                                max_tokens=max_tokens, lookup=lookup, reference=reference)
+                                max_tokens=max_tokens, lookup=lookup, reference=reference,
+                                repeats=repeats)
         write(results, out)
         print(markdown(results))
 

@@ -191,6 +191,11 @@ def prompts_per_set(value, name: str = "prompts") -> int:
     return _integer(value, name, 1, HUMANEVAL_PROBLEMS)
 
 
+def repeats(value, name: str = "repeats") -> int:
+    """Rounds of every system per prompt in `dflash2-mlx bench` (1-20)."""
+    return _integer(value, name, 1, 20)
+
+
 def _int_choice(value, name: str, allowed: tuple, expected: str) -> int | None:
     """None, or one of `allowed` (strings of digits accepted: flags); the error quotes what
     the user wrote."""
@@ -269,7 +274,7 @@ def prompt(value, name: str = "prompt"):
 __all__ = ["SettingError", "block_size", "lookup", "temperature", "top_p", "top_k", "max_tokens",
            "seed", "port", "context_length", "max_body_bytes", "queue_size", "prompt_cache_size",
            "prompt_cache_bytes", "shutdown_timeout", "ping_interval", "read_timeout",
-           "max_batch", "prefill_chunk", "pipeline_timeout", "prompts_per_set",
+           "max_batch", "prefill_chunk", "pipeline_timeout", "prompts_per_set", "repeats",
            "draft_bits", "draft_group_size", "dtype", "byte_size", "text", "prompt", "DTYPES",
            "DRAFT_BITS", "DRAFT_GROUP_SIZES", "SEED_MAX", "PROMPT_CACHE_DISK_BYTES", "MAX_BATCH",
            "PREFILL_CHUNK"]

@@ -105,8 +105,10 @@ def test_long_context_sets_prefill_once_and_compare_with_plain(llama_dir, tmp_pa
     text = "def add(a, b):\n    return a + b\n" * 12
     results = run_bench(str(llama_dir), str(drafter), {"long-edit-test": [text + "def add("]},
                         block_sizes=(4, "auto"), temperatures=(0.0,), max_tokens=12,
-                        reference=False)
+                        reference=False, repeats=2)
     part = results["long-edit-test T=0"]
+    assert results["setup"]["repeats"] == 2
+    assert {row["requests"] for row in part["systems"].values()} == {2}    # two rounds each
     assert part["baseline"] == "dflash2-mlx b=1" and part["greedy_identical"]
     assert set(part["systems"]) == {"dflash2-mlx b=1", "dflash2-mlx b=4", "dflash2-mlx b=auto",
                                     "hybrid b=4", "hybrid b=auto"}
