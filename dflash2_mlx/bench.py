@@ -364,24 +364,31 @@ def plot(results: dict, out: Path) -> list[Path]:
 
 
 def _plot_context(plt, parts, path: Path) -> Path:
-    """Speedup over plain decoding against prompt tokens, one line per system and kind of
-    long-context set (long-<kind>-<size> T=<t>)."""
-    fig, ax = plt.subplots(figsize=(7, 4))
-    lines: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    """Speedup over plain decoding against prompt tokens: one panel per kind of long-context
+    set (long-<kind>-<size> T=<t>), one line per system, the same colour in every panel."""
+    lines: dict[str, dict[str, list[tuple[float, float]]]] = {}
     for key, part in parts:
         kind = key.split(" ", 1)[0].rsplit("-", 1)[0] + " " + key.split(" ", 1)[1]
         for name, row in part["systems"].items():
             if name != part.get("baseline"):
-                lines.setdefault((kind, name), []).append((part["prompt_tokens"],
-                                                           row["speedup"]))
-    for (kind, name), pts in sorted(lines.items()):
-        pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{kind}: {name}")
-    ax.axhline(1.0, color="black", linewidth=0.5)
-    ax.set_xlabel("prompt tokens")
-    ax.set_ylabel("speedup over plain decoding")
-    ax.legend(fontsize=6)
-    fig.tight_layout()
+                lines.setdefault(kind, {}).setdefault(name, []).append(
+                    (part["prompt_tokens"], row["speedup"]))
+    names = sorted({n for by_name in lines.values() for n in by_name})
+    colour = {n: f"C{i % 10}" for i, n in enumerate(names)}
+    fig, axes = plt.subplots(1, len(lines), figsize=(3.2 * len(lines) + 1.8, 3.4),
+                             sharey=True, squeeze=False)
+    for ax, (kind, by_name) in zip(axes[0], sorted(lines.items())):
+        for name, pts in sorted(by_name.items()):
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=colour[name],
+                    label=name)
+        ax.axhline(1.0, color="black", linewidth=0.5)
+        ax.set_title(kind, fontsize=9)
+        ax.set_xlabel("prompt tokens")
+    axes[0, 0].set_ylabel("speedup over plain decoding")
+    handles = [plt.Line2D([], [], color=colour[n], marker="o", label=n) for n in names]
+    fig.legend(handles=handles, loc="center right", fontsize=7)
+    fig.tight_layout(rect=(0, 0, 1 - 1.8 / (3.2 * len(lines) + 1.8), 1))
     with atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=120)
     plt.close(fig)
