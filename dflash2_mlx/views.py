@@ -347,5 +347,7 @@ class Snapshot:
                 sub.cache = [s[idx] for s in before]
                 if k:      # as in `rollback`: only the recurrent part is ever evaluated
                     self.layers.target.layers[i](self.inputs[i][idx, :k], mask=None, cache=sub)
+                # a scatter into the forward's new arrays (each entry was replaced by the
+                # forward, so no other cache or snapshot holds them)
                 for s, new in zip(c.cache, sub.cache):
                     s[idx] = new
