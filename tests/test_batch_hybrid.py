@@ -211,3 +211,26 @@ def test_state_kept_on_leaving_resumes_exactly():
                             (1, copy.deepcopy(others[0]))]})
     assert out2[0] == (mlx_lm_greedy(adapter.model, follow, 20), "length")
     assert engine.stats[0].cached_tokens == cached
+
+
+def test_memory_returns_to_idle_after_a_burst():
+    adapter = hybrid("qwen3_next")
+    drafter = random_drafter(drafter_args(block_size=8, layer_ids=FEATURES))
+    rng = random.Random(9)
+    vocab = adapter.vocab_size
+
+    def burst():
+        engine = BatchEngine(adapter, drafter)
+        arrivals = {s: [(8 * s + k, Request([rng.randrange(vocab - 1) for _ in range(30)], 16,
+                                            policy=FixedWidth(1 + k % 5), lookup=k % 2 == 1))
+                        for k in range(8)] for s in range(2)}
+        run(engine, arrivals)
+        return engine
+
+    burst()                                  # the first use allocates for good
+    mx.clear_cache()
+    idle = mx.get_active_memory()
+    engine = burst()
+    mx.clear_cache()
+    assert engine.cache is None and not engine.states
+    assert mx.get_active_memory() <= idle + 64 * 1024, (idle, mx.get_active_memory())
