@@ -7,7 +7,9 @@ A step, for the running sequences s_1..s_B in the rows of the batch cache:
            the lookup or from the drafter (one pass per drafting sequence)
   verify   the target runs [B, T = max w_b]: row b is [anchor_b, drafts_b, padding]
   accept   per sequence, greedy prefix match or rejection sampling on its own rows
-  rollback `RaggedKVCache.commit`: row b keeps its a_b + 1 rows, the rest become holes
+  rollback `RaggedKVCache.commit`: row b keeps its a_b + 1 rows, the rest become holes; a
+           recurrent layer's rows that kept fewer than T replay their kept rows from the
+           state before the verify (`views.Snapshot.rollback_rows`)
 Before the decode rows, `step(prefill_budget=n)` prefills the waiting sequences for up to n
 prompt tokens (chunked; a sequence joins the batch once its prompt is in). A sequence leaves
 at a stop token, its max_tokens or `cancel`, and its single-sequence `DecodeState` can be kept
@@ -235,7 +237,7 @@ class BatchEngine:
         self.lookup = lookup or LookupConfig()
         self.max_batch, self.prefill_step_size = max_batch, prefill_step_size
         self.keep = drafter.context_window if drafter is not None else None
-        self.cache: list[RaggedKVCache] | None = None
+        self.cache: list | None = None     # RaggedKVCache / RecurrentRows per layer
         self.rows: list[_Sequence] = []               # decoding, in the cache's row order
         self.queue: deque[_Sequence] = deque()        # prefilling (the first) or waiting
         self.states: dict[int, DecodeState] = {}
@@ -393,14 +395,18 @@ class BatchEngine:
             if p.width < T:
                 row.append(mx.zeros((1, T - p.width), mx.uint32))
             rows.append(mx.concatenate(row, axis=1) if len(row) > 1 else row[0])
+        snapshot = self.target.snapshot(self.cache)    # the recurrent layers' state, if any
         logits, feats = self.target.forward(mx.concatenate(rows), self.cache)  # [B, T, V]
         greedy_ids = (mx.argmax(logits, axis=-1).astype(mx.uint32)
                       if any(p.seq.req.sampling.greedy for p in plans) else None)
         results = [self._accept(i, p, logits, greedy_ids) for i, p in enumerate(plans)]
         mx.eval(results)
         accepted = [int(a.item()) for a, _ in results]
+        keep = [a + 1 for a in accepted]
         for c in self.cache:
-            c.commit([a + 1 for a in accepted])
+            if isinstance(c, RaggedKVCache):
+                c.commit(keep)
+        snapshot.rollback_rows(keep, T)
         seconds = time.perf_counter() - tic
         self.history.append((len(plans), len(plans) * T, seconds))
         verify = seconds - sum(d for _, _, d in planned)     # drafting at its calibration

@@ -1,5 +1,6 @@
-"""The batch engine's attention cache: one mlx-lm `BatchKVCache` per layer whose rows keep
-their own length, so each row drops its own rejected tail after a verify.
+"""The batch engine's caches: for an attention layer one mlx-lm `BatchKVCache` whose rows keep
+their own length, so each row drops its own rejected tail after a verify; for a recurrent
+(GatedDeltaNet) layer mlx-lm's `ArraysCache` with B rows of state (`RecurrentRows`).
 
 Layout (docs/batching.md): the B rows share one slot axis [B, n_kv, S, D]; every step writes
 T slots to every row (the step's widest block; a narrower row is padded on the right). Each
@@ -13,13 +14,18 @@ holes elsewhere are squeezed out by `compact` when they make up a quarter of the
 gather of the kept slots, right-aligned).
 
 Only the public protocol of the models is used: `update_and_fetch`, `make_mask`, `offset`.
+
+A recurrent layer's state cannot drop rows: after a verify of T rows per row (right-padded, so
+the padding went through the recurrence too), `views.Snapshot.rollback_rows` gives the rows
+that kept fewer than T their state from before the forward back and re-runs the layer over
+their kept inputs.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, RotatingKVCache
 
 from .views import RollbackRotatingKVCache
 
@@ -238,19 +244,68 @@ class RaggedKVCache(BatchKVCache):
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
 
-def batch_cache(single: list) -> list[RaggedKVCache]:
-    """One row per layer from a single-sequence target cache; ValueError naming the layer's
-    cache type when the batch cannot hold it (a recurrent layer, a quantized cache)."""
-    return [RaggedKVCache.from_single(c) for c in single]
+class RecurrentRows(ArraysCache):
+    """A recurrent layer's state for B rows: mlx-lm's `ArraysCache` with batch dim B (for
+    GatedDeltaNet: the conv state [B, K-1, C] and the recurrent state [B, Hv, Dv, Dk]). It has
+    no left padding and no lengths, so `create_ssm_mask` gives None: every row starts at its
+    own state, and a verify's padding rows are undone by the rollback."""
+
+    @property
+    def batch(self) -> int:
+        return self.cache[0].shape[0]
+
+    def filter(self, batch_indices) -> None:
+        """Keep the given rows, in that order."""
+        super().filter(mx.array(np.asarray(batch_indices, np.int32)))
+
+    def extend(self, other: "RecurrentRows") -> None:
+        """Append the rows of `other`."""
+        if len(other.cache) != len(self.cache):
+            raise ValueError(f"cannot join a recurrent cache of {len(other.cache)} arrays to "
+                             f"one of {len(self.cache)}")
+        super().extend(other)
+
+    @classmethod
+    def from_single(cls, cache: ArraysCache) -> "RecurrentRows":
+        """One row from a single-sequence `ArraysCache` that has seen at least one token."""
+        if any(c is None for c in cache.cache):
+            raise RuntimeError("a recurrent layer's cache joins the batch only after a prefill")
+        out = cls(len(cache.cache))
+        out.cache = list(cache.cache)
+        return out
+
+    def to_single(self, row: int) -> ArraysCache:
+        """Row `row` as the single-sequence `ArraysCache` `from_single` takes (its own arrays,
+        not views of the batch's)."""
+        out = ArraysCache(len(self.cache))
+        out.cache = [mx.contiguous(c[row : row + 1]) for c in self.cache]
+        return out
+
+    def extract(self, idx):
+        return self.to_single(idx)
+
+
+def _recurrent(cache) -> bool:
+    return type(cache) is ArraysCache and cache.left_padding is None and cache.lengths is None
+
+
+def _attention(cache) -> bool:
+    return type(cache) is KVCache or (isinstance(cache, RotatingKVCache) and cache.keep == 0)
+
+
+def batch_cache(single: list) -> list:
+    """One row per layer from a single-sequence target cache: a `RaggedKVCache` per attention
+    layer, a `RecurrentRows` per recurrent one; ValueError naming the layer's cache type when
+    the batch cannot hold it (a quantized cache)."""
+    return [RecurrentRows.from_single(c) if _recurrent(c) else RaggedKVCache.from_single(c)
+            for c in single]
 
 
 def check_batchable(single: list) -> None:
     """ValueError when some layer's cache cannot join a batch (the caller can then generate
     that request alone)."""
-    bad = sorted({type(c).__name__ for c in single
-                  if not (type(c) is KVCache or (isinstance(c, RotatingKVCache) and
-                                                 c.keep == 0))})
+    bad = sorted({type(c).__name__ for c in single if not (_attention(c) or _recurrent(c))})
     if bad:
-        raise ValueError(f"the batch engine serves attention-only targets; this target has "
-                         f"{', '.join(bad)} layers (recurrent or quantized caches): generate "
-                         "its requests one at a time")
+        raise ValueError(f"the batch engine serves attention and GatedDeltaNet (ArraysCache) "
+                         f"layers; this target has {', '.join(bad)} layers (quantized or "
+                         "other caches): generate its requests one at a time")

@@ -245,7 +245,7 @@ class Pipeline:
         prompt (as mlx-lm's `batch_generate`); seed: prompt i uses seed + i. max_batch: the
         most prompts decoding at once; prefill_budget: prompt tokens prefilled per step (None:
         a prompt's whole prefill in the step it joins). A target whose caches the batch cannot
-        hold (recurrent layers) raises ValueError: generate its prompts one at a time."""
+        hold (quantized caches) raises ValueError: generate its prompts one at a time."""
         sampling = Sampling(temperature, top_p, top_k)
         lookup = self.lookup if lookup is None else check.lookup(lookup)
         b = self.block_size(block_size, lookup)
@@ -275,7 +275,7 @@ class Pipeline:
 
     def batch_engine(self, max_batch: int | None = None) -> BatchEngine:
         """A `BatchEngine` on this pipeline's target and drafter (ValueError when the target's
-        caches cannot be batched: recurrent layers)."""
+        caches cannot be batched: quantized caches)."""
         return BatchEngine(self.adapter, self.drafter, lookup=self.lookup_config,
                            max_batch=max_batch, prefill_step_size=self.prefill_step_size)
 

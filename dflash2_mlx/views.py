@@ -11,7 +11,8 @@ object and mlx-lm's classes stay untouched.
 Rollback after a partial acceptance: attention caches drop the rejected rows; recurrent layers
 (GatedDeltaNet in qwen3_5 / qwen3_next), whose state cannot be trimmed, get the state from
 before the verify back and re-run the installed layer over the kept rows only (their inputs are
-recorded by the taps). Only a `Snapshot` taken before the forward rolls back.
+recorded by the taps). Only a `Snapshot` taken before the forward rolls back. A batch (B rows of
+recurrent state, `batch_cache.RecurrentRows`) rolls back per row: `Snapshot.rollback_rows`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.cache import ArraysCache, RotatingKVCache, make_prompt_cache
 
 # Where decoder stacks live in mlx-lm models: Model.model (llama, qwen2/3, mistral, ...),
@@ -325,3 +327,27 @@ class Snapshot:
                     self.layers.target.layers[i](self.inputs[i][:, :kept], mask=None, cache=c)
             else:
                 c.trim(total - kept)
+
+    def rollback_rows(self, keep, total: int) -> None:
+        """A batch's recurrent layers after a forward of `total` rows per row: row b keeps the
+        first keep[b] (attention caches roll back by their own `commit`). The rows that keep
+        fewer than `total` get their state from before the forward back, and the installed
+        layer re-runs over their kept inputs, one call per distinct count; the new state is
+        written into their rows."""
+        keep = np.asarray(keep, np.int64)
+        short = np.flatnonzero(keep < total)
+        if not len(short):
+            return
+        groups = [(k, short[keep[short] == k]) for k in sorted(set(keep[short].tolist()))]
+        for i, (before, *_) in self.state.items():
+            c = self.cache[i - self.layers.lo]
+            for k, rows in groups:
+                idx = mx.array(rows.astype(np.int32))
+                sub = ArraysCache(len(before))
+                sub.cache = [s[idx] for s in before]
+                if k:      # as in `rollback`: only the recurrent part is ever evaluated
+                    self.layers.target.layers[i](self.inputs[i][idx, :k], mask=None, cache=sub)
+                # a scatter into the forward's new arrays (each entry was replaced by the
+                # forward, so no other cache or snapshot holds them)
+                for s, new in zip(c.cache, sub.cache):
+                    s[idx] = new

@@ -113,10 +113,13 @@ def test_commit_checks_its_counts(adapter):
         batch[0].trim(1)
 
 
-def test_recurrent_family_is_refused():
-    target = tiny("qwen3_5")
-    with pytest.raises(ValueError, match="one at a time"):
-        check_batchable(target.make_cache())
+def test_quantized_caches_are_refused():
+    """Hybrid GatedDeltaNet targets are batched (test_batch_hybrid.py); quantized caches not."""
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    check_batchable(tiny("qwen3_5").make_cache())
+    with pytest.raises(ValueError, match="QuantizedKVCache.*one at a time"):
+        check_batchable([QuantizedKVCache()])
 
 
 # --------------------------------------------------------------------------- the engine

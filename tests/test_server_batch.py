@@ -1,8 +1,8 @@
 """The server's continuous batching (`server.scheduler.Scheduler` on `batch.BatchEngine`): every
 request's text is the text it gives alone, whichever requests share its steps and whenever it
 joined; a client that leaves, a stop string, seeded sampling, the prefix cache, a full queue
-and a shutdown, all while others run; and the one-at-a-time fallback for a target the engine
-cannot batch (GatedDeltaNet). In process (`test_server.in_process`: the app under
+and a shutdown, all while others run; a hybrid GatedDeltaNet target batched too; and when
+the scheduler runs one request at a time. In process (`test_server.in_process`: the app under
 httpx.ASGITransport, the worker on the main thread), plus one test over a real socket with the
 openai client.
 """
@@ -323,7 +323,9 @@ def hybrid_pipe(tmp_path_factory):
     return p
 
 
-def test_a_target_the_engine_cannot_batch_runs_one_at_a_time_exactly(hybrid_pipe):
+def test_a_hybrid_gated_delta_net_target_is_batched_exactly(hybrid_pipe):
+    """Three requests at once on a qwen3_next target (lookup drafting, fixed width 4): they
+    share the batch, and each text is the one it gives alone."""
     asks = [_chat("def add(a, b):", 20, stream=True), _completion("for i in range(10):", 24),
             _chat("class Stack:", 16)]
     want = [hybrid_pipe.generate("def add(a, b):", max_tokens=20).text,
@@ -332,18 +334,20 @@ def test_a_target_the_engine_cannot_batch_runs_one_at_a_time_exactly(hybrid_pipe
             hybrid_pipe.generate("class Stack:", max_tokens=16).text]
 
     async def clients(app, http, go):
-        scheduler = app.state.scheduler
+        peak, done = Peak(http), asyncio.Event()
+        watcher = asyncio.ensure_future(peak.watch(done))
         go.set()
         tasks = [asyncio.ensure_future(http.post(p, json=b)) for p, b in asks]
-        await _until(lambda: scheduler.batch_figures["running"] == 1)
-        during = (await http.get("/health")).json()["batch"]
-        return await asyncio.gather(*tasks), during
+        replies = await asyncio.gather(*tasks)
+        done.set()
+        await watcher
+        return replies, peak
 
-    replies, during = in_process(hybrid_pipe, clients, block_size=None)    # its default
+    replies, peak = in_process(hybrid_pipe, clients, block_size=None)    # its default
     assert [_text(p, r)[0] for (p, _), r in zip(asks, replies)] == want
     assert all(len(t) > 8 for t in want) and len(set(want)) == 3, want
-    assert during["mode"] == "single" and "one at a time" in during["why"]
-    assert during["running"] == 1 and len(during["sequences"]) == 1
+    assert all(b["mode"] == "batch" and b["why"] is None for b in peak.seen)
+    assert peak.most >= 2, peak.most
 
 
 def test_the_mode_and_the_batch_settings(pipe):

@@ -4,8 +4,8 @@ submits jobs and reads their events.
 Two modes, one class: "batch", continuous batching on `batch.BatchEngine` (every running
 request advances in one target forward per step, each still speculating; a request joins at
 any step, its prefill chunked under a per-step budget), and "single", one `Job` at a time
-through `Pipeline.stream`, where the engine cannot batch the target (recurrent or quantized
-caches), the target is pipeline-sharded, or max_batch is 1. docs/server.md, "Batching".
+through `Pipeline.stream`, where the engine cannot batch the target (quantized caches), the
+target is pipeline-sharded, or max_batch is 1. docs/server.md, "Batching".
 """
 
 from __future__ import annotations
