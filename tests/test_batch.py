@@ -151,6 +151,9 @@ class Oracles:
     def propose(self, target, anchor, feats, cache, width, sampling, key):
         return cache[0].propose(target, anchor, feats, cache, width, sampling, key)
 
+    def propose_batch(self, target, drafts):
+        return [self.propose(target, *d) for d in drafts]
+
 
 @pytest.fixture(scope="module")
 def pipe(llama_dir, dflash2_dir):
