@@ -8,9 +8,9 @@ The embedded pair by default (its drafter's shape; the weights do not change the
 sequence has a drafter context of `--context` rows of random target features and reads `--new`
 new rows per pass (the accepted rows of a cycle), greedy, width `--width` for all (`--mixed`:
 widths 2..width in turn). "separate": n `propose` calls, evaluated together as the batch engine
-used to (one `mx.eval` after all of them); "batched": one `propose_batch`. Medians of `--reps`
-after one warm-up; proposals that differ between the two are counted. One run on a shared machine: only
-ratios within a row mean much; the load average is printed.
+used to (one `mx.eval` after all of them); "batched": one `propose_batch`. Medians of
+`--reps` after one warm-up; proposals that differ between the two are counted. One run on a
+shared machine: only ratios within a row mean much; the load average is printed.
 
 `--attention`: the layout choice for the block attention, one layer's attention alone at the
 drafter's head shape: a loop of n calls, each sequence against its own cache (what the drafter
