@@ -4,7 +4,7 @@
 A step, for the running sequences s_1..s_B in the rows of the batch cache:
   plan     each sequence's policy picks its source and width w_b, as `engine.generate_tokens`
            does alone (the same calls, the same per-sequence random keys); drafts come from
-           the lookup or from the drafter (one pass per drafting sequence)
+           the lookup, or from ONE drafter pass for every sequence drafting from it
   verify   the target runs [B, T = max w_b]: row b is [anchor_b, drafts_b, padding]
   accept   per sequence, greedy prefix match or rejection sampling on its own rows
   rollback `RaggedKVCache.commit`: row b keeps its a_b + 1 rows, the rest become holes; a
@@ -34,9 +34,9 @@ import mlx.core as mx
 from .adaptive import DRAFTER, LOOKUP, PLAIN, FixedWidth, Shadow
 from .costs import Correction, context_bucket
 from .batch_cache import RaggedKVCache, batch_cache, check_batchable
-from .drafter import Drafter, Proposal
+from .drafter import Draft, Drafter, Proposal
 from .engine import (Cycle, DecodeState, GenerationStats, Step, _choose, _commit, _draft,
-                     _reuse, prefill)
+                     _launch, _reuse, prefill)
 from .lookup import LookupConfig, LookupIndex
 from .sampling import Sampling, greedy_accept, rejection_accept
 from .target import Target
@@ -216,6 +216,7 @@ class _Plan:
     match: int
     drafts: mx.array | None = None             # [1, w-1]
     proposal: Proposal | None = None
+    draft: Draft | None = None                 # what the step's drafter pass drafts for it
     sample_key: mx.array | None = None         # a plain step's
     accept_key: mx.array | None = None         # a drafting cycle's
 
@@ -351,7 +352,8 @@ class BatchEngine:
 
     # ---- one decode step
     def _plan(self, seq: _Sequence) -> _Plan:
-        """What `generate_tokens` does alone before its verify, for one sequence."""
+        """What `generate_tokens` does alone before its verify, for one sequence, but the
+        drafter's pass: a drafter plan holds its `draft` for the step's one pass."""
         room = seq.req.max_tokens - len(seq.tokens)
         context = len(seq.state.tokens)
         choice = _choose(seq.policy, self.drafter, seq.index, seq.lookup, room, context)
@@ -368,10 +370,25 @@ class BatchEngine:
             seq.launched = k_draft if launch else None
             return plan
         anchor = mx.array([[seq.tokens[-1]]], dtype=mx.uint32)
+        if source == DRAFTER:
+            draft = Draft(anchor, seq.state.take_features(), seq.state.dcache, width,
+                          seq.req.sampling, k_draft)
+            return _Plan(seq, source, width, choice.match, draft=draft, accept_key=k_accept)
         proposal = _draft(self.target, self.drafter, seq.state, anchor, choice,
                           seq.req.sampling, k_draft)
         return _Plan(seq, source, width, choice.match, proposal.tokens.astype(mx.uint32),
                      proposal, accept_key=k_accept)
+
+    def _draft_all(self, plans: list[_Plan]) -> None:
+        """One drafter pass for every plan drafting from it (their choices are made first:
+        no policy reads a draft)."""
+        drafting = [p for p in plans if p.draft is not None]
+        if not drafting:
+            return
+        proposals = self.drafter.propose_batch(self.target, [p.draft for p in drafting])
+        for p, proposal in zip(drafting, proposals):
+            p.proposal, p.drafts, p.draft = proposal, proposal.tokens.astype(mx.uint32), None
+        _launch(proposals)
 
     def _decode(self) -> list[Event]:
         tic = time.perf_counter()
@@ -386,6 +403,7 @@ class BatchEngine:
             e, d = getattr(seq.policy, "last", (1.0, 0.0))
             planned.append((plans[-1].width, e if plans[-1].width > 1 else 1.0,
                             d if plans[-1].source == DRAFTER else 0.0))
+        self._draft_all(plans)
         T = max(p.width for p in plans)
         rows = []
         for p in plans:

@@ -6,12 +6,17 @@ target's `embed_tokens` and hands in the target's head. Context features of the 
 through `fc` + `hidden_norm` and are injected as extra keys/values in every layer; they are
 cached (context rows only) and grow by the accepted rows of each cycle.
 
-Shapes: B batch, L block rows, S new context rows, H hidden, F = len(target_layer_ids) * H.
+One pass drafts for n sequences at once (`Drafter.propose_batch`), each with its own context
+cache, width, sampling and key; `propose` is that pass for one (layout: docs/batching.md).
+
+Shapes: B batch, n sequences of a pass, L block rows, S new context rows, H hidden,
+F = len(target_layer_ids) * H.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -84,6 +89,16 @@ class ContextCache:
         return self.keys, self.values
 
 
+@dataclass
+class Context:
+    """The new context rows of a pass's sequences after `fc` + `hidden_norm`, concatenated:
+    rows [1, S_1 + ... + S_n, H] (None when no sequence has any); sequence b's are
+    rows[:, spans[b][0] : spans[b][1]]."""
+
+    rows: mx.array | None
+    spans: list[tuple[int, int]]
+
+
 class Attention(nn.Module):
     def __init__(self, args: DrafterArgs, sliding: bool):
         super().__init__()
@@ -101,31 +116,47 @@ class Attention(nn.Module):
         self.rope = initialize_rope(d, args.rope_theta, False, args.rope_scaling,
                                     args.max_position_embeddings)
 
-    def _kv(self, x: mx.array, offset: int):
+    def _kv(self, x: mx.array):
+        """x [B, S, H] -> keys [B, n_kv, S, D] (normed, not yet roped), values."""
         B, S, _ = x.shape
         k = self.k_norm(self.k_proj(x).reshape(B, S, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(B, S, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        return self.rope(k, offset=offset), v
+        return k, v
 
-    def __call__(self, x: mx.array, ctx: mx.array | None, cache: ContextCache) -> mx.array:
-        """x [B, L, H] block rows, ctx [B, S, H] new context rows (or None) -> [B, L, H]."""
-        B, L, _ = x.shape
-        if ctx is not None and ctx.shape[1]:
-            cache.append(*self._kv(ctx, cache.offset))
-        pos = cache.offset                  # block row 0 (the anchor) sits right after the context
-        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
-        q = self.rope(q, offset=pos)
-        keys, values = cache.with_block(*self._kv(x, pos))
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale,
-                                                   mask=self._mask(cache, L))
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+    def __call__(self, x: mx.array, ctx: Context, caches: list[ContextCache],
+                 lengths: list[int]) -> mx.array:
+        """x [n, L, H] block rows of n sequences (sequence b's first lengths[b], then
+        padding), ctx their new context rows, caches[b] sequence b's -> [n, L, H].
 
-    def _mask(self, cache: ContextCache, L: int) -> mx.array | None:
+        Projections run once for all; attention per sequence, against its own cache, with
+        only its own block rows as keys (padding rows are queries whose output is discarded,
+        never keys: the block attention is bidirectional)."""
+        n, L, _ = x.shape
+        if ctx.rows is not None:
+            k, v = self._kv(ctx.rows)
+            for c, (a, b) in zip(caches, ctx.spans):
+                if b > a:
+                    c.append(self.rope(k[..., a:b, :], offset=c.offset), v[..., a:b, :])
+        q = self.q_norm(self.q_proj(x).reshape(n, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        k, v = self._kv(x)
+        outs = []
+        for i, (c, l) in enumerate(zip(caches, lengths)):
+            pos = c.offset                  # block row 0 (the anchor) sits right after the context
+            keys, values = c.with_block(self.rope(k[i : i + 1, :, :l], offset=pos),
+                                        v[i : i + 1, :, :l])
+            outs.append(mx.fast.scaled_dot_product_attention(
+                self.rope(q[i : i + 1], offset=pos), keys, values, scale=self.scale,
+                mask=self._mask(c, L, l)))
+        out = outs[0] if n == 1 else mx.concatenate(outs)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(n, L, -1))
+
+    def _mask(self, cache: ContextCache, L: int, block: int) -> mx.array | None:
+        """[L queries, context + `block` keys]: what each block row sees."""
         if self.window is None and not self.causal:
             return None                     # every block row sees everything
         q_pos = cache.offset + mx.arange(L)[:, None]
         k_pos = mx.concatenate([mx.arange(cache.start, cache.offset),
-                                cache.offset + mx.arange(L)])[None]
+                                cache.offset + mx.arange(block)])[None]
         is_ctx = k_pos < cache.offset
         visible = mx.ones((L, k_pos.shape[1]), dtype=mx.bool_)
         if self.window is not None:
@@ -178,12 +209,12 @@ class DecoderLayer(nn.Module):
             self.mlp_conv = DynamicConv(h, args.conv_kernel_size, args.conv_group_size)
         self.has_conv = args.has_conv
 
-    def __call__(self, x, ctx, cache):
+    def __call__(self, x, ctx: Context, caches: list[ContextCache], lengths: list[int]):
+        attn = lambda y: self.self_attn(y, ctx, caches, lengths)
         if not self.has_conv:
-            x = x + self.self_attn(self.input_layernorm(x), ctx, cache)
+            x = x + attn(self.input_layernorm(x))
             return x + self.mlp(self.post_attention_layernorm(x))
-        x = self._conv_sublayer(x, self.input_layernorm, self.attention_conv,
-                                lambda y: self.self_attn(y, ctx, cache))
+        x = self._conv_sublayer(x, self.input_layernorm, self.attention_conv, attn)
         return self._conv_sublayer(x, self.post_attention_layernorm, self.mlp_conv, self.mlp)
 
     @staticmethod
@@ -218,19 +249,46 @@ class CandidateSelector(nn.Module):
         """h [B, L, H] proposal rows, logits [B, L, V'], anchor [B]; `vocab` [V'] maps logit
         columns to token ids when the logits cover a draft vocabulary only
         -> ids [B, L], cand [B, L, K] (token ids), q [B, L, K] (None when greedy)."""
+        return self.walk_inputs(h, logits, anchor, vocab).walk(temperature, uniforms)
+
+    def walk_inputs(self, h: mx.array, logits: mx.array, anchor: mx.array,
+                    vocab: mx.array | None = None) -> "WalkInputs":
+        """What the walk reads, for all B rows at once (see `walk`)."""
         cand, unary = self.candidates(logits)
         if vocab is not None:
             cand = vocab[cand]
         # Scores in float32: in 16-bit, pair scores of ~20 round to steps of 0.125 and ties
         # between candidates become common. The tensors are tiny ([L, K, R]).
         f32 = lambda x: x.astype(mx.float32)
-        g = f32(self.hidden_projection(h))
-        pred_rows = f32(self.predecessor_codebook(cand))
-        succ_rows = f32(self.successor_codebook(cand))
-        anchor_pred = f32(self.predecessor_codebook(anchor))
-        ids, q = path_walk(cand, f32(unary), g, pred_rows, succ_rows, anchor_pred,
-                           temperature, uniforms, path=self.path)
-        return ids, cand, q
+        return WalkInputs(cand, f32(unary), f32(self.hidden_projection(h)),
+                          f32(self.predecessor_codebook(cand)),
+                          f32(self.successor_codebook(cand)),
+                          f32(self.predecessor_codebook(anchor)), self.path)
+
+
+@dataclass
+class WalkInputs:
+    """The selector walk's inputs (`kernels.path_walk`), rows of B sequences."""
+
+    cand: mx.array
+    unary: mx.array
+    g: mx.array
+    pred_rows: mx.array
+    succ_rows: mx.array
+    anchor_pred: mx.array
+    path: KernelPath
+
+    def rows(self, index: mx.array) -> "WalkInputs":
+        """Those of the sequences at `index` [m]."""
+        return WalkInputs(self.cand[index], self.unary[index], self.g[index],
+                          self.pred_rows[index], self.succ_rows[index], self.anchor_pred[index],
+                          self.path)
+
+    def walk(self, temperature: float, uniforms: mx.array | None):
+        """-> ids [B, L], cand [B, L, K] (token ids), q [B, L, K] (None when greedy)."""
+        ids, q = path_walk(self.cand, self.unary, self.g, self.pred_rows, self.succ_rows,
+                           self.anchor_pred, temperature, uniforms, path=self.path)
+        return ids, self.cand, q
 
 
 @dataclass
@@ -260,6 +318,19 @@ class DraftVocab:
 
     def __init__(self, ids):
         self.ids = mx.array(ids, dtype=mx.uint32)
+
+
+class Draft(NamedTuple):
+    """One sequence's block to draft in a pass: after `anchor` [1, 1], given `feats`
+    [1, S, F] (the target features of its rows committed since its last pass, or None), its
+    context `cache`, `width`, `sampling` and random `key`."""
+
+    anchor: mx.array
+    feats: mx.array | None
+    cache: list[ContextCache]
+    width: int
+    sampling: Sampling
+    key: mx.array
 
 
 class Drafter(nn.Module):
@@ -308,11 +379,26 @@ class Drafter(nn.Module):
             c.start = c.offset = c.offset + n
 
     def __call__(self, x: mx.array, feats: mx.array | None, cache: list[ContextCache]):
-        """x [B, L, H] embedded block, feats [B, S, F] new target features (or None)
-        -> final-normed hidden states [B, L, H]."""
-        ctx = None if feats is None or not feats.shape[1] else self.hidden_norm(self.fc(feats))
-        for layer, c in zip(self.layers, cache):
-            x = layer(x, ctx, c)
+        """One sequence: x [1, L, H] embedded block, feats [1, S, F] new target features (or
+        None) -> final-normed hidden states [1, L, H]."""
+        return self.blocks(x, [feats], [cache], [x.shape[1]])
+
+    def blocks(self, x: mx.array, feats: list[mx.array | None],
+               caches: list[list[ContextCache]], lengths: list[int]) -> mx.array:
+        """n sequences' blocks in one pass: x [n, L, H], sequence b's block in its first
+        lengths[b] rows (the rest padding), feats[b] [1, S_b, F] or None, caches[b] its
+        context cache -> final-normed hidden states [n, L, H] (padding rows: garbage)."""
+        spans, start = [], 0
+        for f in feats:
+            end = start + (0 if f is None else f.shape[1])
+            spans.append((start, end))
+            start = end
+        new = [f for f in feats if f is not None and f.shape[1]]
+        rows = None if not new else self.hidden_norm(self.fc(
+            new[0] if len(new) == 1 else mx.concatenate(new, axis=1)))
+        ctx = Context(rows, spans)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, ctx, [c[i] for c in caches], lengths)
         return self.norm(x)
 
     def logits(self, h: mx.array, head) -> mx.array:
@@ -328,28 +414,72 @@ class Drafter(nn.Module):
     def propose(self, target: Target, anchor: mx.array, feats: mx.array | None,
                 cache: list[ContextCache], width: int, sampling: Sampling,
                 key: mx.array) -> Proposal:
-        """Draft width-1 tokens after `anchor` [1, 1] in one pass.
+        """Draft width-1 tokens after `anchor` [1, 1] in one pass (`propose_batch` of one).
 
         `target` supplies `embed` and `head` (the drafter has neither); feats [1, S, F] are the
         target features of the rows committed since the last call.
         """
-        mask = mx.full((1, width - 1), self.args.mask_token_id, dtype=anchor.dtype)
-        x = target.embed(mx.concatenate([anchor, mask], axis=1))
+        return self.propose_batch(target, [Draft(anchor, feats, cache, width, sampling,
+                                                 key)])[0]
+
+    def propose_batch(self, target: Target, drafts: list[Draft]) -> list[Proposal]:
+        """Every sequence's block in one pass -> a Proposal per draft, each the one it gets
+        alone: its own context, width, sampling and key (layout: docs/batching.md).
+
+        The blocks are [n, L = max width] rows, right-padded with mask tokens; rows and
+        positions after a sequence's own never reach its earlier ones (causal conv and walk,
+        padding invisible to attention)."""
+        n, L = len(drafts), max(d.width for d in drafts)
+        anchors = drafts[0].anchor if n == 1 else mx.concatenate([d.anchor for d in drafts])
+        mask = mx.full((n, L - 1), self.args.mask_token_id, dtype=anchors.dtype)
+        x = target.embed(mx.concatenate([anchors, mask], axis=1))
         if self.args.input_embedding_scale != 1.0:
             x = x * self.args.input_embedding_scale
-        h = self(x, feats, cache)[:, 1:]                                   # [1, w-1, H]
+        h = self.blocks(x, [d.feats for d in drafts], [d.cache for d in drafts],
+                        [d.width for d in drafts])[:, 1:]                  # [n, L-1, H]
         vocab = self.draft_vocab.ids if self.draft_vocab is not None else None
         head = target.head if vocab is None else target.head_rows(vocab)
-        logits = self.logits(h, head)                                      # [1, w-1, V']
+        logits = self.logits(h, head)                                      # [n, L-1, V']
         if self.args.has_selector:
-            uniforms = None if sampling.greedy else mx.random.uniform(shape=h.shape[:2], key=key)
-            ids, cand, q = self.candidate_selector.walk(h, logits, anchor[:, 0],
-                                                        sampling.temperature, uniforms,
-                                                        vocab)
-            return Proposal(ids, q, None if q is None else cand)
+            return self._walk(h, logits, anchors[:, 0], drafts, vocab)
+        return [self._draw(logits[i : i + 1, : d.width - 1], d, vocab)
+                for i, d in enumerate(drafts)]
+
+    def _walk(self, h, logits, anchors, drafts: list[Draft], vocab) -> list[Proposal]:
+        """The selector walk of every sequence: one walk per temperature among them (the
+        walk takes one), each over the rows of its sequences."""
+        inputs = self.candidate_selector.walk_inputs(h, logits, anchors, vocab)
+        groups: dict[float, list[int]] = {}
+        for i, d in enumerate(drafts):
+            groups.setdefault(d.sampling.temperature, []).append(i)
+        out: list[Proposal | None] = [None] * len(drafts)
+        for temperature, index in groups.items():
+            part = inputs if len(index) == len(drafts) else inputs.rows(mx.array(index))
+            uniforms = None if temperature == 0 else \
+                _uniforms([drafts[i] for i in index], h.shape[1])
+            ids, cand, q = part.walk(temperature, uniforms)
+            for j, i in enumerate(index):
+                w = drafts[i].width - 1
+                out[i] = Proposal(ids[j : j + 1, :w], None if q is None else q[j : j + 1, :w],
+                                  None if q is None else cand[j : j + 1, :w])
+        return out
+
+    @staticmethod
+    def _draw(logits: mx.array, d: Draft, vocab: mx.array | None) -> Proposal:
+        """One sequence's drafts from its logits [1, w-1, V'] (no selector)."""
         to_ids = (lambda i: i) if vocab is None else (lambda i: vocab[i])
-        if sampling.greedy:
+        if d.sampling.greedy:
             return Proposal(to_ids(mx.argmax(logits, axis=-1)))
-        q = sampling.probs(logits)
+        q = d.sampling.probs(logits)
         q_ids = None if vocab is None else mx.broadcast_to(vocab, q.shape)
-        return Proposal(to_ids(mx.random.categorical(mx.log(q), key=key)), q, q_ids)
+        return Proposal(to_ids(mx.random.categorical(mx.log(q), key=d.key)), q, q_ids)
+
+
+def _uniforms(drafts: list[Draft], L: int) -> mx.array:
+    """[m, L] walk uniforms: each sequence's from its own key with its own shape [1, w-1]
+    (as alone), right-padded."""
+    rows = []
+    for d in drafts:
+        u = mx.random.uniform(shape=(1, d.width - 1), key=d.key)
+        rows.append(u if d.width - 1 == L else mx.pad(u, [(0, 0), (0, L - d.width + 1)]))
+    return rows[0] if len(rows) == 1 else mx.concatenate(rows)

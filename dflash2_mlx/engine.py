@@ -293,11 +293,15 @@ def _draft(target: Target, drafter: Drafter | None, state: DecodeState, anchor: 
     if choice.source == DRAFTER:
         proposal = drafter.propose(target, anchor, state.take_features(), state.dcache, w,
                                    sampling, key)
-        # start drafting now: the device computes while Python builds the verify
-        mx.async_eval(proposal.tokens, *(() if proposal.q is None else (proposal.q,)))
+        _launch([proposal])
         return proposal
     ids = mx.array([choice.guess[: w - 1]], dtype=mx.uint32)                  # [1, w-1]
     return Proposal(ids, mx.ones((1, w - 1, 1)), ids[..., None])              # q: 1
+
+
+def _launch(proposals: list[Proposal]) -> None:
+    """Start drafting now: the device computes while Python builds the verify."""
+    mx.async_eval([a for p in proposals for a in (p.tokens, p.q) if a is not None])
 
 
 def _speculate(target: Target, drafter: Drafter | None, state: DecodeState, anchor: mx.array,

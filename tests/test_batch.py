@@ -154,6 +154,9 @@ class Oracles:
     def propose(self, target, anchor, feats, cache, width, sampling, key):
         return cache[0].propose(target, anchor, feats, cache, width, sampling, key)
 
+    def propose_batch(self, target, drafts):
+        return [self.propose(target, *d) for d in drafts]
+
 
 @pytest.fixture(scope="module")
 def pipe(llama_dir, dflash2_dir):
@@ -478,3 +481,52 @@ def test_batch_aware_policy_near_best_fixed_width_at_long_context(B, context):
     it: docs/batching.md, not done.)"""
     rate, best, _ = _simulate_batch(B, context=context)
     assert rate >= 0.97 * best, (B, context, rate, best)
+
+
+class CountingDrafter:
+    """The pipeline's drafter, wrapped: records the sequences of each batched pass."""
+
+    def __init__(self, drafter):
+        self.inner, self.passes = drafter, []
+        self.args, self.context_window = drafter.args, drafter.context_window
+
+    def make_cache(self):
+        return self.inner.make_cache()
+
+    def skip_context(self, cache, n):
+        self.inner.skip_context(cache, n)
+
+    def propose_batch(self, target, drafts):
+        self.passes.append(len(drafts))
+        return self.inner.propose_batch(target, drafts)
+
+
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(0.9, top_p=0.95)])
+def test_one_drafter_pass_per_step_is_exact(pipe, sampling):
+    """Six sequences drafting with the random DFlash 2 drafter at different widths (and one
+    plain, one with lookup) join at different steps: each step runs at most one drafter pass,
+    several sequences share passes, and every sequence generates what it does alone (greedy:
+    mlx-lm's output; seeded sampling: the same sample)."""
+    from dflash2_mlx.engine import generate_tokens
+    from dflash2_mlx.lookup import LookupConfig
+
+    rng = random.Random(14)
+    vocab = pipe.adapter.vocab_size
+    specs = [(FixedWidth(4), False), (FixedWidth(16), False), (FixedWidth(2), False),
+             (FixedWidth(1), False), (FixedWidth(7), True), (FixedWidth(9), False)]
+    drafter = CountingDrafter(pipe.drafter)
+    engine = BatchEngine(pipe.adapter, drafter)
+    arrivals, refs = {}, {}
+    for k, (policy, lookup) in enumerate(specs):
+        prompt = [rng.randrange(vocab - 1) for _ in range(3 + 6 * k)]
+        refs[k] = [t for new in generate_tokens(
+            pipe.adapter, pipe.drafter, prompt, max_tokens=24, sampling=sampling,
+            policy=policy, stop_ids=set(), lookup=LookupConfig() if lookup else None,
+            seed=200 + k) for t in new]
+        arrivals.setdefault(k // 2, []).append(
+            (k, Request(prompt, 24, sampling, policy=policy, lookup=lookup, seed=200 + k)))
+    out = run(engine, arrivals)
+    for k, ref in refs.items():
+        assert out[k] == (ref, "length"), k
+    assert len(drafter.passes) <= len(engine.history)
+    assert max(drafter.passes) >= 4, drafter.passes

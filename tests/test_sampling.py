@@ -301,6 +301,9 @@ class PerSequenceOracles:
     def propose(self, target, anchor, feats, cache, width, sampling, key):
         return cache[0].propose(target, anchor, feats, cache[1:], width, sampling, key)
 
+    def propose_batch(self, target, drafts):
+        return [self.propose(target, *d) for d in drafts]
+
 
 @pytest.mark.parametrize("kind", ["oracle", "dflash2"])
 def test_joint_distribution_batched_unseeded(tiny, kind):
