@@ -47,16 +47,17 @@ class BatchAwareWidth:
     and probes) whose choice weighs the whole step's tokens per second. A step verifies
     B x T rows (T: the widest block), so a width w costs every row of the batch; the engine
     tells the policy (`set_batch`) what the sequences planned before it this step chose
-    (width, expected tokens, draft seconds), how many plan after it and the context the step's
-    attention reads, and those after are assumed to follow its choice (they are the same kind
-    of sequence, as far as it knows). With n sequences, planned tokens E_p and draft seconds
-    D_p, widest planned block W and f = 1 + the number still to plan, w of expected E(w) and
-    draft d(w) is worth
-        (E_p + f E(w)) / (step_cost(n max(W, w), S) + D_p + f d(w)),
-    S the batch cache's slots (docs/batching.md). The first to plan in a step of like
-    sequences so picks the best fixed width for the batch size, and the others find its rows
-    already paid. Alone it chooses exactly as its AdaptiveWidth. `last`: (expected tokens,
-    draft seconds) of its latest choice.
+    (width, expected tokens, draft seconds), which policies plan after it and the context the
+    step's attention reads. Those after it are expected to do what their latest choice said
+    they would within the step's widest block (`outlook`), one without an outlook as it does
+    itself. With n sequences, planned tokens E_p and draft seconds D_p, widest planned block
+    W, and the others' expected tokens F_e(T) and draft seconds F_d(T) within a widest block
+    T, w of expected E(w) and draft d(w) is worth
+        (E_p + E(w) + F_e(T)) / (step_cost(n T, S) + D_p + d(w) + F_d(T)),  T = max(W, w),
+    S the batch cache's slots (docs/batching.md): whoever widens the step pays for every row
+    it pads. Alone it chooses exactly as its AdaptiveWidth. `last`: (expected tokens, draft
+    seconds) of its latest choice; `outlook`: for T = 1, 2, ... the (expected tokens, draft
+    seconds) of its best choice within T at its latest batched rate (None: alone so far).
 
     shared: the steps' correction (`costs.Correction`), one for every sequence of a batch:
     each step is timed once (`observe`) and every sequence prices the next with it."""
@@ -65,27 +66,35 @@ class BatchAwareWidth:
         self.inner = inner
         self.shared = shared if shared is not None else Correction(decay=0.9)
         self.planned: list[tuple[int, float, float]] = []
-        self.after, self.slots = 0, None
+        self.after: list[tuple | None] = []     # the outlooks of those planning after it
+        self.slots = None
         self.last = (1.0, 0.0)
+        self.outlook: tuple[tuple[float, float], ...] | None = None
+        self.rate: float | None = None      # the step's tokens/s its latest batched choice saw
         self.plain_run = 0                  # batched plain choices since drafting or a probe
 
-    def set_batch(self, planned: list[tuple[int, float, float]], after: int,
+    def set_batch(self, planned: list[tuple[int, float, float]], after,
                   slots: int | None = None) -> None:
         """planned: (width, expected tokens, draft seconds) of those planned before it this
-        step; after: how many plan after it; slots: the keys each row's attention reads."""
-        self.planned, self.after, self.slots = list(planned), after, slots
+        step; after: the policies planning after it, or how many (each then expected to
+        choose as it does); slots: the keys each row's attention reads."""
+        self.planned, self.slots = list(planned), slots
+        self.after = [None] * after if isinstance(after, int) else [_outlook(p) for p in after]
 
-    def step_cost(self, rows: int, context: int | None = None) -> float:
-        """Seconds of a batched verify of `rows` rows over `context` slots: the cost model,
-        corrected by the steps timed near that many rows at that context size."""
-        return self.inner.cost.verify(rows, context) * self.shared.ratio(
+    def step_cost(self, rows: int, context: int | None = None, drafts: float = 0.0) -> float:
+        """Seconds of a batched step verifying `rows` rows over `context` slots after drafter
+        passes of `drafts` seconds by the calibration: the cost model, corrected by the steps
+        timed near that many rows at that context size (a busy machine slows the drafter as
+        it slows the verify; uncorrected, drafting looked cheap beside a corrected verify)."""
+        return (self.inner.cost.verify(rows, context) + drafts) * self.shared.ratio(
             step_keys(rows, context))
 
-    def observe(self, rows: int, context: int | None, seconds: float) -> None:
-        """A batched verify of `rows` rows over `context` slots took `seconds` (its drafting
-        left out)."""
+    def observe(self, rows: int, context: int | None, seconds: float,
+                drafts: float = 0.0) -> None:
+        """A batched step verifying `rows` rows over `context` slots, after drafter passes of
+        `drafts` seconds by the calibration, took `seconds`."""
         self.shared.observe(step_keys(rows, context), seconds,
-                            self.inner.cost.verify(rows, context))
+                            self.inner.cost.verify(rows, context) + drafts)
 
     def _options(self, available: dict, match_n: int, context: int | None):
         """(source, w, E(w), draft seconds) of every choice on offer, plain first."""
@@ -104,30 +113,50 @@ class BatchAwareWidth:
         """As AdaptiveWidth.choose; `context`: this sequence's own tokens (its drafter pass,
         and its verify when alone)."""
         available = dict(self.inner.widths) if available is None else available
-        options = {(s, w): (e, d) for s, w, e, d in self._options(available, match_n, context)}
+        opts = list(self._options(available, match_n, context))
+        options = {(s, w): (e, d) for s, w, e, d in opts}
         if not self.planned and not self.after:
             best = self.inner.choose(available, match_n, context)
-        else:
-            n = len(self.planned) + self.after + 1
-            widest = max((w for w, _, _ in self.planned), default=1)
-            tokens = sum(e for _, e, _ in self.planned)
-            draft = sum(d for _, _, d in self.planned)
-            f = 1 + self.after
-            slots = self.slots if self.slots is not None else context
+            self.outlook = self.rate = None
+            self.last = options.get(best, (1.0, 0.0))
+            return best
+        n = len(self.planned) + len(self.after) + 1
+        widest = max((w for w, _, _ in self.planned), default=1)
+        tokens = sum(e for _, e, _ in self.planned)
+        draft = sum(d for _, _, d in self.planned)
+        slots = self.slots if self.slots is not None else context
+        rows = {T: (self.inner.cost.verify(n * T, slots), self.shared.ratio(
+            step_keys(n * T, slots))) for T in {max(widest, w) for _, w, _, _ in opts}}
+        # its own outlook, for those after it without one (at the batch's rate: its latest,
+        # or the step's with the rest plain)
+        v, r = rows[widest]
+        mine = _best_within(opts, r * (self.rate or (tokens + n - len(self.planned))
+                                       / (r * (v + draft))))
+        others = {T: [0.0, 0.0] for T in rows}
+        for outlook in self.after:
+            outlook = outlook or mine
+            for T, acc in others.items():
+                e, d = outlook[min(T, len(outlook)) - 1]
+                acc[0] += e
+                acc[1] += d
 
-            def rate(choice):
-                e, d = options[choice]
-                rows = n * max(widest, choice[1])
-                return (tokens + f * e) / (self.step_cost(rows, slots) + draft + f * d)
-            best = max(options, key=rate)
-            # probe as AdaptiveWidth does (else a dip in the estimates would stop drafting for
-            # good), spaced by what a batched probe costs: it pads every row of the step
-            near = any(rate(c) >= self.inner.far * rate(best) for c in options if c[1] > 1)
-            self.plain_run = self.plain_run + 1 if best[1] == 1 else 0
-            if best[1] == 1 and (DRAFTER, 2) in options and \
-                    self.plain_run >= self._probe_gap(n, slots, context, near):
-                self.plain_run, best = 0, (DRAFTER, 2)
-        self.last = options.get(best, (1.0, 0.0))
+        def rate(choice):
+            e, d = options[choice]
+            T = max(widest, choice[1])
+            v, r = rows[T]
+            return (tokens + e + others[T][0]) / (r * (v + draft + d + others[T][1]))
+        rates = {c: rate(c) for c in options}
+        best = max(rates, key=rates.get)
+        self.rate = rates[best]
+        self.outlook = _best_within(opts, self.rate * rows[max(widest, best[1])][1])
+        # probe as AdaptiveWidth does (else a dip in the estimates would stop drafting for
+        # good), spaced by what a batched probe costs: it pads every row of the step
+        near = any(r >= self.inner.far * rates[best] for c, r in rates.items() if c[1] > 1)
+        self.plain_run = self.plain_run + 1 if best[1] == 1 else 0
+        if best[1] == 1 and (DRAFTER, 2) in options and \
+                self.plain_run >= self._probe_gap(n, slots, context, near):
+            self.plain_run, best = 0, (DRAFTER, 2)
+        self.last = options[best]
         return best
 
     def _probe_gap(self, n: int, slots: int | None, context: int | None, near: bool) -> float:
@@ -136,7 +165,7 @@ class BatchAwareWidth:
         one while drafting nearly pays), times the n sequences: each probe pads the whole
         step, so the batch's probes together stay within the budget."""
         plain = self.step_cost(n, slots)
-        extra = self.step_cost(2 * n, slots) - plain + self.inner.cost.draft(2, context)
+        extra = self.step_cost(2 * n, slots, self.inner.cost.draft(2, context)) - plain
         return n * max(extra, 0.0) / plain / self.inner.budget[near]
 
     def next_plain(self, available: dict, context: int | None = None) -> bool:
@@ -145,6 +174,35 @@ class BatchAwareWidth:
 
     def update(self, *args, **kwargs) -> None:
         self.inner.update(*args, **kwargs)
+
+
+PLAIN_OUTLOOK = ((1.0, 0.0),)
+
+
+def _outlook(policy) -> tuple | None:
+    """What a policy planning later in the step is expected to choose within each widest
+    block: a batch-aware one's latest outlook, plain decoding's, or None (unknown)."""
+    if isinstance(policy, BatchAwareWidth):
+        return policy.outlook
+    if isinstance(policy, FixedWidth) and policy.width == 1:
+        return PLAIN_OUTLOOK
+    return None
+
+
+def _best_within(options: list, rate: float) -> tuple[tuple[float, float], ...]:
+    """For T = 1 .. the widest option, the (E, d) of the option of width <= T that adds the
+    most to a step running at `rate` tokens/s (E - rate d: its rows are paid for)."""
+    by_width: list[tuple[float, float] | None] = [None] * max(w for _, w, _, _ in options)
+    for _, w, e, d in options:
+        x = by_width[w - 1]
+        if x is None or e - rate * d > x[0] - rate * x[1]:
+            by_width[w - 1] = (e, d)
+    out, cur = [], PLAIN_OUTLOOK[0]
+    for x in by_width:
+        if x is not None and x[0] - rate * x[1] > cur[0] - rate * cur[1]:
+            cur = x
+        out.append(cur)
+    return tuple(out)
 
 
 def step_keys(rows: int, context: int | None) -> tuple:
@@ -379,7 +437,7 @@ class BatchEngine:
         contexts = [len(seq.state.tokens) for seq in self.rows]
         for i, seq in enumerate(self.rows):
             if hasattr(seq.policy, "set_batch"):
-                seq.policy.set_batch(planned, len(self.rows) - 1 - i, slots)
+                seq.policy.set_batch(planned, [s.policy for s in self.rows[i + 1:]], slots)
             plans.append(self._plan(seq))
             e, d = getattr(seq.policy, "last", (1.0, 0.0))
             planned.append((plans[-1].width, e if plans[-1].width > 1 else 1.0,
@@ -403,11 +461,11 @@ class BatchEngine:
             c.commit([a + 1 for a in accepted])
         seconds = time.perf_counter() - tic
         self.history.append((len(plans), len(plans) * T, seconds))
-        verify = seconds - sum(d for _, _, d in planned)     # drafting at its calibration
+        drafts = sum(d for _, _, d in planned)               # drafting at its calibration
         timed = {id(s.policy.shared): s.policy for s in self.rows
                  if isinstance(s.policy, BatchAwareWidth)}
         for policy in timed.values():                 # once per shared correction
-            policy.observe(len(plans) * T, slots, verify)
+            policy.observe(len(plans) * T, slots, seconds, drafts)
         events, leaving = [], []
         for i, (p, a, (_, bonus)) in enumerate(zip(plans, accepted, results)):
             seq = p.seq

@@ -1,0 +1,168 @@
+"""The batch-aware policy against all-plain on the same `BatchEngine`, in process: tok/s, cycles
+per source, and a per-step log of what each sequence chose and what the step cost against its
+price.
+
+    python benchmarks/batch_policy.py --kind code --clients 8,16 --max-tokens 96 \\
+        [--log steps.jsonl] [--time-drafts]
+
+Embedded SmolLM2 pair, greedy. Per batch size, the systems run in turn on the same prompts:
+`plain` (every sequence `FixedWidth(1)`, no lookup: `--block-size 1 --no-lookup`) and `policy`
+(`Pipeline.add_to_batch`'s `auto` policies, lookup on), each from a fresh pipeline policy (the
+prior, as a server starts). kind: `code` (HumanEval prompts, ~150 tokens) or `agent` (the load
+benchmark's agent system prompts, a tool list and ~3000 characters of a source file, and its
+first turn: ~1k tokens). The log (JSON lines, one per decode step of the policy runs): the
+sequences, rows, slots, seconds, the step's price by the cost model and correction as the
+policies saw it before the step, and per sequence (source, width, expected tokens, draft
+seconds, drafter alphas 1-3). --time-drafts times each drafter pass alone (synchronously:
+slower, for the price of a pass only). Only ratios measured in one run mean anything on a
+shared machine; the load average is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import dflash2_mlx
+from dflash2_mlx.adaptive import DRAFTER, LOOKUP, PLAIN
+from dflash2_mlx.batch import BatchAwareWidth
+from dflash2_mlx.sampling import Sampling
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def prompts(pipe, kind: str, n: int) -> list[list[int]]:
+    if kind == "code":
+        from dflash2_mlx.prompt_sets import humaneval_prompts
+
+        return [pipe.encode(p) for p in humaneval_prompts(n)]
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from serve_load import SOURCES, TOOLS, TURNS
+
+    out = []
+    for i in range(n):
+        src = SOURCES[i % len(SOURCES)]
+        text = (ROOT / src).read_text()[:3000]
+        system = f"You are a coding agent.\n{TOOLS}\n\nThe file {src}:\n```python\n{text}\n```"
+        out.append(pipe.encode(TURNS[0], system=system))
+    return out
+
+
+class TimedDrafter:
+    """The pipeline's drafter with each pass evaluated and timed alone."""
+
+    def __init__(self, drafter):
+        self._d, self.seconds = drafter, []
+
+    def __getattr__(self, name):
+        return getattr(self._d, name)
+
+    def propose(self, *args, **kwargs):
+        import mlx.core as mx
+
+        tic = time.perf_counter()
+        p = self._d.propose(*args, **kwargs)
+        mx.eval(p.tokens)
+        self.seconds.append(time.perf_counter() - tic)
+        return p
+
+
+def run(pipe, ids, max_tokens: int, system: str, log, time_drafts: bool) -> dict:
+    import copy
+
+    pipe._policy = None                       # a fresh estimate per run, as a server starts
+    engine = pipe.batch_engine()
+    if time_drafts and system == "policy":
+        engine.drafter = TimedDrafter(engine.drafter)
+    shared = pipe.batch_correction()
+    b = "auto" if system == "policy" else 1
+    for p in ids:
+        pipe.add_to_batch(engine, p, max_tokens, Sampling(), b, shared,
+                          lookup=system == "policy", stop_ids=pipe.stop_ids(), seed=None)
+    tic = time.perf_counter()
+    out: dict[int, list[int]] = {}
+    while engine.running or engine.waiting:
+        before = copy.deepcopy(shared.table)
+        rows = list(engine.rows)
+        done = len(engine.history)
+        drafts_before = len(getattr(engine.drafter, "seconds", []))
+        for ev in engine.step():
+            out.setdefault(ev.id, []).extend(ev.tokens)
+        if log is not None and len(engine.history) > done and system == "policy":
+            n, r, s = engine.history[-1]
+            seqs, price, slots = [], None, None
+            for seq in rows:
+                pol = seq.policy
+                c = seq.stats.steps[-1]
+                seqs.append([c.source, c.width, c.accepted, *map(lambda x: round(x, 4),
+                                                                  pol.last),
+                             [round(a, 3) for a in pol.inner.alphas(DRAFTER)[:3]]])
+            pol = rows[-1].policy
+            if isinstance(pol, BatchAwareWidth):
+                saved, pol.shared.table = pol.shared.table, before
+                slots = getattr(pol, "slots", None)
+                price = pol.step_cost(r, slots) + sum(x[4] for x in seqs)
+                pol.shared.table = saved
+            entry = {"n": n, "rows": r, "slots": slots, "seconds": round(s, 4),
+                     "price": None if price is None else round(price, 4), "seqs": seqs}
+            if time_drafts:
+                entry["draft_s"] = [round(x, 4) for x in engine.drafter.seconds[drafts_before:]]
+            log.write(json.dumps(entry) + "\n")
+    wall = time.perf_counter() - tic
+    stats = list(engine.stats.values())
+    tokens = sum(s.generated_tokens for s in stats)
+    decode = sum(s for _, _, s in engine.history)
+    cycles = {src: sum(len(s.drafting(src)) for s in stats) for src in (DRAFTER, LOOKUP)}
+    taus = {}
+    for src in (DRAFTER, LOOKUP):
+        cs = [c for s in stats for c in s.drafting(src)]
+        taus[src] = round(sum(c.accepted + 1 for c in cs) / len(cs), 2) if cs else None
+    plain = sum(1 for s in stats for c in s.steps if c.source == PLAIN)
+    steps = len(engine.history)
+    return {"system": system, "tokens": tokens, "wall_s": round(wall, 2),
+            "tok_s": round(tokens / wall, 2), "decode_tok_s": round(tokens / decode, 2),
+            "steps": steps, "rows_per_step": round(sum(r for _, r, _ in engine.history)
+                                                   / max(steps, 1), 1),
+            "cycles_drafter": cycles[DRAFTER], "tau_drafter": taus[DRAFTER],
+            "cycles_lookup": cycles[LOOKUP], "tau_lookup": taus[LOOKUP], "plain": plain,
+            "texts": out}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kind", choices=["code", "agent"], default="code")
+    ap.add_argument("--clients", default="8,16")
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--systems", default="plain,policy")
+    ap.add_argument("--log", type=Path)
+    ap.add_argument("--time-drafts", action="store_true")
+    a = ap.parse_args()
+    pipe = dflash2_mlx.load()
+    log = a.log.open("w") if a.log else None
+    for n in [int(x) for x in a.clients.split(",")]:
+        ids = prompts(pipe, a.kind, n)
+        print(f"{a.kind} x {n}: mean prompt {sum(map(len, ids)) / n:.0f} tokens; load average "
+              f"{os.getloadavg()}", flush=True)
+        if log:
+            log.write(json.dumps({"kind": a.kind, "clients": n}) + "\n")
+        res = {}
+        for system in a.systems.split(","):
+            res[system] = run(pipe, ids, a.max_tokens, system, log, a.time_drafts)
+            print(json.dumps({k: v for k, v in res[system].items() if k != "texts"}),
+                  flush=True)
+        if "plain" in res and "policy" in res:
+            p, q = res["plain"], res["policy"]
+            print(f"{a.kind} x {n}: policy / plain = {q['tok_s'] / p['tok_s']:.3f} (wall), "
+                  f"{q['decode_tok_s'] / p['decode_tok_s']:.3f} (decode steps); texts "
+                  f"{'identical' if p['texts'] == q['texts'] else 'DIFFER'}", flush=True)
+    if log:
+        log.close()
+
+
+if __name__ == "__main__":
+    main()
