@@ -53,9 +53,10 @@ class BatchAwareWidth:
     itself. With n sequences, planned tokens E_p and draft seconds D_p, widest planned block
     W, and the others' expected tokens F_e(T) and draft seconds F_d(T) within a widest block
     T, w of expected E(w) and draft d(w) is worth
-        (E_p + E(w) + F_e(T)) / (step_cost(n T, S) + D_p + d(w) + F_d(T)),  T = max(W, w),
+        (E_p + E(w) + F_e(T)) / step_cost(n T, S, D_p + d(w) + F_d(T)),  T = max(W, w),
     S the batch cache's slots (docs/batching.md): whoever widens the step pays for every row
-    it pads. Alone it chooses exactly as its AdaptiveWidth. `last`: (expected tokens, draft
+    it pads (a later sequence's widening is not counted on: its outlook is from the step
+    before, and a lookup match may have ended since). Alone it chooses exactly as its AdaptiveWidth. `last`: (expected tokens, draft
     seconds) of its latest choice; `outlook`: for T = 1, 2, ... the (expected tokens, draft
     seconds) of its best choice within T at its latest batched rate (None: alone so far).
 
@@ -130,8 +131,8 @@ class BatchAwareWidth:
         # its own outlook, for those after it without one (at the batch's rate: its latest,
         # or the step's with the rest plain)
         v, r = rows[widest]
-        mine = _best_within(opts, r * (self.rate or (tokens + n - len(self.planned))
-                                       / (r * (v + draft))))
+        batch_rate = self.rate or (tokens + n - len(self.planned)) / (r * (v + draft))
+        mine = _best_within(opts, batch_rate * r)
         others = {T: [0.0, 0.0] for T in rows}
         for outlook in self.after:
             outlook = outlook or mine
