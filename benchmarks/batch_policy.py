@@ -81,32 +81,38 @@ def run(pipe, ids, max_tokens: int, system: str, log, time_drafts: bool) -> dict
         engine.drafter = TimedDrafter(engine.drafter)
     shared = pipe.batch_correction()
     b = "auto" if system == "policy" else 1
+    policies = {}
     for p in ids:
-        pipe.add_to_batch(engine, p, max_tokens, Sampling(), b, shared,
-                          lookup=system == "policy", stop_ids=pipe.stop_ids(), seed=None)
+        rid = pipe.add_to_batch(engine, p, max_tokens, Sampling(), b, shared,
+                                lookup=system == "policy", stop_ids=pipe.stop_ids(), seed=None)
+        policies[rid] = engine.queue[-1].policy
     tic = time.perf_counter()
     out: dict[int, list[int]] = {}
     while engine.running or engine.waiting:
         before = copy.deepcopy(shared.table)
-        rows = list(engine.rows)
+        steps_before = {rid: len(st.steps) for rid, st in engine.stats.items()}
         done = len(engine.history)
         drafts_before = len(getattr(engine.drafter, "seconds", []))
         for ev in engine.step():
             out.setdefault(ev.id, []).extend(ev.tokens)
         if log is not None and len(engine.history) > done and system == "policy":
             n, r, s = engine.history[-1]
+            decoded = [rid for rid, st in engine.stats.items()
+                       if len(st.steps) > steps_before.get(rid, 0)]
             seqs, price, slots = [], None, None
-            for seq in rows:
-                pol = seq.policy
-                c = seq.stats.steps[-1]
-                seqs.append([c.source, c.width, c.accepted, *map(lambda x: round(x, 4),
-                                                                  pol.last),
+            for rid in decoded:
+                pol, c = policies[rid], engine.stats[rid].steps[-1]
+                seqs.append([c.source, c.width, c.accepted, *(round(x, 4) for x in pol.last),
                              [round(a, 3) for a in pol.inner.alphas(DRAFTER)[:3]]])
-            pol = rows[-1].policy
+            pol = policies[decoded[-1]]
             if isinstance(pol, BatchAwareWidth):
                 saved, pol.shared.table = pol.shared.table, before
-                slots = getattr(pol, "slots", None)
-                price = pol.step_cost(r, slots) + sum(x[4] for x in seqs)
+                slots = pol.slots
+                drafts = sum(x[4] for x in seqs if x[0] == DRAFTER)
+                try:
+                    price = pol.step_cost(r, slots, drafts)
+                except TypeError:               # before the drafter's passes were corrected
+                    price = pol.step_cost(r, slots) + drafts
                 pol.shared.table = saved
             entry = {"n": n, "rows": r, "slots": slots, "seconds": round(s, 4),
                      "price": None if price is None else round(price, 4), "seqs": seqs}
