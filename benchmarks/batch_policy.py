@@ -3,14 +3,16 @@ per source, and a per-step log of what each sequence chose and what the step cos
 price.
 
     python benchmarks/batch_policy.py --kind code --clients 8,16 --max-tokens 96 \\
-        [--log steps.jsonl] [--time-drafts]
+        [--systems plain,baseline,policy --baseline old_batch.py] [--log steps.jsonl]
+        [--time-drafts]
 
 Embedded SmolLM2 pair, greedy. Per batch size, the systems run in turn on the same prompts:
-`plain` (every sequence `FixedWidth(1)`, no lookup: `--block-size 1 --no-lookup`) and `policy`
-(`Pipeline.add_to_batch`'s `auto` policies, lookup on), each from a fresh pipeline policy (the
-prior, as a server starts). kind: `code` (HumanEval prompts, ~150 tokens) or `agent` (the load
+`plain` (every sequence `FixedWidth(1)`, no lookup: `--block-size 1 --no-lookup`), `policy`
+(`Pipeline.add_to_batch`'s `auto` policies, lookup on) and `baseline` (the engine and policy
+of another version of batch.py, `--baseline`, with this version's estimates), each from a fresh
+pipeline policy (the prior, as a server starts). kind: `code` (HumanEval prompts, ~150 tokens) or `agent` (the load
 benchmark's agent system prompts, a tool list and ~3000 characters of a source file, and its
-first turn: ~1k tokens). The log (JSON lines, one per decode step of the policy runs): the
+first turn: ~1k tokens). The log (JSON lines, one per decode step of the drafting runs): the
 sequences, rows, slots, seconds, the step's price by the cost model and correction as the
 policies saw it before the step, and per sequence (source, width, expected tokens, draft
 seconds, drafter alphas 1-3). --time-drafts times each drafter pass alone (synchronously:
@@ -28,7 +30,6 @@ from pathlib import Path
 
 import dflash2_mlx
 from dflash2_mlx.adaptive import DRAFTER, LOOKUP, PLAIN
-from dflash2_mlx.batch import BatchAwareWidth
 from dflash2_mlx.sampling import Sampling
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,19 +73,42 @@ class TimedDrafter:
         return p
 
 
-def run(pipe, ids, max_tokens: int, system: str, log, time_drafts: bool) -> dict:
+def load_baseline(path: Path):
+    """Another version of dflash2_mlx/batch.py as a module of this package (its relative
+    imports resolve here)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("dflash2_mlx._baseline_batch", path)
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run(pipe, ids, max_tokens: int, system: str, log, time_drafts: bool,
+        baseline=None) -> dict:
     import copy
 
     pipe._policy = None                       # a fresh estimate per run, as a server starts
-    engine = pipe.batch_engine()
-    if time_drafts and system == "policy":
-        engine.drafter = TimedDrafter(engine.drafter)
     shared = pipe.batch_correction()
-    b = "auto" if system == "policy" else 1
     policies = {}
+    if system == "baseline":
+        engine = baseline.BatchEngine(pipe.adapter, pipe.drafter, lookup=pipe.lookup_config,
+                                      prefill_step_size=pipe.prefill_step_size)
+    else:
+        engine = pipe.batch_engine()
+    if time_drafts and system != "plain":
+        engine.drafter = TimedDrafter(engine.drafter)
     for p in ids:
-        rid = pipe.add_to_batch(engine, p, max_tokens, Sampling(), b, shared,
-                                lookup=system == "policy", stop_ids=pipe.stop_ids(), seed=None)
+        if system == "baseline":
+            policy = baseline.BatchAwareWidth(pipe.width_policy().for_sequence(), shared)
+            rid = engine.add(baseline.Request(p, max_tokens, Sampling(), policy,
+                                              pipe.stop_ids(), True))
+        else:
+            rid = pipe.add_to_batch(engine, p, max_tokens, Sampling(),
+                                    "auto" if system == "policy" else 1, shared,
+                                    lookup=system == "policy", stop_ids=pipe.stop_ids(),
+                                    seed=None)
         policies[rid] = engine.queue[-1].policy
     tic = time.perf_counter()
     out: dict[int, list[int]] = {}
@@ -95,7 +119,7 @@ def run(pipe, ids, max_tokens: int, system: str, log, time_drafts: bool) -> dict
         drafts_before = len(getattr(engine.drafter, "seconds", []))
         for ev in engine.step():
             out.setdefault(ev.id, []).extend(ev.tokens)
-        if log is not None and len(engine.history) > done and system == "policy":
+        if log is not None and len(engine.history) > done and system != "plain":
             n, r, s = engine.history[-1]
             decoded = [rid for rid, st in engine.stats.items()
                        if len(st.steps) > steps_before.get(rid, 0)]
@@ -105,7 +129,7 @@ def run(pipe, ids, max_tokens: int, system: str, log, time_drafts: bool) -> dict
                 seqs.append([c.source, c.width, c.accepted, *(round(x, 4) for x in pol.last),
                              [round(a, 3) for a in pol.inner.alphas(DRAFTER)[:3]]])
             pol = policies[decoded[-1]]
-            if isinstance(pol, BatchAwareWidth):
+            if hasattr(pol, "shared"):
                 saved, pol.shared.table = pol.shared.table, before
                 slots = pol.slots
                 drafts = sum(x[4] for x in seqs if x[0] == DRAFTER)
@@ -114,7 +138,7 @@ def run(pipe, ids, max_tokens: int, system: str, log, time_drafts: bool) -> dict
                 except TypeError:               # before the drafter's passes were corrected
                     price = pol.step_cost(r, slots) + drafts
                 pol.shared.table = saved
-            entry = {"n": n, "rows": r, "slots": slots, "seconds": round(s, 4),
+            entry = {"system": system, "n": n, "rows": r, "slots": slots, "seconds": round(s, 4),
                      "price": None if price is None else round(price, 4), "seqs": seqs}
             if time_drafts:
                 entry["draft_s"] = [round(x, 4) for x in engine.drafter.seconds[drafts_before:]]
@@ -147,7 +171,11 @@ def main() -> None:
     ap.add_argument("--systems", default="plain,policy")
     ap.add_argument("--log", type=Path)
     ap.add_argument("--time-drafts", action="store_true")
+    ap.add_argument("--baseline", type=Path,
+                    help="another batch.py, run as the system `baseline` (its engine and "
+                         "policy), e.g. `git show REV:dflash2_mlx/batch.py > old_batch.py`")
     a = ap.parse_args()
+    baseline = load_baseline(a.baseline) if a.baseline else None
     pipe = dflash2_mlx.load()
     log = a.log.open("w") if a.log else None
     for n in [int(x) for x in a.clients.split(",")]:
@@ -158,14 +186,16 @@ def main() -> None:
             log.write(json.dumps({"kind": a.kind, "clients": n}) + "\n")
         res = {}
         for system in a.systems.split(","):
-            res[system] = run(pipe, ids, a.max_tokens, system, log, a.time_drafts)
+            res[system] = run(pipe, ids, a.max_tokens, system, log, a.time_drafts, baseline)
             print(json.dumps({k: v for k, v in res[system].items() if k != "texts"}),
                   flush=True)
-        if "plain" in res and "policy" in res:
-            p, q = res["plain"], res["policy"]
-            print(f"{a.kind} x {n}: policy / plain = {q['tok_s'] / p['tok_s']:.3f} (wall), "
-                  f"{q['decode_tok_s'] / p['decode_tok_s']:.3f} (decode steps); texts "
-                  f"{'identical' if p['texts'] == q['texts'] else 'DIFFER'}", flush=True)
+        for system, q in res.items():
+            if system != "plain" and "plain" in res:
+                p = res["plain"]
+                print(f"{a.kind} x {n}: {system} / plain = {q['tok_s'] / p['tok_s']:.3f} "
+                      f"(wall), {q['decode_tok_s'] / p['decode_tok_s']:.3f} (decode steps); "
+                      f"texts {'identical' if p['texts'] == q['texts'] else 'DIFFER'}",
+                      flush=True)
     if log:
         log.close()
 
