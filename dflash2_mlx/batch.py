@@ -53,7 +53,7 @@ class BatchAwareWidth:
     itself. With n sequences, planned tokens E_p and draft seconds D_p, widest planned block
     W, and the others' expected tokens F_e(T) and draft seconds F_d(T) within a widest block
     T, w of expected E(w) and draft d(w) is worth
-        (E_p + E(w) + F_e(T)) / step_cost(n T, S, D_p + d(w) + F_d(T)),  T = max(W, w),
+        (E_p + E(w) + F_e(T)) / step_cost(n, T, S, D_p + d(w) + F_d(T)),  T = max(W, w),
     S the batch cache's slots (docs/batching.md): whoever widens the step pays for every row
     it pads (a later sequence's widening is not counted on: its outlook is from the step
     before, and a lookup match may have ended since). Alone it chooses exactly as its AdaptiveWidth. `last`: (expected tokens, draft
@@ -82,20 +82,21 @@ class BatchAwareWidth:
         self.planned, self.slots = list(planned), slots
         self.after = [None] * after if isinstance(after, int) else [_outlook(p) for p in after]
 
-    def step_cost(self, rows: int, context: int | None = None, drafts: float = 0.0) -> float:
-        """Seconds of a batched step verifying `rows` rows over `context` slots after drafter
-        passes of `drafts` seconds by the calibration: the cost model, corrected by the steps
-        timed near that many rows at that context size (a busy machine slows the drafter as
-        it slows the verify; uncorrected, drafting looked cheap beside a corrected verify)."""
-        return (self.inner.cost.verify(rows, context) + drafts) * self.shared.ratio(
-            step_keys(rows, context))
+    def step_cost(self, n: int, T: int, context: int | None = None,
+                  drafts: float = 0.0) -> float:
+        """Seconds of a batched step of n sequences x T rows over `context` slots after drafter
+        passes of `drafts` seconds by the calibration: the cost model at n T rows, corrected by
+        the steps timed at that shape (`step_keys`; a busy machine slows the drafter as it
+        slows the verify: uncorrected, drafting looked cheap beside a corrected verify)."""
+        return (self.inner.cost.verify(n * T, context) + drafts) * self.shared.ratio(
+            step_keys(n, T, context))
 
-    def observe(self, rows: int, context: int | None, seconds: float,
+    def observe(self, n: int, T: int, context: int | None, seconds: float,
                 drafts: float = 0.0) -> None:
-        """A batched step verifying `rows` rows over `context` slots, after drafter passes of
-        `drafts` seconds by the calibration, took `seconds`."""
-        self.shared.observe(step_keys(rows, context), seconds,
-                            self.inner.cost.verify(rows, context) + drafts)
+        """A batched step of n sequences x T rows over `context` slots, after drafter passes
+        of `drafts` seconds by the calibration, took `seconds`."""
+        self.shared.observe(step_keys(n, T, context), seconds,
+                            self.inner.cost.verify(n * T, context) + drafts)
 
     def _options(self, available: dict, match_n: int, context: int | None):
         """(source, w, E(w), draft seconds) of every choice on offer, plain first."""
@@ -127,7 +128,7 @@ class BatchAwareWidth:
         draft = sum(d for _, _, d in self.planned)
         slots = self.slots if self.slots is not None else context
         rows = {T: (self.inner.cost.verify(n * T, slots), self.shared.ratio(
-            step_keys(n * T, slots))) for T in {max(widest, w) for _, w, _, _ in opts}}
+            step_keys(n, T, slots))) for T in {max(widest, w) for _, w, _, _ in opts}}
         # its own outlook, for those after it without one (at the batch's rate: its latest,
         # or the step's with the rest plain)
         v, r = rows[widest]
@@ -165,8 +166,8 @@ class BatchAwareWidth:
         rows, its drafter pass) over a plain step's, over AdaptiveWidth's budget (the near
         one while drafting nearly pays), times the n sequences: each probe pads the whole
         step, so the batch's probes together stay within the budget."""
-        plain = self.step_cost(n, slots)
-        extra = self.step_cost(2 * n, slots, self.inner.cost.draft(2, context)) - plain
+        plain = self.step_cost(n, 1, slots)
+        extra = self.step_cost(n, 2, slots, self.inner.cost.draft(2, context)) - plain
         return n * max(extra, 0.0) / plain / self.inner.budget[near]
 
     def next_plain(self, available: dict, context: int | None = None) -> bool:
@@ -206,18 +207,24 @@ def _best_within(options: list, rate: float) -> tuple[tuple[float, float], ...]:
     return tuple(out)
 
 
-def step_keys(rows: int, context: int | None) -> tuple:
-    """A batched verify's correction keys (`costs.Correction`), nearest first: its octave of
-    rows (1, 2-3, 4-7, ...: a batch's rows can get dearer than one sequence's calibration
-    extrapolates, once the step is compute-bound), then the other octaves by distance, the
-    wider first, at this context size, then at any."""
-    return _step_keys(int(rows).bit_length(), context_bucket(context))
+def step_keys(n: int, T: int, context: int | None) -> tuple:
+    """A batched step's correction keys (`costs.Correction`: every key learns each step, the
+    first trusted one prices), nearest first: its octave of sequences (1, 2-3, 4-7, ...) and
+    of width T (1, 2-3, 4-7, ...), then the other octaves of sequences, then (T > 1) the
+    other octaves of widths above 1, at this context size, then at any. Plain steps (T = 1)
+    and drafting ones never share a key: a batched step of T > 1 rows per sequence costs per
+    row far more than one of a row per sequence, more than the single-sequence calibration
+    shows (measured at B = 8: T = 2 took 2.8x T = 1, priced 1.16x); keyed by rows alone, a
+    policy that always drafted priced plain steps at its drafting steps' ratio, and kept
+    drafting at a loss (an untimed shape is priced as calibrated, and so gets timed)."""
+    return _step_keys(int(n).bit_length(), int(T).bit_length(), context_bucket(context))
 
 
 @functools.lru_cache(maxsize=None)
-def _step_keys(octave: int, bucket: int) -> tuple:
-    order = sorted(range(1, 17), key=lambda o: (abs(o - octave), -o))
-    return tuple((o, b) for b in (bucket, None) for o in order)
+def _step_keys(n_octave: int, t_octave: int, bucket: int) -> tuple:
+    near = sorted(range(1, 17), key=lambda o: (abs(o - n_octave), -o))
+    widths = [1] if t_octave == 1 else sorted(range(2, 8), key=lambda o: (abs(o - t_octave), -o))
+    return tuple((b, t, o) for b in (bucket, None) for t in widths for o in near)
 
 
 @dataclass
@@ -466,7 +473,7 @@ class BatchEngine:
         timed = {id(s.policy.shared): s.policy for s in self.rows
                  if isinstance(s.policy, BatchAwareWidth)}
         for policy in timed.values():                 # once per shared correction
-            policy.observe(len(plans) * T, slots, seconds, drafts)
+            policy.observe(len(plans), T, slots, seconds, drafts)
         events, leaving = [], []
         for i, (p, a, (_, bonus)) in enumerate(zip(plans, accepted, results)):
             seq = p.seq
