@@ -133,10 +133,10 @@ def run(pipe, ids, max_tokens: int, system: str, log, time_drafts: bool,
                 saved, pol.shared.table = pol.shared.table, before
                 slots = pol.slots
                 drafts = sum(x[4] for x in seqs if x[0] == DRAFTER)
-                try:
-                    price = pol.step_cost(r, slots, drafts)
-                except TypeError:               # before the drafter's passes were corrected
+                if system == "baseline":            # its step_cost(rows, slots)
                     price = pol.step_cost(r, slots) + drafts
+                else:
+                    price = pol.step_cost(n, r // n, slots, drafts)
                 pol.shared.table = saved
             entry = {"system": system, "n": n, "rows": r, "slots": slots, "seconds": round(s, 4),
                      "price": None if price is None else round(price, 4), "seqs": seqs}
