@@ -24,6 +24,7 @@ what they cost over plain steps stays under 1% of the time where drafting is far
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import platform
@@ -114,6 +115,16 @@ class AdaptiveWidth:
         self.probing = self.probe_again = False
         # the timed cycles against the model (`cycle_keys`)
         self.correction = Correction(decay)
+
+    def for_sequence(self) -> "AdaptiveWidth":
+        """A policy for one more sequence decoding beside this one (a batch): the same cost
+        model, acceptance estimates and timed corrections, shared (what any sequence learns,
+        every one uses, and the next request starts from it, as one at a time: a fresh
+        estimate per request started at the prior and drafted low-acceptance blocks into every
+        batch), and its own probe state (plain_run, probing, probe_again)."""
+        other = copy.copy(self)                 # the containers are shared, not copied
+        other.plain_run, other.probing, other.probe_again = 0, False, False
+        return other
 
     def cycle_cost(self, width: int, source: str = DRAFTER, context: int | None = None) -> float:
         """Expected seconds of a cycle: the cost model at this context times the correction

@@ -49,16 +49,18 @@ class BatchAwareWidth:
     and probes) whose choice weighs the whole step's tokens per second. A step verifies
     B x T rows (T: the widest block), so a width w costs every row of the batch; the engine
     tells the policy (`set_batch`) what the sequences planned before it this step chose
-    (width, expected tokens, draft seconds), how many plan after it and the context the step's
-    attention reads, and those after are assumed to follow its choice (they are the same kind
-    of sequence, as far as it knows). With n sequences, planned tokens E_p and draft seconds
-    D_p, widest planned block W and f = 1 + the number still to plan, w of expected E(w) and
-    draft d(w) is worth
-        (E_p + f E(w)) / (step_cost(n max(W, w), S) + D_p + f d(w)),
-    S the batch cache's slots (docs/batching.md). The first to plan in a step of like
-    sequences so picks the best fixed width for the batch size, and the others find its rows
-    already paid. Alone it chooses exactly as its AdaptiveWidth. `last`: (expected tokens,
-    draft seconds) of its latest choice.
+    (width, expected tokens, draft seconds), which policies plan after it and the context the
+    step's attention reads. Those after it are expected to do what their latest choice said
+    they would within the step's widest block (`outlook`), one without an outlook as it does
+    itself. With n sequences, planned tokens E_p and draft seconds D_p, widest planned block
+    W, and the others' expected tokens F_e(T) and draft seconds F_d(T) within a widest block
+    T, w of expected E(w) and draft d(w) is worth
+        (E_p + E(w) + F_e(T)) / step_cost(n, T, S, D_p + d(w) + F_d(T)),  T = max(W, w),
+    S the batch cache's slots (docs/batching.md): whoever widens the step pays for every row
+    it pads (a later sequence's widening is not counted on: its outlook is from the step
+    before, and a lookup match may have ended since). Alone it chooses exactly as its AdaptiveWidth. `last`: (expected tokens, draft
+    seconds) of its latest choice; `outlook`: for T = 1, 2, ... the (expected tokens, draft
+    seconds) of its best choice within T at its latest batched rate (None: alone so far).
 
     shared: the steps' correction (`costs.Correction`), one for every sequence of a batch:
     each step is timed once (`observe`) and every sequence prices the next with it."""
@@ -67,27 +69,36 @@ class BatchAwareWidth:
         self.inner = inner
         self.shared = shared if shared is not None else Correction(decay=0.9)
         self.planned: list[tuple[int, float, float]] = []
-        self.after, self.slots = 0, None
+        self.after: list[tuple | None] = []     # the outlooks of those planning after it
+        self.slots = None
         self.last = (1.0, 0.0)
+        self.outlook: tuple[tuple[float, float], ...] | None = None
+        self.rate: float | None = None      # the step's tokens/s its latest batched choice saw
         self.plain_run = 0                  # batched plain choices since drafting or a probe
 
-    def set_batch(self, planned: list[tuple[int, float, float]], after: int,
+    def set_batch(self, planned: list[tuple[int, float, float]], after,
                   slots: int | None = None) -> None:
         """planned: (width, expected tokens, draft seconds) of those planned before it this
-        step; after: how many plan after it; slots: the keys each row's attention reads."""
-        self.planned, self.after, self.slots = list(planned), after, slots
+        step; after: the policies planning after it, or how many (each then expected to
+        choose as it does); slots: the keys each row's attention reads."""
+        self.planned, self.slots = list(planned), slots
+        self.after = [None] * after if isinstance(after, int) else [_outlook(p) for p in after]
 
-    def step_cost(self, rows: int, context: int | None = None) -> float:
-        """Seconds of a batched verify of `rows` rows over `context` slots: the cost model,
-        corrected by the steps timed near that many rows at that context size."""
-        return self.inner.cost.verify(rows, context) * self.shared.ratio(
-            step_keys(rows, context))
+    def step_cost(self, n: int, T: int, context: int | None = None,
+                  drafts: float = 0.0) -> float:
+        """Seconds of a batched step of n sequences x T rows over `context` slots after drafter
+        passes of `drafts` seconds by the calibration: the cost model at n T rows, corrected by
+        the steps timed at that shape (`step_keys`; a busy machine slows the drafter as it
+        slows the verify: uncorrected, drafting looked cheap beside a corrected verify)."""
+        return (self.inner.cost.verify(n * T, context) + drafts) * self.shared.ratio(
+            step_keys(n, T, context))
 
-    def observe(self, rows: int, context: int | None, seconds: float) -> None:
-        """A batched verify of `rows` rows over `context` slots took `seconds` (its drafting
-        left out)."""
-        self.shared.observe(step_keys(rows, context), seconds,
-                            self.inner.cost.verify(rows, context))
+    def observe(self, n: int, T: int, context: int | None, seconds: float,
+                drafts: float = 0.0) -> None:
+        """A batched step of n sequences x T rows over `context` slots, after drafter passes
+        of `drafts` seconds by the calibration, took `seconds`."""
+        self.shared.observe(step_keys(n, T, context), seconds,
+                            self.inner.cost.verify(n * T, context) + drafts)
 
     def _options(self, available: dict, match_n: int, context: int | None):
         """(source, w, E(w), draft seconds) of every choice on offer, plain first."""
@@ -106,30 +117,50 @@ class BatchAwareWidth:
         """As AdaptiveWidth.choose; `context`: this sequence's own tokens (its drafter pass,
         and its verify when alone)."""
         available = dict(self.inner.widths) if available is None else available
-        options = {(s, w): (e, d) for s, w, e, d in self._options(available, match_n, context)}
+        opts = list(self._options(available, match_n, context))
+        options = {(s, w): (e, d) for s, w, e, d in opts}
         if not self.planned and not self.after:
             best = self.inner.choose(available, match_n, context)
-        else:
-            n = len(self.planned) + self.after + 1
-            widest = max((w for w, _, _ in self.planned), default=1)
-            tokens = sum(e for _, e, _ in self.planned)
-            draft = sum(d for _, _, d in self.planned)
-            f = 1 + self.after
-            slots = self.slots if self.slots is not None else context
+            self.outlook = self.rate = None
+            self.last = options.get(best, (1.0, 0.0))
+            return best
+        n = len(self.planned) + len(self.after) + 1
+        widest = max((w for w, _, _ in self.planned), default=1)
+        tokens = sum(e for _, e, _ in self.planned)
+        draft = sum(d for _, _, d in self.planned)
+        slots = self.slots if self.slots is not None else context
+        rows = {T: (self.inner.cost.verify(n * T, slots), self.shared.ratio(
+            step_keys(n, T, slots))) for T in {max(widest, w) for _, w, _, _ in opts}}
+        # its own outlook, for those after it without one (at the batch's rate: its latest,
+        # or the step's with the rest plain)
+        v, r = rows[widest]
+        batch_rate = self.rate or (tokens + n - len(self.planned)) / (r * (v + draft))
+        mine = _best_within(opts, batch_rate * r)
+        others = {T: [0.0, 0.0] for T in rows}
+        for outlook in self.after:
+            outlook = outlook or mine
+            for T, acc in others.items():
+                e, d = outlook[min(T, len(outlook)) - 1]
+                acc[0] += e
+                acc[1] += d
 
-            def rate(choice):
-                e, d = options[choice]
-                rows = n * max(widest, choice[1])
-                return (tokens + f * e) / (self.step_cost(rows, slots) + draft + f * d)
-            best = max(options, key=rate)
-            # probe as AdaptiveWidth does (else a dip in the estimates would stop drafting for
-            # good), spaced by what a batched probe costs: it pads every row of the step
-            near = any(rate(c) >= self.inner.far * rate(best) for c in options if c[1] > 1)
-            self.plain_run = self.plain_run + 1 if best[1] == 1 else 0
-            if best[1] == 1 and (DRAFTER, 2) in options and \
-                    self.plain_run >= self._probe_gap(n, slots, context, near):
-                self.plain_run, best = 0, (DRAFTER, 2)
-        self.last = options.get(best, (1.0, 0.0))
+        def rate(choice):
+            e, d = options[choice]
+            T = max(widest, choice[1])
+            v, r = rows[T]
+            return (tokens + e + others[T][0]) / (r * (v + draft + d + others[T][1]))
+        rates = {c: rate(c) for c in options}
+        best = max(rates, key=rates.get)
+        self.rate = rates[best]
+        self.outlook = _best_within(opts, self.rate * rows[max(widest, best[1])][1])
+        # probe as AdaptiveWidth does (else a dip in the estimates would stop drafting for
+        # good), spaced by what a batched probe costs: it pads every row of the step
+        near = any(r >= self.inner.far * rates[best] for c, r in rates.items() if c[1] > 1)
+        self.plain_run = self.plain_run + 1 if best[1] == 1 else 0
+        if best[1] == 1 and (DRAFTER, 2) in options and \
+                self.plain_run >= self._probe_gap(n, slots, context, near):
+            self.plain_run, best = 0, (DRAFTER, 2)
+        self.last = options[best]
         return best
 
     def _probe_gap(self, n: int, slots: int | None, context: int | None, near: bool) -> float:
@@ -137,8 +168,8 @@ class BatchAwareWidth:
         rows, its drafter pass) over a plain step's, over AdaptiveWidth's budget (the near
         one while drafting nearly pays), times the n sequences: each probe pads the whole
         step, so the batch's probes together stay within the budget."""
-        plain = self.step_cost(n, slots)
-        extra = self.step_cost(2 * n, slots) - plain + self.inner.cost.draft(2, context)
+        plain = self.step_cost(n, 1, slots)
+        extra = self.step_cost(n, 2, slots, self.inner.cost.draft(2, context)) - plain
         return n * max(extra, 0.0) / plain / self.inner.budget[near]
 
     def next_plain(self, available: dict, context: int | None = None) -> bool:
@@ -149,18 +180,53 @@ class BatchAwareWidth:
         self.inner.update(*args, **kwargs)
 
 
-def step_keys(rows: int, context: int | None) -> tuple:
-    """A batched verify's correction keys (`costs.Correction`), nearest first: its octave of
-    rows (1, 2-3, 4-7, ...: a batch's rows can get dearer than one sequence's calibration
-    extrapolates, once the step is compute-bound), then the other octaves by distance, the
-    wider first, at this context size, then at any."""
-    return _step_keys(int(rows).bit_length(), context_bucket(context))
+PLAIN_OUTLOOK = ((1.0, 0.0),)
+
+
+def _outlook(policy) -> tuple | None:
+    """What a policy planning later in the step is expected to choose within each widest
+    block: a batch-aware one's latest outlook, plain decoding's, or None (unknown)."""
+    if isinstance(policy, BatchAwareWidth):
+        return policy.outlook
+    if isinstance(policy, FixedWidth) and policy.width == 1:
+        return PLAIN_OUTLOOK
+    return None
+
+
+def _best_within(options: list, rate: float) -> tuple[tuple[float, float], ...]:
+    """For T = 1 .. the widest option, the (E, d) of the option of width <= T that adds the
+    most to a step running at `rate` tokens/s (E - rate d: its rows are paid for)."""
+    by_width: list[tuple[float, float] | None] = [None] * max(w for _, w, _, _ in options)
+    for _, w, e, d in options:
+        x = by_width[w - 1]
+        if x is None or e - rate * d > x[0] - rate * x[1]:
+            by_width[w - 1] = (e, d)
+    out, cur = [], PLAIN_OUTLOOK[0]
+    for x in by_width:
+        if x is not None and x[0] - rate * x[1] > cur[0] - rate * cur[1]:
+            cur = x
+        out.append(cur)
+    return tuple(out)
+
+
+def step_keys(n: int, T: int, context: int | None) -> tuple:
+    """A batched step's correction keys (`costs.Correction`: every key learns each step, the
+    first trusted one prices), nearest first: its octave of sequences (1, 2-3, 4-7, ...) and
+    of width T (1, 2-3, 4-7, ...), then the other octaves of sequences, then (T > 1) the
+    other octaves of widths above 1, at this context size, then at any. Plain steps (T = 1)
+    and drafting ones never share a key: a batched step of T > 1 rows per sequence costs per
+    row far more than one of a row per sequence, more than the single-sequence calibration
+    shows (measured at B = 8: T = 2 took 2.8x T = 1, priced 1.16x); keyed by rows alone, a
+    policy that always drafted priced plain steps at its drafting steps' ratio, and kept
+    drafting at a loss (an untimed shape is priced as calibrated, and so gets timed)."""
+    return _step_keys(int(n).bit_length(), int(T).bit_length(), context_bucket(context))
 
 
 @functools.lru_cache(maxsize=None)
-def _step_keys(octave: int, bucket: int) -> tuple:
-    order = sorted(range(1, 17), key=lambda o: (abs(o - octave), -o))
-    return tuple((o, b) for b in (bucket, None) for o in order)
+def _step_keys(n_octave: int, t_octave: int, bucket: int) -> tuple:
+    near = sorted(range(1, 17), key=lambda o: (abs(o - n_octave), -o))
+    widths = [1] if t_octave == 1 else sorted(range(2, 8), key=lambda o: (abs(o - t_octave), -o))
+    return tuple((b, t, o) for b in (bucket, None) for t in widths for o in near)
 
 
 @dataclass
@@ -398,7 +464,7 @@ class BatchEngine:
         contexts = [len(seq.state.tokens) for seq in self.rows]
         for i, seq in enumerate(self.rows):
             if hasattr(seq.policy, "set_batch"):
-                seq.policy.set_batch(planned, len(self.rows) - 1 - i, slots)
+                seq.policy.set_batch(planned, [s.policy for s in self.rows[i + 1:]], slots)
             plans.append(self._plan(seq))
             e, d = getattr(seq.policy, "last", (1.0, 0.0))
             planned.append((plans[-1].width, e if plans[-1].width > 1 else 1.0,
@@ -427,11 +493,11 @@ class BatchEngine:
         snapshot.rollback_rows(keep, T)
         seconds = time.perf_counter() - tic
         self.history.append((len(plans), len(plans) * T, seconds))
-        verify = seconds - sum(d for _, _, d in planned)     # drafting at its calibration
+        draft_s = sum(d for _, _, d in planned)              # drafting at its calibration
         timed = {id(s.policy.shared): s.policy for s in self.rows
                  if isinstance(s.policy, BatchAwareWidth)}
         for policy in timed.values():                 # once per shared correction
-            policy.observe(len(plans) * T, slots, verify)
+            policy.observe(len(plans), T, slots, seconds, draft_s)
         events, leaving = [], []
         for i, (p, a, (_, bonus)) in enumerate(zip(plans, accepted, results)):
             seq = p.seq

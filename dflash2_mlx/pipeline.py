@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import warnings
 from dataclasses import dataclass
@@ -293,11 +292,7 @@ class Pipeline:
         (`block_size`; a prompt at or past max_ctx runs plain) -> its id. state, keep_state:
         as `batch.Request`'s (the prefix cache)."""
         wide = b if self.max_ctx is None or len(ids) < self.max_ctx else 1
-        # a shallow copy: its own probe counters, but the acceptance estimates (and timed
-        # costs) of the pipeline's policy, shared by every sequence and carried to the next
-        # request as alone; a fresh copy per request started each one at the prior (alpha
-        # 0.8) and drafted low-acceptance blocks into every batch until it had learnt again
-        policy = BatchAwareWidth(copy.copy(self.width_policy()), shared) \
+        policy = BatchAwareWidth(self.width_policy().for_sequence(), shared) \
             if wide == "auto" else FixedWidth(wide)
         rid = engine.add(Request(ids, max_tokens, sampling, policy, stop_ids,
                                  lookup and wide != 1, seed, state, keep_state))
