@@ -264,14 +264,14 @@ def test_sliding_window_families_are_exact(family):
         assert out[k] == (mlx_lm_greedy(target.model, p, 40), "length"), k
 
 
-def test_seeded_sampling_equals_alone(pipe):
-    """The same seed draws the same tokens alone and batched beside others (per-sequence
-    keys, the same key schedule as alone: plain runs, drafter and lookup cycles)."""
+def assert_seeded_batch_equals_alone(adapter, drafter, max_tokens: int) -> BatchEngine:
+    """Four seeded sampled requests (plain, width 4, width 6 with lookup, lookup alone) in two
+    waves give the tokens each gives alone -> the engine, for more checks."""
     from dflash2_mlx.engine import generate_tokens
     from dflash2_mlx.lookup import LookupConfig
 
     rng = random.Random(8)
-    vocab = pipe.adapter.vocab_size
+    vocab = adapter.vocab_size
     sampling = Sampling(temperature=0.9, top_p=0.95)
     specs = [(FixedWidth(1), False), (FixedWidth(4), False), (FixedWidth(6), True),
              (FixedWidth(1), True)]
@@ -279,15 +279,24 @@ def test_seeded_sampling_equals_alone(pipe):
     for k, (policy, lookup) in enumerate(specs):
         prompt = [rng.randrange(vocab - 1) for _ in range(5 + 7 * k)]
         refs[k] = [t for new in generate_tokens(
-            pipe.adapter, pipe.drafter, prompt, max_tokens=32, sampling=sampling,
+            adapter, drafter, prompt, max_tokens=max_tokens, sampling=sampling,
             policy=policy, stop_ids=set(), lookup=LookupConfig() if lookup else None,
             seed=100 + k) for t in new]
         arrivals.setdefault(k % 2, []).append(
-            (k, Request(prompt, 32, sampling, policy=policy, lookup=lookup, seed=100 + k)))
-    out = run(BatchEngine(pipe.adapter, pipe.drafter), arrivals)
+            (k, Request(prompt, max_tokens, sampling, policy=policy, lookup=lookup,
+                        seed=100 + k)))
+    engine = BatchEngine(adapter, drafter)
+    out = run(engine, arrivals)
     for k, ref in refs.items():
         assert out[k] == (ref, "length"), k
     assert len({tuple(r) for r in refs.values()}) == len(refs)
+    return engine
+
+
+def test_seeded_sampling_equals_alone(pipe):
+    """The same seed draws the same tokens alone and batched beside others (per-sequence
+    keys, the same key schedule as alone: plain runs, drafter and lookup cycles)."""
+    assert_seeded_batch_equals_alone(pipe.adapter, pipe.drafter, 32)
 
 
 def test_memory_returns_to_idle_after_a_burst(pipe):

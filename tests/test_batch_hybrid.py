@@ -14,12 +14,9 @@ from dflash2_mlx.adaptive import DRAFTER, LOOKUP, AdaptiveWidth, FixedWidth
 from dflash2_mlx.batch import CANCELLED, BatchAwareWidth, BatchEngine, Request
 from dflash2_mlx.batch_cache import RaggedKVCache, RecurrentRows, batch_cache, check_batchable
 from dflash2_mlx.costs import CostModel, Correction
-from dflash2_mlx.engine import generate_tokens
-from dflash2_mlx.lookup import LookupConfig
-from dflash2_mlx.sampling import Sampling
 from dflash2_mlx.target import TargetAdapter
 from dflash2_mlx.testing import drafter_args, random_drafter
-from test_batch import Oracles, run
+from test_batch import Oracles, assert_seeded_batch_equals_alone, run
 from test_exactness import mlx_lm_greedy
 from test_families import CONFIGS
 
@@ -152,25 +149,7 @@ def test_seeded_sampling_equals_alone():
     with a (random) drafter: plain runs, drafter and lookup cycles, each rolled back."""
     adapter = hybrid("qwen3_5")
     drafter = random_drafter(drafter_args(block_size=8, layer_ids=FEATURES))
-    rng = random.Random(8)
-    vocab = adapter.vocab_size
-    sampling = Sampling(temperature=0.9, top_p=0.95)
-    specs = [(FixedWidth(1), False), (FixedWidth(4), False), (FixedWidth(6), True),
-             (FixedWidth(1), True)]
-    arrivals, refs = {}, {}
-    for k, (policy, lookup) in enumerate(specs):
-        prompt = [rng.randrange(vocab - 1) for _ in range(5 + 7 * k)]
-        refs[k] = [t for new in generate_tokens(
-            adapter, drafter, prompt, max_tokens=24, sampling=sampling, policy=policy,
-            stop_ids=set(), lookup=LookupConfig() if lookup else None, seed=100 + k)
-            for t in new]
-        arrivals.setdefault(k % 2, []).append(
-            (k, Request(prompt, 24, sampling, policy=policy, lookup=lookup, seed=100 + k)))
-    engine = BatchEngine(adapter, drafter)
-    out = run(engine, arrivals)
-    for k, ref in refs.items():
-        assert out[k] == (ref, "length"), k
-    assert len({tuple(r) for r in refs.values()}) == len(refs)
+    engine = assert_seeded_batch_equals_alone(adapter, drafter, 24)
     assert any(c.source == "drafter" for s in engine.stats.values() for c in s.steps)
 
 
