@@ -16,7 +16,8 @@ from dflash2_mlx.batch_cache import RaggedKVCache, RecurrentRows, batch_cache, c
 from dflash2_mlx.costs import CostModel, Correction
 from dflash2_mlx.target import TargetAdapter
 from dflash2_mlx.testing import drafter_args, random_drafter
-from test_batch import Oracles, assert_seeded_batch_equals_alone, run
+from test_batch import (Oracles, assert_burst_returns_to_idle, assert_seeded_batch_equals_alone,
+                        run)
 from test_exactness import mlx_lm_greedy
 from test_families import CONFIGS
 
@@ -195,21 +196,4 @@ def test_state_kept_on_leaving_resumes_exactly():
 def test_memory_returns_to_idle_after_a_burst():
     adapter = hybrid("qwen3_next")
     drafter = random_drafter(drafter_args(block_size=8, layer_ids=FEATURES))
-    rng = random.Random(9)
-    vocab = adapter.vocab_size
-
-    def burst():
-        engine = BatchEngine(adapter, drafter)
-        arrivals = {s: [(8 * s + k, Request([rng.randrange(vocab - 1) for _ in range(30)], 16,
-                                            policy=FixedWidth(1 + k % 5), lookup=k % 2 == 1))
-                        for k in range(8)] for s in range(2)}
-        run(engine, arrivals)
-        return engine
-
-    burst()                                  # the first use allocates for good
-    mx.clear_cache()
-    idle = mx.get_active_memory()
-    engine = burst()
-    mx.clear_cache()
-    assert engine.cache is None and not engine.states
-    assert mx.get_active_memory() <= idle + 64 * 1024, (idle, mx.get_active_memory())
+    assert_burst_returns_to_idle(adapter, drafter, 30, 16)
