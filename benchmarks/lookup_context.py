@@ -12,6 +12,12 @@ context.
 
     python benchmarks/lookup_context.py --sizes 2k --max-tokens 96 --outputs /tmp/lk.json
     python benchmarks/lookup_context.py --sizes 2k,4k,8k --copy
+    python benchmarks/lookup_context.py --outputs /tmp/lk.json --costs /tmp/cost.json \
+        --shared --repeats 3 --rules default
+
+`--shared` keeps one policy for the whole run, every set and repeat in turn, as a pipeline
+does for its requests (what one request learnt, the next starts from); `--costs` keeps the
+calibration in a file, so that runs of two versions of the policy price alike.
 
 `--copy` replays, in place of the model's outputs, the answer a model that copies would give
 to each long-edit prompt: its function, renamed, in a code block (no generation: only the
@@ -26,7 +32,7 @@ import os
 
 import dflash2_mlx
 from dflash2_mlx.adaptive import LOOKUP, PLAIN, AdaptiveWidth, Shadow, load_or_measure_costs
-from dflash2_mlx.costs import measure_costs
+from dflash2_mlx.costs import CostModel, measure_costs
 from dflash2_mlx.lookup import LookupConfig, LookupIndex
 from dflash2_mlx.prompt_sets import LONG_SIZES, PROMPT_SETS, _last_function, long_edit_prompts
 
@@ -59,6 +65,7 @@ def _copy_answer(pipe, prompt: str) -> tuple[list[int], list[int]]:
 
 def replay(prompt, output, index, policy, cost):
     """The lookup-or-plain policy over `output` -> (tokens, seconds, cycles, accepted)."""
+    policy = policy.for_sequence()          # a request of its own (shared estimates)
     shadow = Shadow(policy, LOOKUP)
     n, seconds, cycles, accepted = 1, 0.0, 0, 0
     while n < len(output):
@@ -74,7 +81,7 @@ def replay(prompt, output, index, policy, cost):
                 a += 1
             cycles, accepted = cycles + 1, accepted + a
         else:
-            shadow.offer(guess, match)
+            shadow.offer(guess, match, context)
         new = output[n : n + a + 1]
         took = cost.cycle(w, source if w > 1 else PLAIN, context)
         policy.update(source, w, a, took, match, context)
@@ -94,15 +101,30 @@ def main() -> None:
     ap.add_argument("--copy", action="store_true", help="replay copying answers (see above)")
     ap.add_argument("--fresh", action="store_true",
                     help="calibrate now (the cached one may have been timed under load)")
+    ap.add_argument("--costs", default=None,
+                    help="the cost model's JSON: read if it exists, else calibrated and written")
+    ap.add_argument("--shared", action="store_true", help="one policy for the whole run")
+    ap.add_argument("--repeats", type=int, default=1, help="replays of each set")
+    ap.add_argument("--rules", default="all", choices=("all", "default"))
     a = ap.parse_args()
     pipe = dflash2_mlx.load()
-    cost = (measure_costs if a.fresh else load_or_measure_costs)(pipe, pipe.max_width(True))
+    if a.costs and os.path.exists(a.costs):
+        cost = CostModel.from_dict(json.load(open(a.costs)), pipe.drafter.args.block_size,
+                                   pipe.max_width(True))
+        if cost is None:
+            raise ValueError(f"{a.costs}: not a cost model of this pair (CostModel.to_dict)")
+    else:
+        cost = (measure_costs if a.fresh else load_or_measure_costs)(pipe, pipe.max_width(True))
+        if a.costs:
+            with open(a.costs, "w") as f:
+                json.dump(cost.to_dict(), f)
     print(f"verify ms at w = 1, 4, 16 at 2k tokens: "
           f"{', '.join(f'{1e3 * cost.verify(w, 2048):.0f}' for w in (1, 4, 16))}")
     runs = json.load(open(a.outputs)) if a.outputs and os.path.exists(a.outputs) else {}
-    for size in a.sizes.split(",") if a.copy else ():
-        runs[f"copy-edit-{size}"] = [_copy_answer(pipe, p) for p in
-                                     long_edit_prompts(a.prompts, LONG_SIZES[size])]
+    copies = {f"copy-edit-{size}": [_copy_answer(pipe, p) for p in
+                                    long_edit_prompts(a.prompts, LONG_SIZES[size])]
+              for size in (a.sizes.split(",") if a.copy else ())}
+    runs = {**copies, **runs}             # (--shared: the copying answers first)
     for size in () if a.copy else a.sizes.split(","):
         for kind in ("edit", "log", "agent"):
             name = f"long-{kind}-{size}"
@@ -124,17 +146,21 @@ def main() -> None:
              "longest, +1 per doubling from 1k (default)": (LookupIndex, LookupConfig()),
              "most recent, min_n 2": (RecentIndex, LookupConfig(2, 8, 16, None)),
              "most recent, +1 per doubling from 1k": (RecentIndex, LookupConfig())}
+    if a.rules == "default":
+        rules = {"longest, +1 per doubling from 1k (default)": rules[
+            "longest, +1 per doubling from 1k (default)"]}
+    shared = {rule: AdaptiveWidth(cost, {LOOKUP: 16}) for rule in rules}
     print("| set | context | rule | lookup cycles | tau | est. speedup |")
     print("|---|---|---|---|---|---|")
     for name, pairs in runs.items():
         for rule in rules:
             tokens = seconds = cycles = acc = 0
             plain = 0.0
-            for ids, out in pairs:
+            for ids, out in pairs * a.repeats:
                 kind, config = rules[rule]
                 index = kind(config)
                 index.extend(ids + out[:1])
-                policy = AdaptiveWidth(cost, {LOOKUP: 16})
+                policy = shared[rule] if a.shared else AdaptiveWidth(cost, {LOOKUP: 16})
                 t, s, c, k = replay(ids, out, index, policy, cost)
                 tokens, seconds, cycles, acc = tokens + t, seconds + s, cycles + c, acc + k
                 plain += sum(cost.cycle(1, PLAIN, len(ids) + j) for j in range(1, len(out)))

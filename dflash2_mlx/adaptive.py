@@ -13,8 +13,11 @@ timed (a busy machine, per-cycle bookkeeping the calibration does not see), per 
 context size costs the model's figure times what its cycles took over what the model said,
 one not yet timed the model's figure times that ratio over all the cycles timed at this size
 (or at any). The alphas are running estimates per source (the lookup's per suffix length and
-context size): counts of the recent tries of each position (older tries decay), so a change
-of content - code to chat - shows within tens of cycles. The lookup's proposals that no
+context size, the drafter's per context size from 1k tokens): counts of the recent tries of
+each position (older tries decay), so a change of content - code to chat - shows within tens
+of cycles. From 1k tokens an estimate without evidence starts where a 2-row cycle is the
+widest worth verifying at that context (`prior_at`), not at the short-context prior: a wide
+cycle that fails costs several plain steps there. The lookup's proposals that no
 cycle verified are scored against the tokens that committed (`Shadow`), so its
 estimates stay current for free; the drafter's cannot be, so while the policy decodes plainly
 it drafts one token now and then to notice when drafting pays again: probes spaced so that
@@ -40,6 +43,10 @@ _log = log.get(__name__)
 
 DRAFTER, LOOKUP, PLAIN = "drafter", "lookup", "plain"     # the sources of a cycle's drafts
 MATCH_BUCKETS = (1, 2, 3, 4, 8)     # lookup suffix lengths tracked apart: n, or the largest <= n
+# From this context bucket (`costs.context_bucket`: 1024 tokens) a source's estimates are kept
+# per context size and start where 2 rows are the most a cycle should verify (`prior_at`), not
+# at `prior`: an unproven 8- or 16-row cycle that fails costs ~3 plain steps at 2k tokens
+LONG_BUCKET = 2
 
 
 class PositionCounts:
@@ -109,6 +116,7 @@ class AdaptiveWidth:
         # long match copies on for many tokens, a two-token one is often a common phrase)
         self.counts: dict[str, PositionCounts] = {}
         self.prior_hits, self.prior_tries = prior * strength, strength
+        self.narrow: dict[tuple[str, int], float] = {}     # (source, bucket) -> alpha
         self.plain_run = 0                  # plain cycles since the policy last drafted
         # the last cycle chosen was a probe; one that was accepted asks for another at once
         # (the content may have changed: a few cheap probes confirm it within cycles)
@@ -135,11 +143,16 @@ class AdaptiveWidth:
 
     def counts_for(self, source: str, match_n: int = 0,
                    context: int | None = None) -> PositionCounts:
-        """A source's counts; the lookup's per suffix length bucket and per context size (a
-        recurring 3-gram in 8k tokens of code is a weaker cue than in a short chat)."""
-        key = source if source != LOOKUP else (
-            f"{LOOKUP}:{max([b for b in MATCH_BUCKETS if b <= match_n] or [0])}"
-            f":{context_bucket(context)}")
+        """A source's counts (shared by every sequence), per context size from `LONG_BUCKET`
+        (a drafter that pays on a short prompt accepts little after 2k tokens); the lookup's
+        per suffix length bucket and per context size at every length (a recurring 3-gram in
+        8k tokens of code is a weaker cue than in a short chat)."""
+        bucket = context_bucket(context)
+        if source == LOOKUP:
+            key = (f"{LOOKUP}:{max([b for b in MATCH_BUCKETS if b <= match_n] or [0])}"
+                   f":{bucket}")
+        else:
+            key = source if bucket < LONG_BUCKET else f"{source}:{bucket}"
         if key not in self.counts:
             self.counts[key] = PositionCounts(self.widths[source] - 1, self.decay)
         return self.counts[key]
@@ -147,15 +160,41 @@ class AdaptiveWidth:
     def alphas(self, source: str = DRAFTER, match_n: int = 0,
                context: int | None = None) -> list[float]:
         """Estimated alpha_k of a source (the lookup's: for suffix matches of length
-        `match_n` at this context size). Position 1 starts from `prior`; a later position
+        `match_n` at this context size). Position 1 starts from `prior_at`; a later position
         starts from the estimate of the one before it, so positions that are rarely reached
         (drafting goes badly) do not keep an optimistic prior that has no evidence."""
         c = self.counts_for(source, match_n, context)
-        out, prior = [], self.prior_hits / self.prior_tries
+        out, prior = [], self.prior_at(source, context)
         for h, t in zip(c.hits, c.tries):
             prior = (h + prior * self.prior_tries) / (t + self.prior_tries)
             out.append(prior)
         return out
+
+    def prior_at(self, source: str, context: int | None) -> float:
+        """alpha_1 before any evidence: `prior`, and from `LONG_BUCKET` at most the largest
+        alpha (at every position) at which this source's best cycle is 2 rows or plain, at the
+        bucket's shortest context (the bare cost model): there an unproven source drafts at
+        2 rows (or probes, the drafter) until its cycles and shadows show that it predicts,
+        since what a wide cycle that fails costs grows with the context."""
+        prior, bucket = self.prior_hits / self.prior_tries, context_bucket(context)
+        if bucket < LONG_BUCKET:
+            return prior
+        key = (source, bucket)
+        if key not in self.narrow:
+            n = 1 << (bucket + 8)                # the bucket's shortest context
+            costs = [self.cost.cycle(w, source if w > 1 else PLAIN, n)
+                     for w in range(1, self.widths[source] + 1)]
+
+            def narrow(a: float) -> bool:        # E(w) = 1 + a + ... + a^(w-1) tokens
+                rates = [sum(a**k for k in range(w)) / c for w, c in enumerate(costs, 1)]
+                return rates.index(max(rates)) < 2
+
+            lo, hi = 0.0, 1.0
+            for _ in range(20):
+                mid = (lo + hi) / 2
+                lo, hi = (mid, hi) if narrow(mid) else (lo, mid)
+            self.narrow[key] = lo
+        return min(prior, self.narrow[key])
 
     def choose(self, available: dict[str, int] | None = None, match_n: int = 0,
                context: int | None = None) -> tuple[str, int]:

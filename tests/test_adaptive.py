@@ -460,3 +460,71 @@ def test_probes_survive_the_end_of_a_generation():
         for room in range(30, 0, -1):
             probes += policy.choose({DRAFTER: min(8, room)})[1] > 1
     assert probes >= 600 // (2 * policy._probe_gap(policy._rates({DRAFTER: 8}, 0, None), None))
+
+
+def replay_lookup(policy, context, copies, tokens=96, seed=0):
+    """The lookup-or-plain policy after `context` tokens, as the engine runs it (`Shadow`
+    scores what no cycle verified), where every cycle has a 3-token match whose 15-token
+    proposal is what follows (copies) or never right -> the (width, accepted) of each lookup
+    cycle, and the seconds over a plain step's (LONG16)."""
+    rng, shadow = random.Random(seed), Shadow(policy)
+    text = [rng.randrange(1000) for _ in range(tokens + 16)]
+    n, cycles, seconds = 0, [], 0.0
+    while n < tokens:
+        at = context + n
+        guess = text[n + 1: n + 16] if copies else [-1] * 15
+        source, w = policy.choose({LOOKUP: 16}, 3, at)
+        a = 0
+        if source == LOOKUP:
+            while a < w - 1 and guess[a] == text[n + 1 + a]:
+                a += 1
+            cycles.append((w, a))
+        else:
+            shadow.offer(guess, 3, at)
+        s = LONG16.cycle(w, source, at)
+        policy.update(source, w, a, s, 3, at)
+        shadow.commit(text[n + 1: n + 2 + a])
+        n, seconds = n + a + 1, seconds + s / LONG16.verify(1, at)
+    return cycles, seconds
+
+
+@pytest.mark.parametrize("context", [2000, 8000])
+def test_lookup_that_never_predicts_at_long_context_stops_at_once(context):
+    """long-agent-2k: a suffix of a long context recurs but does not predict what follows.
+    Before, a fresh estimate started at the prior (0.8) at every context and the first
+    cycles verified 5-16 rows each (~3 plain steps at 2k tokens) that accepted nothing; now an
+    unproven lookup starts at 2 rows at long context, and its shadows keep it off."""
+    cycles, seconds = replay_lookup(AdaptiveWidth(LONG16, {LOOKUP: 16}), context, False)
+    assert len(cycles) <= 4 and all(w <= 2 for w, _ in cycles), cycles
+    assert seconds <= 1.015 * 96, seconds
+
+
+@pytest.mark.parametrize("context", [2000, 8000])
+def test_lookup_that_copies_at_long_context_goes_wide_at_once(context):
+    """Where the answer copies its context (the edit ask), the lookup still reaches 16 rows
+    within its first few cycles, and the answer costs well under half its plain steps."""
+    cycles, seconds = replay_lookup(AdaptiveWidth(LONG16, {LOOKUP: 16}), context, True)
+    assert max(w for w, _ in cycles[:5]) == 16, cycles
+    assert seconds <= 0.5 * 96, seconds
+
+
+def test_an_unproven_drafter_probes_narrow_at_long_context():
+    """The first request at 2k tokens on a fresh pipeline (`auto --no-lookup`): the drafter,
+    which accepts ~1 in 10 there, verified full 8-row cycles (~3 plain steps each) before its
+    estimate caught up; now it starts where a 2-row cycle is the most it should verify at that
+    context, so no wide cycle is spent proving it useless."""
+    rng = random.Random(0)
+    for context in (2000, 8000):
+        policy, widths, seconds = AdaptiveWidth(LONG16, {DRAFTER: 8}), [], 0.0
+        for _ in range(96):
+            source, w = policy.choose({DRAFTER: 8}, 0, context)
+            a = 0
+            while a < w - 1 and rng.random() < 0.1:
+                a += 1
+            s = LONG16.cycle(w, source, context)
+            policy.update(source, w, a, s, 0, context)
+            widths.append(w)
+            seconds += s / LONG16.verify(1, context)
+        assert max(widths) <= 2 and seconds <= 1.05 * 96, (context, widths, seconds)
+    # below 1k tokens the prior is as before: an unproven drafter starts wide
+    assert AdaptiveWidth(LONG16, {DRAFTER: 8}).choose({DRAFTER: 8}, 0, 300)[1] > 2
