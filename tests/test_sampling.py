@@ -260,10 +260,9 @@ def test_rejection_step_against_formula():
     q = mx.array([[0.2, 0.6, 0.1, 0.1]])
     n = 3000
     outcomes = {}
-    for d in range(4):       # n steps built, then evaluated together (one host sync, not 2n)
-        steps = [rejection_accept(mx.array([d]), p, q, mx.random.key(i * 4 + d))
-                 for i in range(n)]
-        a, bonus = mx.stack([a for a, _ in steps]), mx.stack([b for _, b in steps])
+    for d in range(4):       # the n steps in one vmapped call: per key, the same draws as n calls
+        keys = mx.stack([mx.random.key(i * 4 + d) for i in range(n)])
+        a, bonus = mx.vmap(lambda k: rejection_accept(mx.array([d]), p, q, k))(keys)
         outcomes[d] = list(zip(a.tolist(), bonus.tolist()))
     residual = np.maximum(np.array(p[0]) - np.array(q[0]), 0)
     residual /= residual.sum()
