@@ -127,18 +127,33 @@ def speculative_counts(model, drafter, sampling, n, block_size=3, prompt=PROMPT,
                        sources=None):
     """Counts of the first three tokens over n seeded runs, and the accepted counts of the
     drafting cycles that made them (of `sources`, when a list is given to collect them). A run
-    stops once it has three tokens: the cycles after them cannot change them."""
+    stops once it has three tokens: the cycles after them cannot change them. The prompt but
+    its last token is prefilled once, in the chunk a fresh run's prefill makes of it (the same
+    rows, so the same numbers); each run starts from a copy and prefills the last token alone,
+    as a fresh run would."""
     layers = () if drafter is None else (0,) if drafter == "oracle" else \
         drafter.args.target_layer_ids
     adapter = TargetAdapter(model, layers)
     drafter = NoisyOracle(model, sampling) if drafter == "oracle" else drafter
+    step_size = 2048                                     # generate_tokens' prefill chunk
+    # (the doubles keep no context cache to trim: their prefix holds no features, and the
+    # oracle reads none before its first drafts)
+    prefix = engine.DecodeState.new(adapter, drafter if isinstance(drafter, Drafter) else None)
+    engine.prefill(adapter, prefix, prompt, step_size, None)
+    assert prefix.trim(len(prompt) - 1)
+    mx.eval([c.state for c in prefix.cache], prefix.pending)
     counts, accepted = {}, []
     for seed in range(n):
         stats = engine.GenerationStats()
         toks = []
+        state = prefix.copy()
+        # the drafter has read none of the prefix: a fresh drafter cache (the oracle double
+        # resets the sequence it follows there)
+        state.dcache = drafter.make_cache() if drafter is not None else None
         with closing(generate_tokens(adapter, drafter, prompt, max_tokens=4, sampling=sampling,
                                      policy=FixedWidth(block_size), stop_ids=set(), seed=seed,
-                                     stats=stats, lookup=lookup)) as steps:
+                                     stats=stats, lookup=lookup, prefill_step_size=step_size,
+                                     state=state)) as steps:
             for step in steps:
                 toks += step
                 if len(toks) >= 3:
