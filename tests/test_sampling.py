@@ -83,7 +83,7 @@ class NoisyOracle:
     """A drafter double at the engine boundary whose q is close to the target's p:
     q = 0.5 * p(. | prefix) + 0.5 * uniform, so every acceptance path occurs often. It rebuilds
     the committed prefix from its own drafts and the number of feature rows it is handed.
-    `memo` (prefix -> log q, shared by the oracles of one run of many sequences): the model is
+    `memo` (prefix -> (q, log q), shared by the oracles of one run of many sequences): the model is
     deterministic, so each prefix's forward runs once."""
 
     context_window = None
