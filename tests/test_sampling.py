@@ -1,5 +1,6 @@
 """Sampling exactness: speculative sampling follows the target's own sampling distribution."""
 
+from contextlib import closing
 from types import SimpleNamespace
 import math
 
@@ -81,13 +82,16 @@ def exact_joint(model, sampling: Sampling, prompt=PROMPT) -> dict:
 class NoisyOracle:
     """A drafter double at the engine boundary whose q is close to the target's p:
     q = 0.5 * p(. | prefix) + 0.5 * uniform, so every acceptance path occurs often. It rebuilds
-    the committed prefix from its own drafts and the number of feature rows it is handed."""
+    the committed prefix from its own drafts and the number of feature rows it is handed.
+    `memo` (prefix -> (q, log q), shared by the oracles of one run of many sequences): the model is
+    deterministic, so each prefix's forward runs once."""
 
     context_window = None
     args = SimpleNamespace(block_size=16)
 
-    def __init__(self, model, sampling):
+    def __init__(self, model, sampling, memo: dict | None = None):
         self.model, self.sampling = model, sampling
+        self.memo = {} if memo is None else memo
         self.seq, self.last = list(PROMPT), []
 
     def make_cache(self):
@@ -103,30 +107,58 @@ class NoisyOracle:
         self.seq.append(anchor.item())
         tokens, qs = [], []
         for k in mx.random.split(key, width - 1):
-            p = self.sampling.probs(self.model(mx.array([self.seq + tokens]))[0, -1])
-            q = 0.5 * p + 0.5 / V
-            tokens.append(mx.random.categorical(mx.log(q), key=k).item())
+            q, log_q = self.q(self.seq + tokens)
+            tokens.append(mx.random.categorical(log_q, key=k).item())
             qs.append(q)
         self.last = tokens
         return Proposal(mx.array([tokens], dtype=mx.uint32), mx.stack(qs)[None])
+
+    def q(self, seq: list[int]) -> tuple[mx.array, mx.array]:
+        """(q, log q) [V] after `seq`."""
+        if tuple(seq) not in self.memo:
+            p = self.sampling.probs(self.model(mx.array([seq]))[0, -1])
+            q = 0.5 * p + 0.5 / V
+            self.memo[tuple(seq)] = (q, mx.log(q))
+            mx.eval(self.memo[tuple(seq)])
+        return self.memo[tuple(seq)]
 
 
 def speculative_counts(model, drafter, sampling, n, block_size=3, prompt=PROMPT, lookup=None,
                        sources=None):
     """Counts of the first three tokens over n seeded runs, and the accepted counts of the
-    drafting cycles (of `sources`, when a list is given to collect them)."""
+    drafting cycles that made them (of `sources`, when a list is given to collect them). A run
+    stops once it has three tokens: the cycles after them cannot change them. The prompt but
+    its last token is prefilled once, in the chunk a fresh run's prefill makes of it (the same
+    rows, so the same numbers); each run starts from a copy and prefills the last token alone,
+    as a fresh run would."""
     layers = () if drafter is None else (0,) if drafter == "oracle" else \
         drafter.args.target_layer_ids
     adapter = TargetAdapter(model, layers)
     drafter = NoisyOracle(model, sampling) if drafter == "oracle" else drafter
+    step_size = 2048                                     # generate_tokens' prefill chunk
+    # (the doubles keep no context cache to trim: their prefix holds no features, and the
+    # oracle reads none before its first drafts)
+    prefix = engine.DecodeState.new(adapter, drafter if isinstance(drafter, Drafter) else None)
+    engine.prefill(adapter, prefix, prompt, step_size, None)
+    assert prefix.trim(len(prompt) - 1)
+    mx.eval([c.state for c in prefix.cache], prefix.pending)
     counts, accepted = {}, []
     for seed in range(n):
         stats = engine.GenerationStats()
-        toks = [t for step in generate_tokens(adapter, drafter, prompt, max_tokens=4,
-                                              sampling=sampling, policy=FixedWidth(block_size),
-                                              stop_ids=set(), seed=seed, stats=stats,
-                                              lookup=lookup)
-                for t in step][:3]
+        toks = []
+        state = prefix.copy()
+        # the drafter has read none of the prefix: a fresh drafter cache (the oracle double
+        # resets the sequence it follows there)
+        state.dcache = drafter.make_cache() if drafter is not None else None
+        with closing(generate_tokens(adapter, drafter, prompt, max_tokens=4, sampling=sampling,
+                                     policy=FixedWidth(block_size), stop_ids=set(), seed=seed,
+                                     stats=stats, lookup=lookup, prefill_step_size=step_size,
+                                     state=state)) as steps:
+            for step in steps:
+                toks += step
+                if len(toks) >= 3:
+                    break
+        toks = toks[:3]
         counts[tuple(toks)] = counts.get(tuple(toks), 0) + 1
         accepted += stats.accepted
         if sources is not None:
@@ -242,11 +274,11 @@ def test_rejection_step_against_formula():
     p = mx.array([[0.5, 0.2, 0.3, 0.0], [0.1, 0.1, 0.1, 0.7]])
     q = mx.array([[0.2, 0.6, 0.1, 0.1]])
     n = 3000
-    outcomes = {d: [] for d in range(4)}
-    for i in range(n):
-        for d in range(4):
-            a, bonus = rejection_accept(mx.array([d]), p, q, mx.random.key(i * 4 + d))
-            outcomes[d].append((a.item(), bonus.item()))
+    outcomes = {}
+    for d in range(4):       # the n steps in one vmapped call: per key, the same draws as n calls
+        keys = mx.stack([mx.random.key(i * 4 + d) for i in range(n)])
+        a, bonus = mx.vmap(lambda k: rejection_accept(mx.array([d]), p, q, k))(keys)
+        outcomes[d] = list(zip(a.tolist(), bonus.tolist()))
     residual = np.maximum(np.array(p[0]) - np.array(q[0]), 0)
     residual /= residual.sum()
     for d in range(4):
@@ -265,8 +297,9 @@ def test_rejection_step_against_formula():
     # The overall output token follows p exactly: P(out=x) = min(q, p)(x) + (1 - sum min) r(x).
     total = np.zeros(4)
     for d in range(4):
+        weight = q[0, d].item() / n
         for a, b in outcomes[d]:
-            total[d if a == 1 else b] += q[0, d].item() / n
+            total[d if a == 1 else b] += weight
     assert np.abs(total - np.array(p[0])).max() < 0.02
 
 
@@ -289,10 +322,10 @@ class PerSequenceOracles:
     args = SimpleNamespace(block_size=16)
 
     def __init__(self, model, sampling):
-        self.model, self.sampling = model, sampling
+        self.model, self.sampling, self.memo = model, sampling, {}
 
     def make_cache(self):
-        oracle = NoisyOracle(self.model, self.sampling)
+        oracle = NoisyOracle(self.model, self.sampling, self.memo)
         return [oracle, *oracle.make_cache()]
 
     def skip_context(self, cache, n):
