@@ -52,6 +52,7 @@ SLOW = {
     "test_distributed::test_cli_rank_0_writes_text_summary_and_stats_json": "13 s",
     "test_sampling::test_joint_distribution_matches_target": "31-100 s a case: 2,000 runs",
     "test_sampling::test_joint_distribution_with_lookup": "25-60 s a case: 2,000 runs",
+    "test_sampling::test_joint_distribution_batched_unseeded": "33-110 s a case: 2,000 runs",
     "test_sampling::test_chi2_has_power": "30 s: 2,000 runs",
     "test_sampling::test_chi2_has_power_with_lookup": "16 s: 2,000 runs",
     "test_server::test_eight_concurrent_clients_three_requests_each":
