@@ -560,7 +560,7 @@ def _simulate_mixed(B: int, plain: bool = False, steps: int = 300, warmup: int =
     every sequence plain), planned and timed as `BatchEngine` does."""
     from dflash2_mlx.adaptive import DRAFTER, LOOKUP, PLAIN, AdaptiveWidth
     from dflash2_mlx.batch import BatchAwareWidth
-    from dflash2_mlx.costs import CostModel, Correction
+    from dflash2_mlx.costs import CostModel, Correction, drafter_pass
 
     cost = CostModel((0.0, .0134, .0142, .0219, .0239, .0239, .0255, .0291),
                      (.0707, .0871, .1234, .1369, .1462, .1462, .1681, .1681, .1791, .1791,
@@ -585,7 +585,7 @@ def _simulate_mixed(B: int, plain: bool = False, steps: int = 300, warmup: int =
         T = max(w for _, w in chosen)
         drafts = sum(d for _, _, d in planned)
         took = (4.0 if T > 1 and B >= 4 else 1.9) * cost.verify(B * T) + 2.0 * drafts
-        policies[0].observe(B, T, None, took, drafts)
+        policies[0].observe(B, T, None, took, drafter_pass(d for _, _, d in planned))
         for policy, (source, w) in zip(policies, chosen):
             alpha = alphas.get(source, 0.0)
             a = next(k for k in range(w) if k == w - 1 or rng.random() > alpha)
