@@ -76,6 +76,7 @@ class BatchAwareWidth:
         self.outlook: tuple[tuple[float, float], ...] | None = None
         self.rate: float | None = None      # the step's tokens/s its latest batched choice saw
         self.plain_run = 0                  # batched plain choices since drafting or a probe
+        self.probing = self.probe_again = False     # a batched probe's outcome, as alone
 
     def set_batch(self, planned: list[tuple[int, float, float]], after,
                   slots: int | None = None) -> None:
@@ -163,9 +164,11 @@ class BatchAwareWidth:
         # good), spaced by what a batched probe costs: it pads every row of the step
         near = any(r >= self.inner.far * rates[best] for c, r in rates.items() if c[1] > 1)
         self.plain_run = self.plain_run + 1 if best[1] == 1 else 0
-        if best[1] == 1 and (DRAFTER, 2) in options and \
-                self.plain_run >= self._probe_gap(n, slots, context, near):
-            self.plain_run, best = 0, (DRAFTER, 2)
+        self.probing = False
+        if best[1] == 1 and (DRAFTER, 2) in options and (self.probe_again and near or
+                                                         self.plain_run >= self._probe_gap(
+                                                             n, slots, context, near)):
+            self.plain_run, best, self.probing, self.probe_again = 0, (DRAFTER, 2), True, False
         self.last = options[best]
         return best
 
@@ -182,8 +185,10 @@ class BatchAwareWidth:
         alone = not self.planned and not self.after.count
         return self.inner.next_plain(available, context) if alone else False
 
-    def update(self, *args, **kwargs) -> None:
-        self.inner.update(*args, **kwargs)
+    def update(self, source: str, width: int, accepted: int, *args, **kwargs) -> None:
+        if self.probing and source == DRAFTER:
+            self.probe_again, self.probing = accepted > 0, False
+        self.inner.update(source, width, accepted, *args, **kwargs)
 
 
 PLAIN_OUTLOOK = ((1.0, 0.0),)
@@ -253,52 +258,63 @@ def later_sums(policies: list) -> list[Later]:
 
 
 def step_keys(n: int, T: int, context: int | None) -> tuple:
-    """A batched step's correction keys (`costs.Correction`): its octave of sequences (1, 2-3,
-    4-7, ...) and of width T (1, 2-3, 4-7, ...) at its context size, then at any size. Only a
-    step of that shape teaches them (listing the other octaves' keys too, as a first version
-    did, taught every drafting shape from every drafting step, a B = 1 step's ratio priced
-    B = 8's). Plain steps (T = 1) and drafting ones never share a key: a batched step of T > 1
-    rows per sequence costs per row far more than one of a row per sequence, more than the
-    single-sequence calibration shows (measured at B = 8: T = 2 took 2.8x T = 1, priced
-    1.16x); keyed by rows alone, a policy that always drafted priced plain steps at its
-    drafting steps' ratio, and kept drafting at a loss. An untimed shape is priced from its
-    neighbours (`step_ratio`)."""
+    """A batched step's correction keys (`costs.Correction`: every key learns each step, the
+    first trusted one prices), most specific first: its octave of sequences (1, 2-3, 4-7, ...)
+    with its octave of width T (1, 2-3, 4-7, ...), then (T > 1) with every width above 1, at
+    its context size, then at any size. Only steps of its octave of sequences teach them
+    (listing the other octaves' keys too, as a first version did, taught every shape from
+    every step: a B = 1 step's ratio priced B = 8's). Plain steps (T = 1) and drafting ones
+    never share a key: a batched step of T > 1 rows per sequence costs per row far more than
+    one of a row per sequence, more than the single-sequence calibration shows (measured at
+    B = 8: T = 2 took 2.8x T = 1, priced 1.16x); keyed by rows alone, a policy that always
+    drafted priced plain steps at its drafting steps' ratio, and kept drafting at a loss. An
+    untimed shape is priced from its neighbours (`step_ratio`)."""
     return _keys(int(n).bit_length(), int(T).bit_length(), context_bucket(context))
 
 
+@functools.lru_cache(maxsize=None)
 def _keys(n_octave: int, t_octave: int, bucket: int) -> tuple:
-    return (bucket, t_octave, n_octave), (None, t_octave, n_octave)
+    widths = (t_octave,) if t_octave == 1 else (t_octave, 0)      # 0: any width above 1
+    return tuple((b, t, n_octave) for b in (bucket, None) for t in widths)
 
 
 def step_ratio(shared: Correction, n: int, T: int, context: int | None) -> float:
-    """The correction of a batched step of this shape: its own keys' (`step_keys`) once they
-    are trusted, else seeded from the nearest trusted shape (other octaves of sequences, then
-    for T > 1 other octaves of widths above 1), scaled by the plain steps' ratios of the two
-    octaves of sequences where both are timed (a drafting step gets dearer with the batch as
-    a plain one does, and more); with no drafting shape timed, the same sequences' plain
-    steps' ratio. Priced as calibrated, an untimed drafting shape at B = 8 looked 2-5x cheaper
-    than it was, and the first steps of every new shape drafted at a loss."""
-    no, to, bucket = int(n).bit_length(), int(T).bit_length(), context_bucket(context)
-    own = shared.trusted(_keys(no, to, bucket))
-    if own is not None:
-        return own
-    plain = shared.trusted(_keys(no, 1, bucket)) if to > 1 else None
-    for t, o in _neighbours(no, to):
-        r = shared.trusted(_keys(o, t, bucket))
+    """The correction of a batched step of this shape: its keys' (`step_keys`) once one is
+    trusted; before, a seed (`_seed`: its timed neighbours') with the shape's own first
+    timings blended in (`Correction.blend`). Priced as calibrated, an untimed drafting shape
+    at B = 8 looked 2-5x cheaper than it was, and the first steps of every new batch size
+    drafted at a loss."""
+    return _seeded(shared, int(n).bit_length(), int(T).bit_length(), context_bucket(context))
+
+
+def _seeded(shared: Correction, no: int, to: int, bucket: int) -> float:
+    own = _keys(no, to, bucket)
+    r = shared.trusted(own)
+    return r if r is not None else shared.blend(own, _seed(shared, no, to, bucket))
+
+
+def _seed(shared: Correction, no: int, to: int, bucket: int) -> float:
+    """An untrusted shape's prior: the nearest trusted octave of sequences' ratio (plain with
+    plain, drafting with drafting); a drafting one's scaled by the two octaves' plain steps'
+    ratios (where the neighbour's is timed), and never below its own octave's plain steps'
+    (a batched drafting step is dearer per row than a plain one, never cheaper)."""
+    plain = 1.0 if to == 1 else _seeded(shared, no, 1, bucket)
+    for o in _neighbours(no):
+        r = shared.trusted(_keys(o, to, bucket))
         if r is None:
             continue
-        there = shared.trusted(_keys(o, 1, bucket)) if plain is not None and o != no else None
-        return r * plain / there if there else r
-    return 1.0 if plain is None else plain
+        if to == 1:
+            return r
+        there = shared.trusted(_keys(o, 1, bucket))
+        return max(r * plain / there if there else r, plain)
+    return plain
 
 
 @functools.lru_cache(maxsize=None)
-def _neighbours(n_octave: int, t_octave: int) -> tuple:
-    """The other shapes (t octave, n octave) of the same kind (plain or drafting), nearest
-    first: the other octaves of sequences, then (T > 1) the other widths."""
-    near = sorted(range(1, 17), key=lambda o: (abs(o - n_octave), -o))
-    widths = [1] if t_octave == 1 else sorted(range(2, 8), key=lambda o: (abs(o - t_octave), -o))
-    return tuple((t, o) for t in widths for o in near if (t, o) != (t_octave, n_octave))
+def _neighbours(n_octave: int) -> tuple:
+    """The other octaves of sequences, nearest first (the larger of two as near)."""
+    return tuple(sorted((o for o in range(1, 17) if o != n_octave),
+                        key=lambda o: (abs(o - n_octave), -o)))
 
 
 @dataclass

@@ -130,6 +130,17 @@ class Correction:
                 return seconds / modelled
         return None
 
+    def blend(self, keys, prior: float) -> float:
+        """The ratio of the first key timed at all, its missing observations (up to `trust`)
+        counted at `prior` (all missing: prior): a shape's first timings move its price at
+        once, not after `trust` of them."""
+        for key in keys:
+            count, seconds, modelled = self.table.get(key, (0.0, 0.0, 0.0))
+            if count > 0 and modelled > 0:
+                lack = max(self.trust - count, 0.0) * modelled / count
+                return (seconds + prior * lack) / (modelled + lack)
+        return prior
+
     def observe(self, keys, seconds: float, modelled: float,
                 estimate: float | None = None) -> None:
         """Something the model prices at `modelled` seconds took `seconds`; every key learns
