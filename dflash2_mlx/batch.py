@@ -165,9 +165,9 @@ class BatchAwareWidth:
         near = any(r >= self.inner.far * rates[best] for c, r in rates.items() if c[1] > 1)
         self.plain_run = self.plain_run + 1 if best[1] == 1 else 0
         self.probing = False
-        if best[1] == 1 and (DRAFTER, 2) in options and (self.probe_again and near or
-                                                         self.plain_run >= self._probe_gap(
-                                                             n, slots, context, near)):
+        if best[1] == 1 and (DRAFTER, 2) in options and (
+                self.probe_again and near
+                or self.plain_run >= self._probe_gap(n, slots, context, near)):
             self.plain_run, best, self.probing, self.probe_again = 0, (DRAFTER, 2), True, False
         self.last = options[best]
         return best
