@@ -15,7 +15,8 @@ grows with the context once per forward (the cache's slices, the mask).
 
 A batch (`batch.BatchAwareWidth`): `rows` is every row of the forward (B sequences x T rows),
 `context` the slots of the batch cache, which every row's attention reads (the longest row and
-its holes): the attention term is then rows x context, as it is computed. Rows beyond the
+its holes): the attention term is then rows x context, as it is computed; its drafting
+sequences share one drafter pass, `drafter_pass` of their passes alone. Rows beyond the
 measured table extrapolate its last step. `Correction` is the online correction of both: the
 timed seconds over the model's, per key.
 
