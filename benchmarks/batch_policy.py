@@ -30,6 +30,7 @@ from pathlib import Path
 
 import dflash2_mlx
 from dflash2_mlx.adaptive import DRAFTER, LOOKUP, PLAIN
+from dflash2_mlx.costs import drafter_pass
 from dflash2_mlx.sampling import Sampling
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -132,11 +133,11 @@ def run(pipe, ids, max_tokens: int, system: str, log, time_drafts: bool,
             if hasattr(pol, "shared"):
                 saved, pol.shared.table = pol.shared.table, before
                 slots = pol.slots
-                drafts = sum(x[4] for x in seqs if x[0] == DRAFTER)
+                drafts = [x[4] for x in seqs if x[0] == DRAFTER]
                 if system == "baseline":            # its step_cost(rows, slots)
-                    price = pol.step_cost(r, slots) + drafts
-                else:
-                    price = pol.step_cost(n, r // n, slots, drafts)
+                    price = pol.step_cost(r, slots) + sum(drafts)
+                else:                               # the step's one drafter pass
+                    price = pol.step_cost(n, r // n, slots, drafter_pass(drafts))
                 pol.shared.table = saved
             entry = {"system": system, "n": n, "rows": r, "slots": slots, "seconds": round(s, 4),
                      "price": None if price is None else round(price, 4), "seqs": seqs}

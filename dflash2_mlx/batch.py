@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from .adaptive import DRAFTER, LOOKUP, PLAIN, FixedWidth, Shadow
-from .costs import Correction, context_bucket
+from .costs import Correction, context_bucket, drafter_pass, pass_seconds
 from .batch_cache import RaggedKVCache, batch_cache, check_batchable
 from .drafter import Draft, Drafter, Proposal
 from .engine import (Cycle, DecodeState, GenerationStats, Step, _choose, _commit, _draft,
@@ -55,8 +55,9 @@ class BatchAwareWidth:
     itself. With n sequences, planned tokens E_p and draft seconds D_p, widest planned block
     W, and the others' expected tokens F_e(T) and draft seconds F_d(T) within a widest block
     T, w of expected E(w) and draft d(w) is worth
-        (E_p + E(w) + F_e(T)) / step_cost(n, T, S, D_p + d(w) + F_d(T)),  T = max(W, w),
-    S the batch cache's slots (docs/batching.md): whoever widens the step pays for every row
+        (E_p + E(w) + F_e(T)) / step_cost(n, T, S, pass(D_p, d(w), F_d(T))),  T = max(W, w),
+    S the batch cache's slots, pass the step's ONE drafter pass for all of them
+    (`costs.drafter_pass`; docs/batching.md): whoever widens the step pays for every row
     it pads (a later sequence's widening is not counted on: its outlook is from the step
     before, and a lookup match may have ended since). Alone it chooses exactly as its AdaptiveWidth. `last`: (expected tokens, draft
     seconds) of its latest choice; `outlook`: for T = 1, 2, ... the (expected tokens, draft
@@ -69,36 +70,45 @@ class BatchAwareWidth:
         self.inner = inner
         self.shared = shared if shared is not None else Correction(decay=0.9)
         self.planned: list[tuple[int, float, float]] = []
-        self.after: list[tuple | None] = []     # the outlooks of those planning after it
+        self.after = Later()                    # the outlooks of those planning after it
         self.slots = None
         self.last = (1.0, 0.0)
         self.outlook: tuple[tuple[float, float], ...] | None = None
         self.rate: float | None = None      # the step's tokens/s its latest batched choice saw
         self.plain_run = 0                  # batched plain choices since drafting or a probe
+        self.probing = self.probe_again = False     # a batched probe's outcome, as alone
 
     def set_batch(self, planned: list[tuple[int, float, float]], after,
                   slots: int | None = None) -> None:
         """planned: (width, expected tokens, draft seconds) of those planned before it this
-        step; after: the policies planning after it, or how many (each then expected to
-        choose as it does); slots: the keys each row's attention reads."""
+        step; after: the policies planning after it (a list, or their `Later`, summed once
+        per step by `later_sums`), or how many (each then expected to choose as it does);
+        slots: the keys each row's attention reads."""
         self.planned, self.slots = list(planned), slots
-        self.after = [None] * after if isinstance(after, int) else [_outlook(p) for p in after]
+        if isinstance(after, int):
+            after = Later(after, after)
+        self.after = after if isinstance(after, Later) else later_sums(after)[0]
 
     def step_cost(self, n: int, T: int, context: int | None = None,
                   drafts: float = 0.0) -> float:
-        """Seconds of a batched step of n sequences x T rows over `context` slots after drafter
-        passes of `drafts` seconds by the calibration: the cost model at n T rows, corrected by
-        the steps timed at that shape (`step_keys`; a busy machine slows the drafter as it
-        slows the verify: uncorrected, drafting looked cheap beside a corrected verify)."""
-        return (self.inner.cost.verify(n * T, context) + drafts) * self.shared.ratio(
-            step_keys(n, T, context))
+        """Seconds of a batched step of n sequences x T rows over `context` slots after a
+        drafter pass of `drafts` seconds by the calibration: the cost model at n T rows,
+        corrected by the steps timed at that shape, or seeded from the nearest timed shapes
+        (`step_ratio`; a busy machine slows the drafter as it slows the verify: uncorrected,
+        drafting looked cheap beside a corrected verify)."""
+        return (self.inner.cost.verify(n * T, context) + drafts) * step_ratio(
+            self.shared, n, T, context)
 
     def observe(self, n: int, T: int, context: int | None, seconds: float,
                 drafts: float = 0.0) -> None:
-        """A batched step of n sequences x T rows over `context` slots, after drafter passes
-        of `drafts` seconds by the calibration, took `seconds`."""
+        """A batched step of n sequences x T rows over `context` slots, after a drafter pass
+        of `drafts` seconds by the calibration (`costs.drafter_pass` of its sequences'
+        passes alone), took `seconds`. The stall guard caps it at twice the price the
+        policies saw (a seeded shape's too: else it learnt its first steps at twice the
+        calibration's ratio only)."""
         self.shared.observe(step_keys(n, T, context), seconds,
-                            self.inner.cost.verify(n * T, context) + drafts)
+                            self.inner.cost.verify(n * T, context) + drafts,
+                            step_ratio(self.shared, n, T, context))
 
     def _options(self, available: dict, match_n: int, context: int | None):
         """(source, w, E(w), draft seconds) of every choice on offer, plain first."""
@@ -119,36 +129,33 @@ class BatchAwareWidth:
         available = dict(self.inner.widths) if available is None else available
         opts = list(self._options(available, match_n, context))
         options = {(s, w): (e, d) for s, w, e, d in opts}
-        if not self.planned and not self.after:
+        if not self.planned and not self.after.count:
             best = self.inner.choose(available, match_n, context)
             self.outlook = self.rate = None
             self.last = options.get(best, (1.0, 0.0))
             return best
-        n = len(self.planned) + len(self.after) + 1
+        n = len(self.planned) + self.after.count + 1
         widest = max((w for w, _, _ in self.planned), default=1)
         tokens = sum(e for _, e, _ in self.planned)
         draft = sum(d for _, _, d in self.planned)
+        top = max((d for _, _, d in self.planned), default=0.0)
         slots = self.slots if self.slots is not None else context
-        rows = {T: (self.inner.cost.verify(n * T, slots), self.shared.ratio(
-            step_keys(n, T, slots))) for T in {max(widest, w) for _, w, _, _ in opts}}
+        rows = {T: (self.inner.cost.verify(n * T, slots), step_ratio(self.shared, n, T, slots))
+                for T in {max(widest, w) for _, w, _, _ in opts}}
         # its own outlook, for those after it without one (at the batch's rate: its latest,
         # or the step's with the rest plain)
         v, r = rows[widest]
-        batch_rate = self.rate or (tokens + n - len(self.planned)) / (r * (v + draft))
+        batch_rate = self.rate or (tokens + n - len(self.planned)) / (
+            r * (v + pass_seconds(draft, top)))
         mine = _best_within(opts, batch_rate * r)
-        others = {T: [0.0, 0.0] for T in rows}
-        for outlook in self.after:
-            outlook = outlook or mine
-            for T, acc in others.items():
-                e, d = outlook[min(T, len(outlook)) - 1]
-                acc[0] += e
-                acc[1] += d
+        others = {T: self.after.within(T, mine) for T in rows}
 
         def rate(choice):
             e, d = options[choice]
             T = max(widest, choice[1])
             v, r = rows[T]
-            return (tokens + e + others[T][0]) / (r * (v + draft + d + others[T][1]))
+            oe, od, otop = others[T]
+            return (tokens + e + oe) / (r * (v + pass_seconds(draft + d + od, max(top, d, otop))))
         rates = {c: rate(c) for c in options}
         best = max(rates, key=rates.get)
         self.rate = rates[best]
@@ -157,9 +164,11 @@ class BatchAwareWidth:
         # good), spaced by what a batched probe costs: it pads every row of the step
         near = any(r >= self.inner.far * rates[best] for c, r in rates.items() if c[1] > 1)
         self.plain_run = self.plain_run + 1 if best[1] == 1 else 0
-        if best[1] == 1 and (DRAFTER, 2) in options and \
-                self.plain_run >= self._probe_gap(n, slots, context, near):
-            self.plain_run, best = 0, (DRAFTER, 2)
+        self.probing = False
+        if best[1] == 1 and (DRAFTER, 2) in options and (
+                self.probe_again and near
+                or self.plain_run >= self._probe_gap(n, slots, context, near)):
+            self.plain_run, best, self.probing, self.probe_again = 0, (DRAFTER, 2), True, False
         self.last = options[best]
         return best
 
@@ -173,11 +182,13 @@ class BatchAwareWidth:
         return n * max(extra, 0.0) / plain / self.inner.budget[near]
 
     def next_plain(self, available: dict, context: int | None = None) -> bool:
-        alone = not self.planned and not self.after
+        alone = not self.planned and not self.after.count
         return self.inner.next_plain(available, context) if alone else False
 
-    def update(self, *args, **kwargs) -> None:
-        self.inner.update(*args, **kwargs)
+    def update(self, source: str, width: int, accepted: int, *args, **kwargs) -> None:
+        if self.probing and source == DRAFTER:
+            self.probe_again, self.probing = accepted > 0, False
+        self.inner.update(source, width, accepted, *args, **kwargs)
 
 
 PLAIN_OUTLOOK = ((1.0, 0.0),)
@@ -209,24 +220,101 @@ def _best_within(options: list, rate: float) -> tuple[tuple[float, float], ...]:
     return tuple(out)
 
 
+class Later:
+    """What the policies planning after a sequence are expected to add to a step, summed once
+    per step (`later_sums`): count, how many; unknown, how many without an outlook (each then
+    expected to choose as the sequence itself); sums[T - 1], for a widest block T = 1 .. W,
+    the (expected tokens, draft seconds, dearest draft) of those with one (past W: at W)."""
+
+    def __init__(self, count: int = 0, unknown: int = 0, sums: tuple = ()):
+        self.count, self.unknown, self.sums = count, unknown, sums
+
+    def within(self, T: int, mine: tuple) -> tuple[float, float, float]:
+        """(tokens, draft seconds, dearest draft) of them within T; mine: the sequence's own
+        outlook, for those without one."""
+        e, d, top = self.sums[min(T, len(self.sums)) - 1] if self.sums else (0.0, 0.0, 0.0)
+        if self.unknown:
+            me, md = mine[min(T, len(mine)) - 1]
+            e, d, top = e + self.unknown * me, d + self.unknown * md, max(top, md)
+        return e, d, top
+
+
+def later_sums(policies: list) -> list[Later]:
+    """[i]: the `Later` of policies[i:], for i = 0 .. len(policies): suffix sums of their
+    outlooks, O(B W) once per step (each policy summing those after it was O(B^2 W))."""
+    outlooks = [_outlook(p) for p in policies]
+    W = max((len(o) for o in outlooks if o), default=1)
+    zeros = ((0.0, 0.0, 0.0),) * W
+    out = [Later()]
+    for o in reversed(outlooks):
+        prev = out[-1]
+        if o is None:
+            out.append(Later(prev.count + 1, prev.unknown + 1, prev.sums))
+            continue
+        o = o + (o[-1],) * (W - len(o))
+        out.append(Later(prev.count + 1, prev.unknown, tuple(
+            (pe + e, pd + d, max(pt, d)) for (pe, pd, pt), (e, d) in zip(prev.sums or zeros, o))))
+    return out[::-1]
+
+
 def step_keys(n: int, T: int, context: int | None) -> tuple:
     """A batched step's correction keys (`costs.Correction`: every key learns each step, the
-    first trusted one prices), nearest first: its octave of sequences (1, 2-3, 4-7, ...) and
-    of width T (1, 2-3, 4-7, ...), then the other octaves of sequences, then (T > 1) the
-    other octaves of widths above 1, at this context size, then at any. Plain steps (T = 1)
-    and drafting ones never share a key: a batched step of T > 1 rows per sequence costs per
-    row far more than one of a row per sequence, more than the single-sequence calibration
-    shows (measured at B = 8: T = 2 took 2.8x T = 1, priced 1.16x); keyed by rows alone, a
-    policy that always drafted priced plain steps at its drafting steps' ratio, and kept
-    drafting at a loss (an untimed shape is priced as calibrated, and so gets timed)."""
-    return _step_keys(int(n).bit_length(), int(T).bit_length(), context_bucket(context))
+    first trusted one prices), most specific first: its octave of sequences (1, 2-3, 4-7, ...)
+    with its octave of width T (1, 2-3, 4-7, ...), then (T > 1) with every width above 1, at
+    its context size, then at any size. Only steps of its octave of sequences teach them
+    (listing the other octaves' keys too, as a first version did, taught every shape from
+    every step: a B = 1 step's ratio priced B = 8's). Plain steps (T = 1) and drafting ones
+    never share a key: a batched step of T > 1 rows per sequence costs per row far more than
+    one of a row per sequence, more than the single-sequence calibration shows (measured at
+    B = 8: T = 2 took 2.8x T = 1, priced 1.16x); keyed by rows alone, a policy that always
+    drafted priced plain steps at its drafting steps' ratio, and kept drafting at a loss. An
+    untimed shape is priced from its neighbours (`step_ratio`)."""
+    return _keys(int(n).bit_length(), int(T).bit_length(), context_bucket(context))
 
 
 @functools.lru_cache(maxsize=None)
-def _step_keys(n_octave: int, t_octave: int, bucket: int) -> tuple:
-    near = sorted(range(1, 17), key=lambda o: (abs(o - n_octave), -o))
-    widths = [1] if t_octave == 1 else sorted(range(2, 8), key=lambda o: (abs(o - t_octave), -o))
-    return tuple((b, t, o) for b in (bucket, None) for t in widths for o in near)
+def _keys(n_octave: int, t_octave: int, bucket: int) -> tuple:
+    widths = (t_octave,) if t_octave == 1 else (t_octave, 0)      # 0: any width above 1
+    return tuple((b, t, n_octave) for b in (bucket, None) for t in widths)
+
+
+def step_ratio(shared: Correction, n: int, T: int, context: int | None) -> float:
+    """The correction of a batched step of this shape: its keys' (`step_keys`) once one is
+    trusted; before, a seed (`_seed`: its timed neighbours') with the shape's own first
+    timings blended in (`Correction.blend`). Priced as calibrated, an untimed drafting shape
+    at B = 8 looked 2-5x cheaper than it was, and the first steps of every new batch size
+    drafted at a loss."""
+    return _seeded(shared, int(n).bit_length(), int(T).bit_length(), context_bucket(context))
+
+
+def _seeded(shared: Correction, no: int, to: int, bucket: int) -> float:
+    own = _keys(no, to, bucket)
+    r = shared.trusted(own)
+    return r if r is not None else shared.blend(own, _seed(shared, no, to, bucket))
+
+
+def _seed(shared: Correction, no: int, to: int, bucket: int) -> float:
+    """An untrusted shape's prior: the nearest trusted octave of sequences' ratio (plain with
+    plain, drafting with drafting); a drafting one's scaled by the two octaves' plain steps'
+    ratios (where the neighbour's is timed), and never below its own octave's plain steps'
+    (a batched drafting step is dearer per row than a plain one, never cheaper)."""
+    plain = 1.0 if to == 1 else _seeded(shared, no, 1, bucket)
+    for o in _neighbours(no):
+        r = shared.trusted(_keys(o, to, bucket))
+        if r is None:
+            continue
+        if to == 1:
+            return r
+        there = shared.trusted(_keys(o, 1, bucket))
+        return max(r * plain / there if there else r, plain)
+    return plain
+
+
+@functools.lru_cache(maxsize=None)
+def _neighbours(n_octave: int) -> tuple:
+    """The other octaves of sequences, nearest first (the larger of two as near)."""
+    return tuple(sorted((o for o in range(1, 17) if o != n_octave),
+                        key=lambda o: (abs(o - n_octave), -o)))
 
 
 @dataclass
@@ -462,9 +550,10 @@ class BatchEngine:
         plans, planned = [], []
         slots = max(c.size() for c in self.cache)     # the keys every row's attention reads
         contexts = [len(seq.state.tokens) for seq in self.rows]
+        later = later_sums([seq.policy for seq in self.rows])    # O(B W), once per step
         for i, seq in enumerate(self.rows):
             if hasattr(seq.policy, "set_batch"):
-                seq.policy.set_batch(planned, [s.policy for s in self.rows[i + 1:]], slots)
+                seq.policy.set_batch(planned, later[i + 1], slots)
             plans.append(self._plan(seq))
             e, d = getattr(seq.policy, "last", (1.0, 0.0))
             planned.append((plans[-1].width, e if plans[-1].width > 1 else 1.0,
@@ -493,7 +582,7 @@ class BatchEngine:
         snapshot.rollback_rows(keep, T)
         seconds = time.perf_counter() - tic
         self.history.append((len(plans), len(plans) * T, seconds))
-        draft_s = sum(d for _, _, d in planned)              # drafting at its calibration
+        draft_s = drafter_pass(d for _, _, d in planned)     # its one pass, as calibrated
         timed = {id(s.policy.shared): s.policy for s in self.rows
                  if isinstance(s.policy, BatchAwareWidth)}
         for policy in timed.values():                 # once per shared correction

@@ -15,7 +15,8 @@ grows with the context once per forward (the cache's slices, the mask).
 
 A batch (`batch.BatchAwareWidth`): `rows` is every row of the forward (B sequences x T rows),
 `context` the slots of the batch cache, which every row's attention reads (the longest row and
-its holes): the attention term is then rows x context, as it is computed. Rows beyond the
+its holes): the attention term is then rows x context, as it is computed; its drafting
+sequences share one drafter pass, `drafter_pass` of their passes alone. Rows beyond the
 measured table extrapolate its last step. `Correction` is the online correction of both: the
 timed seconds over the model's, per key.
 
@@ -119,24 +120,63 @@ class Correction:
 
     def ratio(self, keys) -> float:
         """Timed over modelled seconds of the first trusted key (1.0: none is)."""
+        r = self.trusted(keys)
+        return 1.0 if r is None else r
+
+    def trusted(self, keys) -> float | None:
+        """Timed over modelled seconds of the first trusted key (None: none is)."""
         for key in keys:
             count, seconds, modelled = self.table.get(key, (0.0, 0.0, 0.0))
             if count >= self.trust and modelled > 0:
                 return seconds / modelled
-        return 1.0
+        return None
 
-    def observe(self, keys, seconds: float, modelled: float) -> None:
+    def blend(self, keys, prior: float) -> float:
+        """The ratio of the first key timed at all, its missing observations (up to `trust`)
+        counted at `prior` (all missing: prior): a shape's first timings move its price at
+        once, not after `trust` of them."""
+        for key in keys:
+            count, seconds, modelled = self.table.get(key, (0.0, 0.0, 0.0))
+            if count > 0 and modelled > 0:
+                lack = max(self.trust - count, 0.0) * modelled / count
+                return (seconds + prior * lack) / (modelled + lack)
+        return prior
+
+    def observe(self, keys, seconds: float, modelled: float,
+                estimate: float | None = None) -> None:
         """Something the model prices at `modelled` seconds took `seconds`; every key learns
         it. A one-off stall (first-use compilation, the OS) must not swamp the estimate: at
-        most twice the current one counts."""
+        most twice the current one (`estimate`, default `ratio(keys)`) counts."""
         keys = list(keys)
         if modelled <= 0 or seconds <= 0:
             return
-        seconds = min(seconds, 2.0 * modelled * self.ratio(keys))
+        estimate = self.ratio(keys) if estimate is None else estimate
+        seconds = min(seconds, 2.0 * modelled * estimate)
         d = self.decay
         for key in keys:
             count, total, model_total = self.table.get(key, (0.0, 0.0, 0.0))
             self.table[key] = (count * d + 1, total * d + seconds, model_total * d + modelled)
+
+
+# One drafter pass drafts for every drafting sequence of a batched step
+# (`Drafter.propose_batch`): each sequence beyond the dearest adds this share of its pass
+# alone (benchmarks/drafter_batch.py, width 8: n passes / one pass 1.39, 2.27, 2.64, 2.38 at
+# n = 2, 4, 8, 16, about 27 ms per extra sequence beside a 55 ms pass alone; docs/batching.md).
+BATCH_DRAFT_SHARE = 0.5
+
+
+def drafter_pass(seconds) -> float:
+    """Seconds of ONE drafter pass for sequences whose passes alone would take `seconds`
+    (0: not drafting): the dearest whole, every other one's `BATCH_DRAFT_SHARE`."""
+    total = top = 0.0
+    for d in seconds:
+        total, top = total + d, max(top, d)
+    return pass_seconds(total, top)
+
+
+def pass_seconds(total: float, top: float) -> float:
+    """`drafter_pass` from the sum and the largest of the passes alone."""
+    return top + BATCH_DRAFT_SHARE * (total - top)
 
 
 def context_bucket(context: int | None) -> int:
