@@ -691,3 +691,17 @@ def test_plain_batch_launched_ahead_samples_as_alone(pipe):
     for k, ref in refs.items():
         assert out[k] == (ref, "length"), k
     assert refs[3] == mlx_lm_greedy(pipe.target, prompt, 20)
+
+
+def test_server_prefill_budget_grows_with_the_joiners(pipe):
+    """Beside running streams, a step prefills `prefill_chunk` tokens per request that can
+    join (at most one pipeline chunk); alone, a prompt prefills in the pipeline's chunks."""
+    from dflash2_mlx.server.scheduler import Scheduler
+
+    s = Scheduler(pipe, max_batch=4, prefill_chunk=100)
+    assert s.prefill_budget(0, 3, 2048) == 2048
+    assert s.prefill_budget(2, 1, 2048) == 100
+    assert s.prefill_budget(1, 3, 2048) == 300
+    assert s.prefill_budget(2, 2, 2048) == 200          # two rows free
+    assert s.prefill_budget(1, 3, 250) == 250           # at most one chunk
+    assert s.prefill_budget(4, 0, 2048) == 100
