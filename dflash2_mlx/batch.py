@@ -534,7 +534,8 @@ class BatchEngine:
             mx.eval(tokens)
             t = self._tick("eval", t)
             accepted = [0] * len(plans)
-            results = [(None, tokens[i : i + 1]) for i in range(len(plans))]
+            # host values, no array op: one would wait behind the launched step
+            results = [(None, mx.array([x], dtype=mx.uint32)) for x in tokens.tolist()]
         else:
             mx.eval(results)
             t = self._tick("eval", t)
