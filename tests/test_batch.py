@@ -649,8 +649,10 @@ def test_plain_batch_launched_ahead_is_exact(pipe):
         arrivals.setdefault(at, []).append(
             (k, Request(prompt, max_tokens, policy=FixedWidth(1), stop_ids=stop,
                         keep_state=k == 1)))
-    out = run(engine, arrivals, cancel_at={7: [3]})
-    assert engine.launches >= 10
+    in_flight = []                           # a launched step pending as each one arrives
+    out = run(engine, arrivals, cancel_at={7: [3]},
+              before_add=lambda k: in_flight.append(engine._ahead is not None))
+    assert engine.launches >= 10 and sum(in_flight) >= 2
     assert out[3][1] == CANCELLED and 0 < len(out[3][0]) < 30
     assert out[3][0] == refs[3][0][: len(out[3][0])]
     for k, ref in refs.items():
