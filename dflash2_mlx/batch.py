@@ -10,6 +10,9 @@ A step, for the running sequences s_1..s_B in the rows of the batch cache:
   rollback `RaggedKVCache.commit`: row b keeps its a_b + 1 rows, the rest become holes; a
            recurrent layer's rows that kept fewer than T replay their kept rows from the
            state before the verify (`views.Snapshot.rollback_rows`)
+A step whose sequences are all plain, each of which would launch its next plain step alone,
+launches the batch's next step before its own tokens are read (mlx-lm's double buffering;
+the keys alone launches with; never shared with a joiner).
 Before the decode rows, `step(prefill_budget=n)` prefills the waiting sequences for up to n
 prompt tokens (chunked; a sequence joins the batch once its prompt is in). A sequence leaves
 at a stop token, its max_tokens or `cancel`, and its single-sequence `DecodeState` can be kept
