@@ -36,11 +36,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from batch_policy import load_baseline, prompts  # noqa: E402
 
 
-def ours(pipe, ids: list[list[int]], max_tokens: int, out: dict, module=None):
+def ours(pipe, ids: list[list[int]], max_tokens: int, out: dict, module=None,
+         launch: bool = True):
     """Our engine (or another version's batch.py, `module`), one `step()` per next(): yields
-    (seconds, prefilled, tokens) per step."""
+    (seconds, prefilled, tokens) per step. launch: `BatchEngine`'s."""
     if module is None:
         engine, request = pipe.batch_engine(), Request
+        engine.launch = launch
         engine.timings = out["timings"] = {}
     else:
         engine = module.BatchEngine(pipe.adapter, pipe.drafter, lookup=pipe.lookup_config,
@@ -81,7 +83,12 @@ def mlx_lm(pipe, ids: list[list[int]], max_tokens: int, out: dict):
     out["texts"] = [texts[u] for u in uids]
 
 
-SYSTEMS = {"ours": ours, "mlx-lm": mlx_lm}
+def ours_sync(pipe, ids: list[list[int]], max_tokens: int, out: dict):
+    """Our engine with no step launched ahead."""
+    return ours(pipe, ids, max_tokens, out, launch=False)
+
+
+SYSTEMS = {"ours": ours, "mlx-lm": mlx_lm, "ours-sync": ours_sync}
 BASELINE = None    # the module of --baseline, run as the system "baseline"
 BLOCK = 6          # steps of one system in a turn (each keeps its launch-ahead within one)
 
@@ -129,7 +136,8 @@ def main() -> None:
     ap.add_argument("--kind", default="code,agent")
     ap.add_argument("--clients", default="8,16")
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--order", default="mlx-lm,ours", help="which steps first in each turn")
+    ap.add_argument("--order", default="mlx-lm,ours", help="the systems, in the order they "
+                    "step in each turn (mlx-lm, ours, ours-sync: ours launching nothing ahead)")
     ap.add_argument("--baseline", type=Path,
                     help="another batch.py, run as the system `baseline` beside the others "
                          "(`git show REV:dflash2_mlx/batch.py > old_batch.py`)")
@@ -162,6 +170,11 @@ def main() -> None:
                       f"{o['decode_tok_s'] / b['decode_tok_s']:.3f}x; baseline / mlx-lm: "
                       f"decode tok/s {b['decode_tok_s'] / m['decode_tok_s']:.3f}x; texts "
                       f"{'identical' if o['texts'] == b['texts'] else 'DIFFER'}")
+            if "ours-sync" in res:
+                q = res["ours-sync"]
+                print(f"  ours / ours-sync: step time {o['step_ms'] / q['step_ms']:.3f}x, "
+                      f"decode tok/s {o['decode_tok_s'] / q['decode_tok_s']:.3f}x; ours-sync /"
+                      f" mlx-lm: decode tok/s {q['decode_tok_s'] / m['decode_tok_s']:.3f}x")
             print(f"  ours per step (ms): {o['breakdown_ms']}", flush=True)
 
 

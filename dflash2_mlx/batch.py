@@ -317,15 +317,17 @@ class BatchEngine:
 
     lookup: the lookup's settings for requests with `lookup=True`. max_batch: the most
     sequences decoding at once (the others wait). prefill_step_size: the prefill's chunk, as
-    alone."""
+    alone. launch: launch all-plain steps ahead (False: every step synchronous; the same
+    tokens either way)."""
 
     def __init__(self, target: Target, drafter: Drafter | None = None, *,
                  lookup: LookupConfig | None = None, max_batch: int | None = None,
-                 prefill_step_size: int = 2048):
+                 prefill_step_size: int = 2048, launch: bool = True):
         check_batchable(target.make_cache())
         self.target, self.drafter = target, drafter
         self.lookup = lookup or LookupConfig()
         self.max_batch, self.prefill_step_size = max_batch, prefill_step_size
+        self.launch = launch
         self.keep = drafter.context_window if drafter is not None else None
         self.cache: list | None = None     # RaggedKVCache / RecurrentRows per layer
         self.rows: list[_Sequence] = []               # decoding, in the cache's row order
@@ -530,7 +532,8 @@ class BatchEngine:
             results = [self._accept(i, p, logits, greedy_ids) for i, p in enumerate(plans)]
         # mlx-lm's double buffering: when every sequence would launch its next plain step
         # alone, launch the batch's before reading this one (no joiner can share it)
-        if T == 1 and all(p.seq.launched is not None for p in plans) and not self._joinable():
+        if T == 1 and self.launch and all(p.seq.launched is not None for p in plans) \
+                and not self._joinable():
             self._ahead = self._launch(tokens)
         t = self._tick("build", t)
         if T == 1:
