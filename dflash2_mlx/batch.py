@@ -10,6 +10,9 @@ A step, for the running sequences s_1..s_B in the rows of the batch cache:
   rollback `RaggedKVCache.commit`: row b keeps its a_b + 1 rows, the rest become holes; a
            recurrent layer's rows that kept fewer than T replay their kept rows from the
            state before the verify (`views.Snapshot.rollback_rows`)
+A step whose sequences are all plain, each of which would launch its next plain step alone,
+launches the batch's next step before its own tokens are read (mlx-lm's double buffering;
+the keys alone launches with; never shared with a joiner).
 Before the decode rows, `step(prefill_budget=n)` prefills the waiting sequences for up to n
 prompt tokens (chunked; a sequence joins the batch once its prompt is in). A sequence leaves
 at a stop token, its max_tokens or `cancel`, and its single-sequence `DecodeState` can be kept
@@ -363,6 +366,26 @@ class _Sequence:
 
 
 @dataclass
+class _Ahead:
+    """A plain step of every row launched before the step it follows was read: its rows are
+    in the cache (as alone, where a launched step's row is in the cache too)."""
+
+    rows: list[_Sequence]                      # the batch's rows when it was launched
+    tokens: mx.array                           # [B] uint32
+    feats: mx.array | None                     # [B, 1, F]
+
+    def index(self, seq: _Sequence) -> int:
+        return next(j for j, s in enumerate(self.rows) if s is seq)
+
+    def take(self, rows: list[_Sequence]) -> tuple[mx.array, mx.array | None]:
+        """The tokens and features of `rows` (the launch's rows less those that left)."""
+        if len(rows) == len(self.rows):
+            return self.tokens, self.feats
+        idx = mx.array([self.index(s) for s in rows], dtype=mx.int32)
+        return self.tokens[idx], None if self.feats is None else self.feats[idx]
+
+
+@dataclass
 class _Plan:
     seq: _Sequence
     source: str
@@ -382,15 +405,17 @@ class BatchEngine:
 
     lookup: the lookup's settings for requests with `lookup=True`. max_batch: the most
     sequences decoding at once (the others wait). prefill_step_size: the prefill's chunk, as
-    alone."""
+    alone. launch: launch all-plain steps ahead (False: every step synchronous; the same
+    tokens either way)."""
 
     def __init__(self, target: Target, drafter: Drafter | None = None, *,
                  lookup: LookupConfig | None = None, max_batch: int | None = None,
-                 prefill_step_size: int = 2048):
+                 prefill_step_size: int = 2048, launch: bool = True):
         check_batchable(target.make_cache())
         self.target, self.drafter = target, drafter
         self.lookup = lookup or LookupConfig()
         self.max_batch, self.prefill_step_size = max_batch, prefill_step_size
+        self.launch = launch
         self.keep = drafter.context_window if drafter is not None else None
         self.cache: list | None = None     # RaggedKVCache / RecurrentRows per layer
         self.rows: list[_Sequence] = []               # decoding, in the cache's row order
@@ -399,6 +424,9 @@ class BatchEngine:
         self.stats: dict[int, GenerationStats] = {}
         self.history: list[tuple[int, int, float]] = []   # per decode step: sequences,
         self._next = 0                                    # rows verified (B x T), seconds
+        self.timings: dict[str, float] | None = None      # a dict: seconds per step section
+        self._ahead: _Ahead | None = None                 # the plain step launched last step
+        self.launches = 0                                 # plain steps launched ahead
 
     # ---- the scheduler's interface
     @property
@@ -445,6 +473,9 @@ class BatchEngine:
         limit; a sequence whose prompt is in joins the batch), then one decode step of every
         running sequence."""
         events: list[Event] = []
+        decoded = self._ahead is not None and self._joinable()
+        if decoded:                   # the launched step first: a joiner cannot share it
+            events.extend(self._decode())
         budget = math.inf if prefill_budget is None else prefill_budget
         while self.queue and budget > 0 and (self.max_batch is None
                                              or len(self.rows) < self.max_batch):
@@ -454,7 +485,7 @@ class BatchEngine:
                 break
             self.queue.popleft()
             events.append(self._start(seq))
-        if self.rows:
+        if self.rows and not decoded:
             events.extend(self._decode())
         return events
 
@@ -544,8 +575,16 @@ class BatchEngine:
             p.proposal, p.drafts, p.draft = proposal, proposal.tokens.astype(mx.uint32), None
         _launch(proposals)
 
+    def _tick(self, section: str, since: float) -> float:
+        """Add the seconds since `since` to `timings[section]` (when timing) -> now."""
+        now = time.perf_counter()
+        if self.timings is not None:
+            self.timings[section] = self.timings.get(section, 0.0) + now - since
+        return now
+
     def _decode(self) -> list[Event]:
         tic = time.perf_counter()
+        ahead, self._ahead = self._ahead, None
         # batch-aware policies see what the sequences before them chose and how many follow
         plans, planned = [], []
         slots = max(c.size() for c in self.cache)     # the keys every row's attention reads
@@ -559,27 +598,49 @@ class BatchEngine:
             planned.append((plans[-1].width, e if plans[-1].width > 1 else 1.0,
                             d if plans[-1].source == DRAFTER else 0.0))
         self._draft_all(plans)
+        t = self._tick("plan", tic)
         T = max(p.width for p in plans)
-        rows = []
-        for p in plans:
-            row = [mx.array([[p.seq.tokens[-1]]], dtype=mx.uint32)]
-            if p.drafts is not None:
-                row.append(p.drafts)
-            if p.width < T:
-                row.append(mx.zeros((1, T - p.width), mx.uint32))
-            rows.append(mx.concatenate(row, axis=1) if len(row) > 1 else row[0])
-        snapshot = self.target.snapshot(self.cache)    # the recurrent layers' state, if any
-        logits, feats = self.target.forward(mx.concatenate(rows), self.cache)  # [B, T, V]
-        greedy_ids = (mx.argmax(logits, axis=-1).astype(mx.uint32)
-                      if any(p.seq.req.sampling.greedy for p in plans) else None)
-        results = [self._accept(i, p, logits, greedy_ids) for i, p in enumerate(plans)]
-        mx.eval(results)
-        accepted = [int(a.item()) for a, _ in results]
-        keep = [a + 1 for a in accepted]
-        for c in self.cache:
-            if isinstance(c, RaggedKVCache):
-                c.commit(keep)
-        snapshot.rollback_rows(keep, T)
+        if ahead is not None:          # launched last step (all plain, keys as alone): take it
+            tokens, feats = ahead.take(self.rows)
+        elif T == 1:                   # all plain: every row keeps its one row
+            x = mx.array([[p.seq.tokens[-1]] for p in plans], dtype=mx.uint32)
+            tokens, feats = self._plain(x, [p.sample_key for p in plans])
+        else:
+            rows = []
+            for p in plans:
+                row = [mx.array([[p.seq.tokens[-1]]], dtype=mx.uint32)]
+                if p.drafts is not None:
+                    row.append(p.drafts)
+                if p.width < T:
+                    row.append(mx.zeros((1, T - p.width), mx.uint32))
+                rows.append(mx.concatenate(row, axis=1) if len(row) > 1 else row[0])
+            snapshot = self.target.snapshot(self.cache)    # the recurrent layers' state
+            logits, feats = self.target.forward(mx.concatenate(rows), self.cache)  # [B, T, V]
+            greedy_ids = (mx.argmax(logits, axis=-1).astype(mx.uint32)
+                          if any(p.seq.req.sampling.greedy for p in plans) else None)
+            results = [self._accept(i, p, logits, greedy_ids) for i, p in enumerate(plans)]
+        # mlx-lm's double buffering: when every sequence would launch its next plain step
+        # alone, launch the batch's before reading this one (no joiner can share it)
+        if T == 1 and self.launch and all(p.seq.launched is not None for p in plans) \
+                and not self._joinable():
+            self._ahead = self._launch(tokens)
+        t = self._tick("build", t)
+        if T == 1:
+            mx.eval(tokens)
+            t = self._tick("eval", t)
+            accepted = [0] * len(plans)
+            # host values, no array op: one would wait behind the launched step
+            results = [(None, mx.array([x], dtype=mx.uint32)) for x in tokens.tolist()]
+        else:
+            mx.eval(results)
+            t = self._tick("eval", t)
+            accepted = [int(a.item()) for a, _ in results]
+            keep = [a + 1 for a in accepted]
+            for c in self.cache:
+                if isinstance(c, RaggedKVCache):
+                    c.commit(keep)
+            snapshot.rollback_rows(keep, T)
+            t = self._tick("commit", t)
         seconds = time.perf_counter() - tic
         self.history.append((len(plans), len(plans) * T, seconds))
         draft_s = drafter_pass(d for _, _, d in planned)     # its one pass, as calibrated
@@ -591,7 +652,8 @@ class BatchEngine:
         for i, (p, a, (_, bonus)) in enumerate(zip(plans, accepted, results)):
             seq = p.seq
             drafts = p.drafts[0, :a].tolist() if a else []
-            step = Step(drafts, bonus, None if feats is None else feats[i : i + 1])
+            step = Step(drafts, bonus, None if feats is None or seq.state.dcache is None
+                        else feats[i : i + 1])
             new = _commit(seq.state, seq.tokens[-1], step, self.keep, set(seq.req.stop_ids))
             seq.stats.steps.append(Cycle(p.source, p.width, a))
             seq.policy.update(p.source, p.width, a, seconds if len(plans) == 1 else None,
@@ -606,9 +668,39 @@ class BatchEngine:
             if finish is not None:
                 leaving.append(i)
             events.append(Event(seq.id, new, finish))
+        t = self._tick("sequences", t)
         if leaving:
             self._leave(leaving)
+            self._tick("leave", t)
         return events
+
+    def _plain(self, x: mx.array, keys: list) -> tuple[mx.array, mx.array | None]:
+        """One plain step of every row on x [B, 1], each row sampled with its key (unused when
+        greedy) -> (tokens [B] uint32, features [B, 1, F] or None), not evaluated; the caches
+        keep each row's one row at once (no rollback: nothing is rejected)."""
+        logits, feats = self.target.forward(x, self.cache)                 # [B, 1, V]
+        for c in self.cache:
+            if isinstance(c, RaggedKVCache):
+                c.commit([1] * len(keys))
+        samplings = [seq.req.sampling for seq in self.rows]
+        if all(s.greedy for s in samplings):
+            return mx.argmax(logits[:, 0], axis=-1).astype(mx.uint32), feats
+        tokens = [s.sample(logits[i : i + 1, 0], k).astype(mx.uint32)
+                  for i, (s, k) in enumerate(zip(samplings, keys))]
+        return mx.concatenate(tokens), feats
+
+    def _launch(self, tokens: mx.array) -> "_Ahead":
+        """The next plain step of every row, on this step's tokens [B] (not read yet), each
+        sampled with the key its sequence would launch it with alone (`_Sequence.launched`;
+        its next `_plan` is forced plain with that key)."""
+        nxt, feats = self._plain(tokens[:, None], [seq.launched for seq in self.rows])
+        mx.async_eval(nxt)
+        self.launches += 1
+        return _Ahead(list(self.rows), nxt, feats)
+
+    def _joinable(self) -> bool:
+        """Whether a waiting sequence may join at the next step."""
+        return bool(self.queue) and (self.max_batch is None or len(self.rows) < self.max_batch)
 
     def _accept(self, i: int, p: _Plan, logits: mx.array, greedy_ids: mx.array | None):
         """Row i's (accepted drafts a, bonus token [1] or []) on the device."""
@@ -635,15 +727,21 @@ class BatchEngine:
             self.states[seq.id] = seq.state
 
     def _leave(self, rows: list[int]) -> None:
+        ahead = self._ahead
         for i in rows:
             seq = self.rows[i]
             if seq.req.keep_state:
+                if ahead is not None:     # its launched row is in the cache: as alone, the
+                    j = ahead.index(seq)  # state says so
+                    seq.state.tokens.append(seq.tokens[-1])
+                    seq.state.add_features(None if ahead.feats is None
+                                           else ahead.feats[j : j + 1], self.keep)
                 seq.state.cache = [c.to_single(i) for c in self.cache]
                 self._keep(seq)
         stay = [i for i in range(len(self.rows)) if i not in set(rows)]
         self.rows = [self.rows[i] for i in stay]
         if not stay:
-            self.cache = None
+            self.cache = self._ahead = None
             mx.clear_cache()
             return
         for c in self.cache:

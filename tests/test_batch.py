@@ -732,3 +732,83 @@ def test_sequences_share_estimates_not_probe_state():
     assert a.alphas(DRAFTER)[0] < 0.8
     b.choose({DRAFTER: 3})
     assert base.plain_run == 7 and a.plain_run == 0
+
+
+def test_plain_batch_launched_ahead_is_exact(pipe):
+    """An all-plain batch launches its next step before reading one (as mlx-lm does): stops,
+    max_tokens of 1 and 2, a cancel, joiners arriving while a step is in flight and a kept
+    state all stay as alone, and no token computed ahead is emitted."""
+    rng = random.Random(21)
+    vocab = pipe.adapter.vocab_size
+    engine = BatchEngine(pipe.adapter, pipe.drafter)
+    arrivals, refs, prompts = {}, {}, {}
+    for k, (n, max_tokens, at) in enumerate([(7, 30, 0), (19, 24, 0), (4, 2, 0), (12, 30, 0),
+                                             (25, 1, 3), (9, 20, 5), (15, 26, 5), (6, 30, 9)]):
+        prompts[k] = prompt = [rng.randrange(vocab - 1) for _ in range(n)]
+        ref = mlx_lm_greedy(pipe.target, prompt, max_tokens)
+        stop = frozenset()
+        if k in (1, 5):                        # stopped early by a token it emits
+            stop = frozenset([ref[len(ref) // 2]])
+            ref = ref[: ref.index(ref[len(ref) // 2]) + 1]
+        refs[k] = (ref, "stop" if stop else "length")
+        arrivals.setdefault(at, []).append(
+            (k, Request(prompt, max_tokens, policy=FixedWidth(1), stop_ids=stop,
+                        keep_state=k == 1)))
+    in_flight = []                           # a launched step pending as each one arrives
+    out = run(engine, arrivals, cancel_at={7: [3]},
+              before_add=lambda k: in_flight.append(engine._ahead is not None))
+    assert engine.launches >= 10 and sum(in_flight) >= 2
+    assert out[3][1] == CANCELLED and 0 < len(out[3][0]) < 30
+    assert out[3][0] == refs[3][0][: len(out[3][0])]
+    for k, ref in refs.items():
+        if k != 3:
+            assert out[k] == ref, k
+    assert engine.cache is None and engine._ahead is None
+    # the kept state holds a launched row too (as alone): its cache matches its tokens, and
+    # it restarts exactly
+    state = engine.pop_state(1)
+    assert state.tokens in (prompts[1] + out[1][0], prompts[1] + out[1][0][:-1])
+    assert all(c.offset == len(state.tokens) for c in state.cache)
+    follow = state.tokens + [5, 6, 7]
+    engine = BatchEngine(pipe.adapter, pipe.drafter)
+    again = run(engine, {0: [(0, Request(follow, 12, policy=FixedWidth(1), state=state))]})
+    assert again[0] == (mlx_lm_greedy(pipe.target, follow, 12), "length")
+
+
+def test_plain_batch_launched_ahead_samples_as_alone(pipe):
+    """Seeded sampled plain sequences launched ahead in a batch draw what they draw alone
+    (the launched step's key is the one alone launches with)."""
+    from dflash2_mlx.engine import generate_tokens
+
+    rng = random.Random(22)
+    vocab = pipe.adapter.vocab_size
+    sampling = Sampling(temperature=0.9, top_p=0.95)
+    arrivals, refs = {}, {}
+    for k in range(4):                      # the last one greedy, beside the sampled ones
+        prompt = [rng.randrange(vocab - 1) for _ in range(5 + 6 * k)]
+        s = sampling if k < 3 else Sampling()
+        refs[k] = [t for new in generate_tokens(
+            pipe.adapter, pipe.drafter, prompt, max_tokens=20, sampling=s,
+            policy=FixedWidth(1), stop_ids=set(), seed=200 + k) for t in new]
+        arrivals.setdefault(2 * (k % 2), []).append(
+            (k, Request(prompt, 20, s, FixedWidth(1), seed=200 + k)))
+    engine = BatchEngine(pipe.adapter, pipe.drafter)
+    out = run(engine, arrivals)
+    assert engine.launches >= 10
+    for k, ref in refs.items():
+        assert out[k] == (ref, "length"), k
+    assert refs[3] == mlx_lm_greedy(pipe.target, prompt, 20)
+
+
+def test_server_prefill_budget_grows_with_the_joiners(pipe):
+    """Beside running streams, a step prefills `prefill_chunk` tokens per request that can
+    join (at most one pipeline chunk); alone, a prompt prefills in the pipeline's chunks."""
+    from dflash2_mlx.server.scheduler import Scheduler
+
+    s = Scheduler(pipe, max_batch=4, prefill_chunk=100)
+    assert s.prefill_budget(0, 3, 2048) == 2048
+    assert s.prefill_budget(2, 1, 2048) == 100
+    assert s.prefill_budget(1, 3, 2048) == 300
+    assert s.prefill_budget(2, 2, 2048) == 200          # two rows free
+    assert s.prefill_budget(1, 3, 250) == 250           # at most one chunk
+    assert s.prefill_budget(4, 0, 2048) == 100

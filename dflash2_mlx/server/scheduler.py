@@ -261,9 +261,7 @@ class Scheduler:
                 if closing:
                     return
                 continue
-            # a lone prompt prefills in the pipeline's chunks; beside running streams in
-            # prefill_chunk tokens per step, so that they keep flowing
-            budget = self.prefill_chunk if engine.running else pipe.prefill_step_size
+            budget = self.prefill_budget(engine.running, engine.waiting, pipe.prefill_step_size)
             try:
                 events = engine.step(prefill_budget=budget)
             except Exception as e:  # noqa: BLE001 - reported to the batch; the next one runs
@@ -285,6 +283,17 @@ class Scheduler:
             self.batch_figures = self._figures(engine.running, engine.waiting,
                                                [engine.stats[rid] for rid in running], last)
         # (unreachable: the loop returns once closing with nothing running)
+
+    def prefill_budget(self, running: int, waiting: int, step_size: int) -> int:
+        """Prompt tokens one step prefills: a lone prompt in the pipeline's chunks
+        (`step_size`), as alone; beside running streams `prefill_chunk` per request that can
+        join this step, so that the streams keep flowing and a burst of joiners (agents
+        coming back with short new turns) joins in as few steps as one joiner would, as
+        mlx-lm prefills its joiners together (at most `step_size`, one chunk's worth)."""
+        if not running:
+            return step_size
+        joining = max(1, min(waiting, self.max_batch - running))
+        return max(self.prefill_chunk, min(self.prefill_chunk * joining, step_size))
 
     def _admit(self, engine: BatchEngine, job: Job, b, shared, stop_ids, running) -> None:
         """Start a job's sequence, from the prefix cache's state when it has one."""
