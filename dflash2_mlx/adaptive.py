@@ -168,16 +168,20 @@ class AdaptiveWidth:
         for h, t in zip(c.hits, c.tries):
             prior = (h + prior * self.prior_tries) / (t + self.prior_tries)
             out.append(prior)
-        return out
+        unproven = context_bucket(context) >= LONG_BUCKET and c.tries and not c.tries[0]
+        return out[:1] if unproven else out
 
     def prior_at(self, source: str, context: int | None) -> float:
-        """alpha_1 before any evidence: `prior`, and from `LONG_BUCKET` at most the largest
-        alpha (at every position) at which this source's best cycle is 2 rows or plain, at the
-        bucket's shortest context (the bare cost model): there an unproven source drafts at
-        2 rows (or probes, the drafter) until its cycles and shadows show that it predicts,
-        since what a wide cycle that fails costs grows with the context."""
+        """alpha_1 before any evidence: `prior`; the lookup's from `LONG_BUCKET` at most the
+        largest alpha (at every position) at which its best cycle is 2 rows or plain, at the
+        bucket's shortest context (the bare cost model): there an unproven lookup drafts at 2
+        rows until its cycles and shadows show that it predicts, since what a wide cycle that
+        fails costs grows with the context. The drafter keeps `prior` (its only evidence, while
+        plain, is rare one-row probes, which could not outweigh a pessimistic prior: a batch
+        of 2 at 2k whose drafter pays stayed plain, 0.955 of the best fixed width); `alphas`
+        offers it 2 rows until its first try at the context size."""
         prior, bucket = self.prior_hits / self.prior_tries, context_bucket(context)
-        if bucket < LONG_BUCKET:
+        if bucket < LONG_BUCKET or source != LOOKUP:
             return prior
         key = (source, bucket)
         if key not in self.narrow:
