@@ -132,6 +132,7 @@ def run(pipe, ids, max_tokens: int, system: str, log, time_drafts: bool,
             pol = policies[decoded[-1]]
             if hasattr(pol, "shared"):
                 saved, pol.shared.table = pol.shared.table, before
+                pol.shared.memo.clear()
                 slots = pol.slots
                 drafts = [x[4] for x in seqs if x[0] == DRAFTER]
                 if system == "baseline":            # its step_cost(rows, slots)
@@ -139,6 +140,7 @@ def run(pipe, ids, max_tokens: int, system: str, log, time_drafts: bool,
                 else:                               # the step's one drafter pass
                     price = pol.step_cost(n, r // n, slots, drafter_pass(drafts))
                 pol.shared.table = saved
+                pol.shared.memo.clear()
             entry = {"system": system, "n": n, "rows": r, "slots": slots, "seconds": round(s, 4),
                      "price": None if price is None else round(price, 4), "seqs": seqs}
             if time_drafts:

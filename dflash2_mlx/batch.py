@@ -80,6 +80,7 @@ class BatchAwareWidth:
         self.rate: float | None = None      # the step's tokens/s its latest batched choice saw
         self.plain_run = 0                  # batched plain choices since drafting or a probe
         self.probing = self.probe_again = False     # a batched probe's outcome, as alone
+        self.plain_next = False             # its latest batched choice: plain next step too
 
     def set_batch(self, planned: list[tuple[int, float, float]], after,
                   slots: int | None = None) -> None:
@@ -168,10 +169,13 @@ class BatchAwareWidth:
         near = any(r >= self.inner.far * rates[best] for c, r in rates.items() if c[1] > 1)
         self.plain_run = self.plain_run + 1 if best[1] == 1 else 0
         self.probing = False
-        if best[1] == 1 and (DRAFTER, 2) in options and (
-                self.probe_again and near
-                or self.plain_run >= self._probe_gap(n, slots, context, near)):
+        gap = (self._probe_gap(n, slots, context, near)
+               if best[1] == 1 and (DRAFTER, 2) in options else math.inf)
+        if self.probe_again and near and gap < math.inf or self.plain_run >= gap:
             self.plain_run, best, self.probing, self.probe_again = 0, (DRAFTER, 2), True, False
+        # plain again next step unless the batch changes: no probe due or asked for then
+        self.plain_next = best[1] == 1 and not (self.probe_again and near) \
+            and self.plain_run + 1 < gap
         self.last = options[best]
         return best
 
@@ -185,8 +189,13 @@ class BatchAwareWidth:
         return n * max(extra, 0.0) / plain / self.inner.budget[near]
 
     def next_plain(self, available: dict, context: int | None = None) -> bool:
+        """Whether its next step will be plain (then the engine may launch it ahead, forced
+        plain, as alone): alone as AdaptiveWidth says; in a batch when its batched choice was
+        plain and no probe is due or asked for at the next step (`choose`). A batch that
+        changes before then (a sequence that starts drafting pads rows it could have used)
+        costs it one step's choice, as a lookup match found after a launch does alone."""
         alone = not self.planned and not self.after.count
-        return self.inner.next_plain(available, context) if alone else False
+        return self.inner.next_plain(available, context) if alone else self.plain_next
 
     def update(self, source: str, width: int, accepted: int, *args, **kwargs) -> None:
         if self.probing and source == DRAFTER:
@@ -287,7 +296,10 @@ def step_ratio(shared: Correction, n: int, T: int, context: int | None) -> float
     timings blended in (`Correction.blend`). Priced as calibrated, an untimed drafting shape
     at B = 8 looked 2-5x cheaper than it was, and the first steps of every new batch size
     drafted at a loss."""
-    return _seeded(shared, int(n).bit_length(), int(T).bit_length(), context_bucket(context))
+    shape = (int(n).bit_length(), int(T).bit_length(), context_bucket(context))
+    if shape not in shared.memo:          # every sequence of a step asks, for every width
+        shared.memo[shape] = _seeded(shared, *shape)
+    return shared.memo[shape]
 
 
 def _seeded(shared: Correction, no: int, to: int, bucket: int) -> float:

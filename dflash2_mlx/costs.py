@@ -117,6 +117,9 @@ class Correction:
     def __init__(self, decay: float = 0.95, trust: float = 3.0):
         self.decay, self.trust = decay, trust
         self.table: dict = {}                 # key -> (count, timed s, modelled s), decayed
+        # what callers derive from the table (a batch step's seeded ratio per shape, asked by
+        # every sequence of a step), kept until the table next changes
+        self.memo: dict = {}
 
     def ratio(self, keys) -> float:
         """Timed over modelled seconds of the first trusted key (1.0: none is)."""
@@ -153,6 +156,7 @@ class Correction:
         estimate = self.ratio(keys) if estimate is None else estimate
         seconds = min(seconds, 2.0 * modelled * estimate)
         d = self.decay
+        self.memo.clear()
         for key in keys:
             count, total, model_total = self.table.get(key, (0.0, 0.0, 0.0))
             self.table[key] = (count * d + 1, total * d + seconds, model_total * d + modelled)

@@ -423,6 +423,29 @@ def test_batch_aware_policies_stay_exact(pipe):
         assert out[k] == (mlx_lm_greedy(pipe.target, p, 30), "length"), k
 
 
+def test_batch_aware_policies_decoding_plainly_launch_ahead_exactly(pipe):
+    """Batch-aware policies whose drafter does not pay (the random drafter accepts nothing)
+    decode plainly after their first cycles: those steps are launched ahead as alone
+    (`BatchAwareWidth.next_plain`), probes and lookup runs still happen between them, and
+    every sequence is exact."""
+    from dflash2_mlx.batch import BatchAwareWidth
+    from dflash2_mlx.costs import Correction
+
+    rng = random.Random(23)
+    vocab = pipe.adapter.vocab_size
+    shared, base = Correction(decay=0.9), copy.deepcopy(pipe.width_policy())
+    prompts = [[rng.randrange(vocab - 1) for _ in range(4 + 5 * k)] for k in range(5)]
+    arrivals = {}
+    for k, p in enumerate(prompts):
+        policy = BatchAwareWidth(base.for_sequence(), shared)
+        arrivals.setdefault(k // 2, []).append((k, Request(p, 40, policy=policy, lookup=True)))
+    engine = BatchEngine(pipe.adapter, pipe.drafter)
+    out = run(engine, arrivals)
+    assert engine.launches >= 5
+    for k, p in enumerate(prompts):
+        assert out[k] == (mlx_lm_greedy(pipe.target, p, 40), "length"), k
+
+
 def _simulate_batch(B: int, steps: int = 400, warmup: int = 60, alpha: float = 0.75, seed=0,
                     correct: bool = True, context: int | None = None, draft_scale: float = 1.0,
                     one_pass: bool = False):
