@@ -6,8 +6,9 @@
 The prompt is prefilled once (`--context N` pads it with a deterministic code text to about N
 tokens); every run starts from a copy of that state (`DecodeState.copy()`), the systems
 alternating run by run: b=1, `auto --no-lookup`, `auto` (lookup on). Prints per system the
-median ms per step (decode seconds / steps), its ratio to b=1, how many steps drafted, and
-the policy's own Python cost per cycle (`choose` + `next_plain` + `update`, timed alone).
+median ms per step (decode seconds / steps), its ratio to b=1, the median of the paired
+decode tok/s ratios to b=1 (what a drafting cycle's extra tokens are worth), how many steps
+drafted, and the policy's own Python cost per cycle (`choose` + `next_plain` + `update`, timed alone).
 Greedy outputs must be identical. Only ratios measured in one run mean anything on a shared
 machine; the load average is printed.
 """
@@ -50,18 +51,22 @@ def main() -> None:
                                                                     lookup=False),
                "auto": dict(block_size="auto", lookup=True)}
     ms, drafted, outs = {k: [] for k in systems}, {k: 0 for k in systems}, {}
+    tps = {k: [] for k in systems}
     for _ in range(a.reps):
         for name, kw in systems.items():
             g = pipe.generate(ids, max_tokens=a.tokens, state=state.copy(), **kw)
             ms[name].append(1e3 * g.stats.decode_s / max(len(g.stats.steps), 1))
+            tps[name].append(g.stats.decode_tps)
             drafted[name] += g.stats.cycles
             outs.setdefault(name, g.tokens)
     base = statistics.median(ms["b=1"])
-    print("| system | ms/step (median of runs) | vs b=1 | drafting cycles (all runs) |")
-    print("|---|---|---|---|")
+    print("| system | ms/step (median of runs) | vs b=1 | decode tok/s vs b=1 (median of "
+          "paired runs) | drafting cycles (all runs) |")
+    print("|---|---|---|---|---|")
     for name in systems:
         m = statistics.median(ms[name])
-        print(f"| {name} | {m:.1f} | {m / base:.3f}x | {drafted[name]} |")
+        speed = statistics.median(t / b for t, b in zip(tps[name], tps["b=1"]))
+        print(f"| {name} | {m:.1f} | {m / base:.3f}x | {speed:.3f}x | {drafted[name]} |")
     same = all(o == outs["b=1"] for o in outs.values())
     print(f"greedy outputs identical: {same}")
     # the policy's own cost per cycle, with nothing else running

@@ -36,7 +36,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from . import log
-from .costs import CostModel, Correction, context_bucket, measure_costs
+from .costs import RELAUNCH, CostModel, Correction, context_bucket, measure_costs
 from .files import atomic_write
 
 _log = log.get(__name__)
@@ -76,9 +76,10 @@ class FixedWidth:
         self.width = width
 
     def choose(self, available: dict[str, int], match_n: int = 0,
-               context: int | None = None) -> tuple[str, int]:
+               context: int | None = None, launched: bool = False) -> tuple[str, int]:
         """available: the widest block each source can draft this cycle (sources absent: none);
-        match_n: the length of the lookup's recurring suffix (0: none); context: unused."""
+        match_n: the length of the lookup's recurring suffix (0: none); context, launched:
+        unused (AdaptiveWidth's)."""
         for source in (LOOKUP, DRAFTER):
             if self.width > 1 and available.get(source, 1) > 1:
                 return source, min(self.width, available[source])
@@ -201,10 +202,13 @@ class AdaptiveWidth:
         return min(prior, self.narrow[key])
 
     def choose(self, available: dict[str, int] | None = None, match_n: int = 0,
-               context: int | None = None) -> tuple[str, int]:
+               context: int | None = None, launched: bool = False) -> tuple[str, int]:
         """available: the widest block each source can draft this cycle (default: every source
         at its widest); match_n: the lookup's recurring suffix length -> (source, width);
-        (PLAIN, 1) is always a choice."""
+        (PLAIN, 1) is always a choice. launched: this cycle is a plain step the engine
+        launched last cycle (`next_plain` said so), whatever is chosen: a probe falling due
+        now waits for the next cycle (taken now, it was lost, and the next step's launch
+        with it: 2-5 broken launch chains per 64 tokens cost plain decoding ~4%)."""
         rate = self._rates(dict(self.widths) if available is None else available, match_n,
                            context)
         best = max(rate, key=rate.get)
@@ -213,8 +217,8 @@ class AdaptiveWidth:
         if best[1] > 1:
             self.plain_run = 0
             return best
-        if (DRAFTER, 2) in rate and (self.plain_run >= self._probe_gap(rate, context)
-                                     or self.probe_again):
+        if (DRAFTER, 2) in rate and not launched and (
+                self.plain_run >= self._probe_gap(rate, context) or self.probe_again):
             self.plain_run, self.probe_again = 0, False   # the lookup needs none: see Shadow
             self.probing = True
             return DRAFTER, 2
@@ -234,11 +238,14 @@ class AdaptiveWidth:
         replaces stays under `budget[0]` of the plain steps' time while drafting is far from
         paying (its best rate < `far` x plain's), `budget[1]` while it nearly does (probes
         are worth more there). A probe's extra cost grows with the context (two rows'
-        attention and the drafter's pass, against one row's): rarer probes at 8k."""
+        attention and the drafter's pass, against one row's): rarer probes at 8k. Far from
+        paying, the price includes the launch chain the probe breaks (`costs.RELAUNCH`); near,
+        not (the simulations: a probe there is worth that, and fewer, at alpha 0.35, left
+        the policy 4% behind the best fixed width)."""
         plain = self.cycle_cost(1, PLAIN, context)
-        extra = max(self.cycle_cost(2, DRAFTER, context) - plain, 0.0) / plain
         near = max(r for c, r in rate.items() if c[1] > 1) >= self.far * rate[(PLAIN, 1)]
-        return extra / self.budget[near]
+        extra = max(self.cycle_cost(2, DRAFTER, context) - plain, 0.0) / plain
+        return (extra + (0.0 if near else RELAUNCH)) / self.budget[near]
 
     def _rates(self, available: dict[str, int], match_n: int,
                context: int | None) -> dict[tuple[str, int], float]:

@@ -35,11 +35,11 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from .adaptive import DRAFTER, LOOKUP, PLAIN, FixedWidth, Shadow
-from .costs import Correction, context_bucket, drafter_pass, pass_seconds
+from .costs import RELAUNCH, Correction, context_bucket, drafter_pass, pass_seconds
 from .batch_cache import RaggedKVCache, batch_cache, check_batchable
 from .drafter import Draft, Drafter, Proposal
-from .engine import (Cycle, DecodeState, GenerationStats, Step, _choose, _commit, _draft,
-                     _launch, _reuse, prefill)
+from .engine import (Cycle, DecodeState, GenerationStats, PlainClock, Step, _choose, _commit,
+                     _draft, _launch, _reuse, prefill)
 from .lookup import LookupConfig, LookupIndex
 from .sampling import Sampling, greedy_accept, rejection_accept
 from .target import Target
@@ -127,14 +127,14 @@ class BatchAwareWidth:
                 yield source, w, e, inner.cost.draft(w, context) if source == DRAFTER else 0.0
 
     def choose(self, available: dict | None = None, match_n: int = 0,
-               context: int | None = None) -> tuple[str, int]:
+               context: int | None = None, launched: bool = False) -> tuple[str, int]:
         """As AdaptiveWidth.choose; `context`: this sequence's own tokens (its drafter pass,
-        and its verify when alone)."""
+        and its verify when alone); launched: as AdaptiveWidth's (no probe now)."""
         available = dict(self.inner.widths) if available is None else available
         opts = list(self._options(available, match_n, context))
         options = {(s, w): (e, d) for s, w, e, d in opts}
         if not self.planned and not self.after.count:
-            best = self.inner.choose(available, match_n, context)
+            best = self.inner.choose(available, match_n, context, launched)
             self.outlook = self.rate = None
             self.last = options.get(best, (1.0, 0.0))
             return best
@@ -171,7 +171,8 @@ class BatchAwareWidth:
         self.probing = False
         gap = (self._probe_gap(n, slots, context, near)
                if best[1] == 1 and (DRAFTER, 2) in options else math.inf)
-        if self.probe_again and near and gap < math.inf or self.plain_run >= gap:
+        if not launched and (self.probe_again and near and gap < math.inf
+                             or self.plain_run >= gap):
             self.plain_run, best, self.probing, self.probe_again = 0, (DRAFTER, 2), True, False
         # plain again next step unless the batch changes: no probe due or asked for then
         self.plain_next = best[1] == 1 and not (self.probe_again and near) \
@@ -183,10 +184,12 @@ class BatchAwareWidth:
         """Plain steps between this sequence's probes: a probe's extra seconds (its n more
         rows, its drafter pass) over a plain step's, over AdaptiveWidth's budget (the near
         one while drafting nearly pays), times the n sequences: each probe pads the whole
-        step, so the batch's probes together stay within the budget."""
+        step, so the batch's probes together stay within the budget; far from paying, the
+        launch chain it breaks too (`costs.RELAUNCH`), as alone."""
         plain = self.step_cost(n, 1, slots)
         extra = self.step_cost(n, 2, slots, self.inner.cost.draft(2, context)) - plain
-        return n * max(extra, 0.0) / plain / self.inner.budget[near]
+        return n * (max(extra, 0.0) / plain + (0.0 if near else RELAUNCH)) / \
+            self.inner.budget[near]
 
     def next_plain(self, available: dict, context: int | None = None) -> bool:
         """Whether its next step will be plain (then the engine may launch it ahead, forced
@@ -439,6 +442,7 @@ class BatchEngine:
         self.timings: dict[str, float] | None = None      # a dict: seconds per step section
         self._ahead: _Ahead | None = None                 # the plain step launched last step
         self.launches = 0                                 # plain steps launched ahead
+        self._clock = PlainClock()                        # all-plain steps, as alone
 
     # ---- the scheduler's interface
     @property
@@ -553,8 +557,9 @@ class BatchEngine:
         drafter's pass: a drafter plan holds its `draft` for the step's one pass."""
         room = seq.req.max_tokens - len(seq.tokens)
         context = len(seq.state.tokens)
-        choice = _choose(seq.policy, self.drafter, seq.index, seq.lookup, room, context)
         forced = seq.launched is not None
+        choice = _choose(seq.policy, self.drafter, seq.index, seq.lookup, room, context,
+                         forced)
         source, width = (PLAIN, 1) if forced else (choice.source, choice.width)
         if source != LOOKUP:
             seq.shadow.offer(choice.guess, choice.match, context)
@@ -655,6 +660,8 @@ class BatchEngine:
             t = self._tick("commit", t)
         seconds = time.perf_counter() - tic
         self.history.append((len(plans), len(plans) * T, seconds))
+        if T == 1:
+            seconds = self._clock.plain(seconds, ahead is not None, self._ahead is not None)
         draft_s = drafter_pass(d for _, _, d in planned)     # its one pass, as calibrated
         timed = {id(s.policy.shared): s.policy for s in self.rows
                  if isinstance(s.policy, BatchAwareWidth)}

@@ -169,6 +169,13 @@ class Correction:
 BATCH_DRAFT_SHARE = 0.5
 
 
+# What restarting a chain of plain steps launched ahead costs, in plain steps: the first step
+# of a chain runs its graph build unhidden and waits for the launched step with it (a chain
+# start took ~2.45 plain steps of time for its 2 steps here: benchmarks/plain_steps.py). A
+# drafting cycle between plain steps pays it once; the probe gap prices it.
+RELAUNCH = 0.5
+
+
 def drafter_pass(seconds) -> float:
     """Seconds of ONE drafter pass for sequences whose passes alone would take `seconds`
     (0: not drafting): the dearest whole, every other one's `BATCH_DRAFT_SHARE`."""

@@ -256,14 +256,37 @@ class Step:
 
 
 def _choose(policy, drafter: Drafter | None, index: LookupIndex | None,
-            lookup: LookupConfig | None, room: int, context: int) -> Choice:
+            lookup: LookupConfig | None, room: int, context: int,
+            launched: bool = False) -> Choice:
+    """The policy's choice for a cycle (launched: the cycle is a plain step launched last
+    cycle, whatever the policy says; it keeps a probe for later)."""
     available = {DRAFTER: min(drafter.args.block_size, room)} if drafter is not None else {}
     found = index.propose(min(lookup.max_width, room) - 1) if index and room > 1 else None
     match, guess = found or (0, None)
     if guess:
         available[LOOKUP] = min(lookup.max_width, room)
-    source, width = policy.choose(available, match, context)
+    source, width = policy.choose(available, match, context, launched)
     return Choice(source, width, available, match, guess)
+
+
+class PlainClock:
+    """Times plain steps across launches. A step that launches the next one reads its token
+    only after the launched graph has run too (it takes two steps' time), and the launched
+    step then takes almost none: timed one by one, the policy saw plain steps alternate
+    between ~2x and ~0x their cost, and its choices flapped with them (each flap broke a
+    launch chain). Each plain step is reported as the mean of its launch chain so far, the
+    launched step counted, so a chain reads as the steps of equal cost it is."""
+
+    def __init__(self):
+        self.seconds, self.steps = 0.0, 0
+
+    def plain(self, seconds: float, was_launched: bool, launches: bool) -> float:
+        """A plain step took `seconds`; was_launched: it was launched by the step before;
+        launches: it launched the next one -> the seconds to report for it."""
+        if not was_launched:
+            self.seconds, self.steps = 0.0, 0
+        self.seconds, self.steps = self.seconds + seconds, self.steps + 1
+        return self.seconds / (self.steps + launches)
 
 
 def _plain_step(target: Target, state: DecodeState, anchor: mx.array, ahead: tuple | None,
@@ -377,12 +400,13 @@ def generate_tokens(target: Target, drafter: Drafter | None, prompt: list[int], 
     yield list(tokens)
 
     ahead = None       # a plain step already launched on the anchor: (feats, token)
+    clock = PlainClock()
     try:
         while len(tokens) < max_tokens and tokens[-1] not in stop_ids:
             cycle_tic = time.perf_counter()
             room = max_tokens - len(tokens)
             context = len(state.tokens)           # the keys every verified row reads
-            choice = _choose(policy, drafter, index, lookup, room, context)
+            choice = _choose(policy, drafter, index, lookup, room, context, ahead is not None)
             # launched last step: this cycle is that plain step
             source, width = (PLAIN, 1) if ahead is not None else (choice.source, choice.width)
             if source != LOOKUP:
@@ -393,6 +417,7 @@ def generate_tokens(target: Target, drafter: Drafter | None, prompt: list[int], 
                 # next step may)
                 launch = (room > 1 and choice.source == PLAIN
                           and policy.next_plain(choice.available, context + 1))
+                was_launched = ahead is not None
                 step, ahead = _plain_step(target, state, anchor, ahead, launch, sampling,
                                           k_accept, k_draft)
             else:
@@ -401,8 +426,10 @@ def generate_tokens(target: Target, drafter: Drafter | None, prompt: list[int], 
             new = _commit(state, tokens[-1], step, keep, stop_ids)
             a = len(step.accepted)
             stats.steps.append(Cycle(source, width, a))
-            policy.update(source, width, a, time.perf_counter() - cycle_tic, choice.match,
-                          context)
+            seconds = time.perf_counter() - cycle_tic
+            if source == PLAIN:
+                seconds = clock.plain(seconds, was_launched, ahead is not None)
+            policy.update(source, width, a, seconds, choice.match, context)
             tokens.extend(new)
             if index is not None:
                 index.extend(new)

@@ -406,6 +406,28 @@ def test_batch_aware_policy_narrows_as_rows_get_dearer():
     assert policy.choose(available) == (DRAFTER, 8)
 
 
+def test_a_batched_probe_due_on_a_launched_step_waits_for_the_next():
+    """As alone (test_adaptive): a step launched ahead is plain whatever the policy says, so a
+    probe falling due then is taken at the next step, not lost with the launch."""
+    from dflash2_mlx.adaptive import DRAFTER, PLAIN, AdaptiveWidth
+    from dflash2_mlx.batch import BatchAwareWidth
+    from dflash2_mlx.costs import CostModel
+
+    cost = CostModel((0.0,) + (0.01,) * 7, tuple(0.05 + 0.012 * w for w in range(1, 9)))
+    policy = BatchAwareWidth(AdaptiveWidth(cost, {DRAFTER: 8}, prior=0.01, strength=1e9))
+    available = {DRAFTER: 8}
+    policy.set_batch([], after=3)
+    assert policy.choose(available) == (PLAIN, 1)
+    while policy.next_plain(available):
+        policy.set_batch([], after=3)
+        assert policy.choose(available) == (PLAIN, 1)
+    policy.set_batch([], after=3)        # the probe is due now: launched anyway, it is kept
+    assert policy.choose(available, 0, None, True) == (PLAIN, 1)
+    assert not policy.next_plain(available)
+    policy.set_batch([], after=3)
+    assert policy.choose(available) == (DRAFTER, 2)
+
+
 def test_batch_aware_policies_stay_exact(pipe):
     from dflash2_mlx.batch import BatchAwareWidth
     from dflash2_mlx.costs import Correction
