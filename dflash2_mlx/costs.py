@@ -171,8 +171,9 @@ BATCH_DRAFT_SHARE = 0.5
 
 # What restarting a chain of plain steps launched ahead costs, in plain steps: the first step
 # of a chain runs its graph build unhidden and waits for the launched step with it (a chain
-# start took ~2.45 plain steps of time for its 2 steps here: benchmarks/plain_steps.py). A
-# drafting cycle between plain steps pays it once; the probe gap prices it.
+# start took ~2.45 plain steps of time for its 2 steps here, timing `auto --no-lookup` cycle
+# by cycle; docs/benchmarks.md). A drafting cycle between plain steps pays it once; the probe
+# gap prices it.
 RELAUNCH = 0.5
 
 
