@@ -39,7 +39,7 @@ from .costs import RELAUNCH, Correction, context_bucket, drafter_pass, pass_seco
 from .batch_cache import RaggedKVCache, batch_cache, check_batchable
 from .drafter import Draft, Drafter, Proposal
 from .engine import (Cycle, DecodeState, GenerationStats, PlainClock, Step, _choose, _commit,
-                     _draft, _launch, _reuse, prefill)
+                     _draft, _launch, _next_hit, _reuse, prefill)
 from .lookup import LookupConfig, LookupIndex
 from .sampling import Sampling, greedy_accept, rejection_accept
 from .target import Target
@@ -411,6 +411,7 @@ class _Plan:
     draft: Draft | None = None                 # what the step's drafter pass drafts for it
     sample_key: mx.array | None = None         # a plain step's
     accept_key: mx.array | None = None         # a drafting cycle's
+    guess: list[int] | None = None             # a lookup cycle's whole proposal
 
 
 class BatchEngine:
@@ -579,7 +580,7 @@ class BatchEngine:
         proposal = _draft(self.target, self.drafter, seq.state, anchor, choice,
                           seq.req.sampling, k_draft)
         return _Plan(seq, source, width, choice.match, proposal.tokens.astype(mx.uint32),
-                     proposal, accept_key=k_accept)
+                     proposal, accept_key=k_accept, guess=choice.guess)
 
     def _draft_all(self, plans: list[_Plan]) -> None:
         """One drafter pass for every plan drafting from it (their choices are made first:
@@ -676,7 +677,7 @@ class BatchEngine:
             new = _commit(seq.state, seq.tokens[-1], step, self.keep, set(seq.req.stop_ids))
             seq.stats.steps.append(Cycle(p.source, p.width, a))
             seq.policy.update(p.source, p.width, a, seconds if len(plans) == 1 else None,
-                              p.match, contexts[i])
+                              p.match, contexts[i], _next_hit(p.source, p.width, a, p.guess, new))
             seq.tokens.extend(new)                # widths never exceed the room left
             if seq.index is not None:
                 seq.index.extend(new)

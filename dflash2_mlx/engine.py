@@ -269,6 +269,16 @@ def _choose(policy, drafter: Drafter | None, index: LookupIndex | None,
     return Choice(source, width, available, match, guess)
 
 
+def _next_hit(source: str, width: int, accepted: int, guess: list[int] | None,
+              new: list[int]) -> bool | None:
+    """For a lookup cycle that accepted all its drafts and whose proposal went on: whether the
+    bonus token is the proposal's next one (the policy counts that position too); else None."""
+    if source != LOOKUP or accepted < width - 1 or not guess or len(guess) < width \
+            or len(new) <= accepted:
+        return None
+    return new[accepted] == guess[width - 1]
+
+
 class PlainClock:
     """Times plain steps across launches. A step that launches the next one reads its token
     only after the launched graph has run too (it takes two steps' time), and the launched
@@ -429,7 +439,8 @@ def generate_tokens(target: Target, drafter: Drafter | None, prompt: list[int], 
             seconds = time.perf_counter() - cycle_tic
             if source == PLAIN:
                 seconds = clock.plain(seconds, was_launched, ahead is not None)
-            policy.update(source, width, a, seconds, choice.match, context)
+            policy.update(source, width, a, seconds, choice.match, context,
+                          _next_hit(source, width, a, choice.guess, new))
             tokens.extend(new)
             if index is not None:
                 index.extend(new)

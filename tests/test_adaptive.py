@@ -14,7 +14,7 @@ import dflash2_mlx
 from dflash2_mlx.adaptive import (DRAFTER, LOOKUP, PLAIN, AdaptiveWidth, FixedWidth, Shadow,
                                   load_or_measure_costs)
 from dflash2_mlx.costs import RELAUNCH, CostModel
-from dflash2_mlx.engine import PlainClock
+from dflash2_mlx.engine import PlainClock, _next_hit
 
 # A verify of w rows costs 100 + 5w ms, a draft 30 ms: roughly this CPU's shape.
 COST = CostModel(tuple([0.0] + [0.030] * 15), tuple(0.100 + 0.005 * w
@@ -167,6 +167,27 @@ def test_lookup_proposals_nobody_verified_are_scored_against_what_committed():
     shadow.commit([0])
     assert policy.counts_for(LOOKUP, 2).tries[:2] == [1, 0]
     assert policy.counts_for(LOOKUP, 2).hits[0] == 0
+
+
+def test_a_whole_lookup_run_counts_the_next_position_for_free():
+    """A lookup cycle that accepted every draft shows whether the proposal's next token was
+    right (the bonus): that position is counted too, so a position that missed early is
+    tried again whenever the run before it copies (else a copying lookup settled at 3 rows)."""
+    policy = AdaptiveWidth(COST, {DRAFTER: 8, LOOKUP: 16}, decay=1.0)
+    c = policy.counts_for(LOOKUP, 4)
+    policy.update(LOOKUP, 3, 2, None, 4, None, True)
+    assert c.tries[:4] == [1, 1, 1, 0] and c.hits[:3] == [1, 1, 1]
+    policy.update(LOOKUP, 3, 2, None, 4, None, False)
+    assert c.tries[2] == 2 and c.hits[2] == 1
+    policy.update(LOOKUP, 3, 1, None, 4, None, True)        # not whole: nothing past it
+    assert c.tries[:3] == [3, 3, 2]
+    # what the engine passes: the bonus against the proposal's next token, lookup only
+    assert _next_hit(LOOKUP, 3, 2, [5, 6, 7, 8], [5, 6, 7]) is True
+    assert _next_hit(LOOKUP, 3, 2, [5, 6, 7, 8], [5, 6, 9]) is False
+    assert _next_hit(LOOKUP, 3, 1, [5, 6, 7, 8], [5, 9]) is None          # a draft failed
+    assert _next_hit(LOOKUP, 3, 2, [5, 6], [5, 6, 7]) is None             # nothing proposed
+    assert _next_hit(LOOKUP, 3, 2, [5, 6, 7, 8], [5, 6]) is None          # cut at a stop
+    assert _next_hit(DRAFTER, 3, 2, [5, 6, 7, 8], [5, 6, 7]) is None
 
 
 def test_the_lookup_is_never_probed():
@@ -370,6 +391,7 @@ def simulate_sources(policy, kind, cycles=1500, seed=0, real=CAL16, context=None
     `context` tokens (held there: every policy is compared at that length)."""
     p_match, n, a_lookup, a_drafter = KINDS[kind]
     rng, tokens, seconds = random.Random(seed), 0.0, 0.0
+    bonus = random.Random(seed + 1000)       # apart: the paired draws stay the same
     for _ in range(cycles):
         match = rng.random() < p_match
         available = {DRAFTER: 8, **({LOOKUP: 16} if match else {})}
@@ -380,7 +402,9 @@ def simulate_sources(policy, kind, cycles=1500, seed=0, real=CAL16, context=None
         while a < w - 1 and rng.random() < alpha:
             a += 1
         s = real.cycle(w, source, at) * rng.uniform(0.9, 1.15)
-        policy.update(source, w, a, s, n if match else 0, at)
+        # a lookup run accepted whole: the engine sees whether its next token was the bonus
+        hit = bonus.random() < alpha if source == LOOKUP and a == w - 1 < 15 else None
+        policy.update(source, w, a, s, n if match else 0, at, hit)
         tokens, seconds = tokens + a + 1, seconds + s
     return tokens / seconds
 
