@@ -477,7 +477,7 @@ def serve(
                                        callback=_flag(check.max_body_bytes),
                                        help="Largest request body"),
     queue_size: int = typer.Option(16, "--queue-size", callback=_flag(check.queue_size),
-                                   help="Requests that may wait for the model; more get 429"),
+                                   help="Requests that may wait for a free row; more get 429"),
     prompt_cache_size: int = typer.Option(8, "--prompt-cache-size",
                                           callback=_flag(check.prompt_cache_size),
                                           help="Prefix-cache entries in RAM; 0: none"),

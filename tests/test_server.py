@@ -201,8 +201,8 @@ def test_eight_concurrent_clients_three_requests_each(pipe, oa):
 
 def test_full_queue_answers_429_and_the_server_recovers(pipe):
     """In process, so the test holds the worker: the app runs under httpx.ASGITransport, driven
-    by the real async `openai` client, and its worker starts only once two requests fill the
-    queue. Which request is turned away does not depend on the model's speed (the other tests
+    by the real async `openai` client, and its worker starts only once three requests fill the
+    queue (one waiting, and the two free rows of max_batch 2 count as places). Which request is turned away does not depend on the model's speed (the other tests
     here cover the real socket). Each API's route answers a full queue in its own shape."""
     msgs = [{"role": "user", "content": "count:"}]
     want = pipe.generate("count:", max_tokens=8).text
@@ -217,13 +217,13 @@ def test_full_queue_answers_429_and_the_server_recovers(pipe):
                                               temperature=0)
 
         async def queue_filled():
-            while scheduler.waiting < 2:          # no worker runs: they stay in the queue
+            while scheduler.waiting < 3:          # no worker runs: they stay in the queue
                 for t in queued:
                     if t.done():
                         t.result()                # a request that ended early: its error
                 await asyncio.sleep(0.01)
 
-        queued = [asyncio.ensure_future(ask()) for _ in range(2)]
+        queued = [asyncio.ensure_future(ask()) for _ in range(3)]
         await asyncio.wait_for(queue_filled(), 60)
         refused = {}
         with pytest.raises(openai.RateLimitError) as chat:
@@ -244,15 +244,15 @@ def test_full_queue_answers_429_and_the_server_recovers(pipe):
         out["refused"], out["scheduler"] = refused, scheduler
         return out
 
-    out = in_process(pipe, clients, queue_size=2)
+    out = in_process(pipe, clients, queue_size=1, max_batch=2)
     refused = out["refused"]
     for api in ("chat", "responses"):
         assert refused[api]["type"] == "rate_limit_error" and \
             refused[api]["code"] == "queue_full", (api, refused[api])
     assert refused["messages"]["type"] == "error" and \
         refused["messages"]["error"]["type"] == "rate_limit_error", refused["messages"]
-    assert out["queued"] == [want, want] and out["after"] == want
-    assert out["scheduler"].served == 3
+    assert out["queued"] == [want] * 3 and out["after"] == want
+    assert out["scheduler"].served == 4
 
 
 def test_disconnect_mid_stream_cancels_then_next_request_works(server, pipe, oa):

@@ -269,9 +269,10 @@ def test_a_prefix_cache_hit_while_batched_gives_the_same_text(pipe):
 
 
 def test_a_full_batch_and_queue_429_then_shutdown_gives_503s(pipe):
-    """max_batch 2, queue 1: two streams run, one request waits, the next gets 429; the
-    shutdown then ends both running streams with an error event (never a finish) and gives
-    the waiting one the 503 JSON."""
+    """max_batch 2, queue 1, the worker not started yet: the free rows count as places, so
+    three requests are taken and the fourth gets 429; then two streams run and one waits; the
+    shutdown ends both running streams with an error event (never a finish) and gives the
+    waiting one the 503 JSON."""
     endless = {"model": "llama", "prompt": ENDLESS, "max_tokens": LIMIT, "temperature": 0,
                "stream": True}
     chat = {"model": "llama", "messages": [{"role": "user", "content": "count:"}],
@@ -279,15 +280,16 @@ def test_a_full_batch_and_queue_429_then_shutdown_gives_503s(pipe):
 
     async def clients(app, http, go):
         scheduler = app.state.scheduler
-        go.set()
         # (both never end by themselves: a chat answer would, and free its row)
         running = [asyncio.ensure_future(http.post("/v1/completions", json=endless)),
                    asyncio.ensure_future(http.post("/v1/completions",
                                                    json={**endless, "seed": 1}))]
-        await _until(lambda: scheduler.batch_figures["running"] == 2)
+        await _until(lambda: scheduler.waiting == 2)
         queued = asyncio.ensure_future(http.post("/v1/chat/completions", json=chat))
-        await _until(lambda: scheduler.waiting == 1)
+        await _until(lambda: scheduler.waiting == 3)
         refused = await http.post("/v1/chat/completions", json=chat)
+        go.set()
+        await _until(lambda: scheduler.batch_figures["running"] == 2)
         health = (await http.get("/health")).json()
         scheduler.stop()                           # what serve's deadline calls
         return await asyncio.gather(*running, queued), refused, health

@@ -17,7 +17,7 @@ class ServerConfig:
     max_tokens: int = 4096              # most tokens one request may ask for
     context_length: int = 8192          # prompt + completion tokens
     max_body_bytes: int = 4 * 2**20
-    queue_size: int = 16                # requests waiting for the model, besides the running ones
+    queue_size: int = 16                # requests waiting for a free row, besides the running ones
     api_key: str | None = None
     block_size: int | str | None = None     # None: the pipeline's default
     prompt_cache_size: int = 8              # entries in RAM; 0: none (and no disk: no cache)

@@ -93,7 +93,9 @@ class Scheduler:
         self.prompt_cache = prompt_cache
         self.max_batch = check.max_batch(max_batch)
         self.prefill_chunk = check.prefill_chunk(prefill_chunk)
-        self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
+        self.queue_size = queue_size
+        # unbounded: `submit` bounds it, counting the rows free now as places too
+        self._queue: queue.Queue[Job | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._running = False
         self.busy = False
@@ -154,10 +156,13 @@ class Scheduler:
         with self._closing:
             if self._closed:
                 raise ShuttingDown
-            try:
-                self._queue.put_nowait(job)
-            except queue.Full:
-                raise QueueFull from None
+            # a request that a free row takes at the next step is not waiting: two arriving
+            # at once on an idle server with queue_size 1 are both served, whichever the
+            # worker picks up first
+            rows = self.max_batch if self.mode == BATCH else 1
+            if self._queue.qsize() >= self.queue_size + max(0, rows - len(self._jobs)):
+                raise QueueFull
+            self._queue.put_nowait(job)
         return job
 
     @property
