@@ -36,7 +36,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from . import log
-from .costs import RELAUNCH, CostModel, Correction, context_bucket, measure_costs
+from .costs import CostModel, Correction, context_bucket, measure_costs, probe_steps
 from .files import atomic_write
 
 _log = log.get(__name__)
@@ -240,13 +240,11 @@ class AdaptiveWidth:
         paying (its best rate < `far` x plain's), `budget[1]` while it nearly does (probes
         are worth more there). A probe's extra cost grows with the context (two rows'
         attention and the drafter's pass, against one row's): rarer probes at 8k. Far from
-        paying, the price includes the launch chain the probe breaks (`costs.RELAUNCH`); near,
-        not (the simulations: a probe there is worth that, and fewer, at alpha 0.35, left
-        the policy 4% behind the best fixed width)."""
+        paying, the price includes the launch chain the probe breaks (`costs.probe_steps`)."""
         plain = self.cycle_cost(1, PLAIN, context)
         near = max(r for c, r in rate.items() if c[1] > 1) >= self.far * rate[(PLAIN, 1)]
-        extra = max(self.cycle_cost(2, DRAFTER, context) - plain, 0.0) / plain
-        return (extra + (0.0 if near else RELAUNCH)) / self.budget[near]
+        extra = (self.cycle_cost(2, DRAFTER, context) - plain) / plain
+        return probe_steps(extra, near) / self.budget[near]
 
     def _rates(self, available: dict[str, int], match_n: int,
                context: int | None) -> dict[tuple[str, int], float]:

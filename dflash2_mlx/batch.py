@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from .adaptive import DRAFTER, LOOKUP, PLAIN, FixedWidth, Shadow
-from .costs import RELAUNCH, Correction, context_bucket, drafter_pass, pass_seconds
+from .costs import Correction, context_bucket, drafter_pass, pass_seconds, probe_steps
 from .batch_cache import RaggedKVCache, batch_cache, check_batchable
 from .drafter import Draft, Drafter, Proposal
 from .engine import (Cycle, DecodeState, GenerationStats, PlainClock, Step, _choose, _commit,
@@ -185,11 +185,10 @@ class BatchAwareWidth:
         rows, its drafter pass) over a plain step's, over AdaptiveWidth's budget (the near
         one while drafting nearly pays), times the n sequences: each probe pads the whole
         step, so the batch's probes together stay within the budget; far from paying, the
-        launch chain it breaks too (`costs.RELAUNCH`), as alone."""
+        launch chain it breaks too (`costs.probe_steps`), as alone."""
         plain = self.step_cost(n, 1, slots)
         extra = self.step_cost(n, 2, slots, self.inner.cost.draft(2, context)) - plain
-        return n * (max(extra, 0.0) / plain + (0.0 if near else RELAUNCH)) / \
-            self.inner.budget[near]
+        return n * probe_steps(extra / plain, near) / self.inner.budget[near]
 
     def next_plain(self, available: dict, context: int | None = None) -> bool:
         """Whether its next step will be plain (then the engine may launch it ahead, forced
