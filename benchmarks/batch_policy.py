@@ -87,11 +87,17 @@ def load_baseline(path: Path):
 
 
 def run(pipe, ids, max_tokens: int, system: str, log, time_drafts: bool,
-        baseline=None) -> dict:
+        baseline=None, carried: dict | None = None) -> dict:
+    """carried: None, a fresh estimate and correction (as a server starts); else a dict per
+    system of the pipeline's policy and the correction from this system's previous run (as a
+    server that ran the previous wave)."""
     import copy
 
-    pipe._policy = None                       # a fresh estimate per run, as a server starts
-    shared = pipe.batch_correction()
+    if carried is None or system not in carried:
+        pipe._policy = None                   # a fresh estimate per run, as a server starts
+        shared = pipe.batch_correction()
+    else:
+        pipe._policy, shared = carried[system]
     policies = {}
     if system == "baseline":
         engine = baseline.BatchEngine(pipe.adapter, pipe.drafter, lookup=pipe.lookup_config,
@@ -147,6 +153,8 @@ def run(pipe, ids, max_tokens: int, system: str, log, time_drafts: bool,
                 entry["draft_s"] = [round(x, 4) for x in engine.drafter.seconds[drafts_before:]]
             log.write(json.dumps(entry) + "\n")
     wall = time.perf_counter() - tic
+    if carried is not None:
+        carried[system] = (pipe._policy, shared)
     stats = list(engine.stats.values())
     tokens = sum(s.generated_tokens for s in stats)
     decode = sum(s for _, _, s in engine.history)
@@ -174,6 +182,9 @@ def main() -> None:
     ap.add_argument("--systems", default="plain,policy")
     ap.add_argument("--log", type=Path)
     ap.add_argument("--time-drafts", action="store_true")
+    ap.add_argument("--carry", action="store_true",
+                    help="each system keeps its estimates and correction from one batch size "
+                         "to the next, as a server does from wave to wave")
     ap.add_argument("--baseline", type=Path,
                     help="another batch.py, run as the system `baseline` (its engine and "
                          "policy), e.g. `git show REV:dflash2_mlx/batch.py > old_batch.py`")
@@ -181,6 +192,7 @@ def main() -> None:
     baseline = load_baseline(a.baseline) if a.baseline else None
     pipe = dflash2_mlx.load()
     log = a.log.open("w") if a.log else None
+    carried = {} if a.carry else None
     for n in [int(x) for x in a.clients.split(",")]:
         ids = prompts(pipe, a.kind, n)
         print(f"{a.kind} x {n}: mean prompt {sum(map(len, ids)) / n:.0f} tokens; load average "
@@ -189,7 +201,8 @@ def main() -> None:
             log.write(json.dumps({"kind": a.kind, "clients": n}) + "\n")
         res = {}
         for system in a.systems.split(","):
-            res[system] = run(pipe, ids, a.max_tokens, system, log, a.time_drafts, baseline)
+            res[system] = run(pipe, ids, a.max_tokens, system, log, a.time_drafts, baseline,
+                              carried)
             print(json.dumps({k: v for k, v in res[system].items() if k != "texts"}),
                   flush=True)
         for system, q in res.items():

@@ -493,14 +493,18 @@ class BatchEngine:
         if decoded:                   # the launched step first: a joiner cannot share it
             events.extend(self._decode())
         budget = math.inf if prefill_budget is None else prefill_budget
-        while self.queue and budget > 0 and (self.max_batch is None
-                                             or len(self.rows) < self.max_batch):
+        joining: list[_Sequence] = []
+        while self.queue and budget > 0 and (self.max_batch is None or
+                                             len(self.rows) + len(joining) < self.max_batch):
             seq = self.queue[0]
             budget -= self._prefill(seq, budget)
             if seq.todo:
                 break
             self.queue.popleft()
             events.append(self._start(seq))
+            if events[-1].finish is None:
+                joining.append(seq)
+        self._join(joining)
         if self.rows and not decoded:
             events.extend(self._decode())
         return events
@@ -541,15 +545,24 @@ class BatchEngine:
         if finish is not None:
             self._keep(seq)
             return Event(seq.id, [first], finish)
-        rows = batch_cache(seq.state.cache)
-        seq.state.cache = None                        # the rows live in the batch now
-        if self.cache is None:
-            self.cache = rows
-        else:
-            for c, r in zip(self.cache, rows):
-                c.extend(r)
-        self.rows.append(seq)
         return Event(seq.id, [first])
+
+    def _join(self, seqs: list[_Sequence]) -> None:
+        """The started sequences' rows join the batch's caches, in one copy of the batch per
+        layer, evaluated now: the copy is the joiners' cost, not the next decode step's (whose
+        time the policies learn from)."""
+        if not seqs:
+            return
+        rows = [batch_cache(seq.state.cache) for seq in seqs]
+        for seq in seqs:
+            seq.state.cache = None                    # the rows live in the batch now
+        if self.cache is None:
+            self.cache, rows = rows[0], rows[1:]
+        if rows:
+            for c, *joined in zip(self.cache, *rows):
+                c.extend(*joined)
+        mx.eval([c.state for c in self.cache])
+        self.rows.extend(seqs)
 
     # ---- one decode step
     def _plan(self, seq: _Sequence) -> _Plan:

@@ -106,6 +106,35 @@ def test_leave_and_join_keep_rows(adapter):
         np.testing.assert_allclose(np.array(logits[i]), np.array(ref[0]), atol=1e-4, rtol=1e-4)
 
 
+def test_rows_joining_at_once_equal_rows_joining_one_by_one(adapter):
+    """`extend(*rows)` (the engine's joiners of one step) builds the batch that joining them
+    one by one builds, in one copy with room left: the next forward writes in place."""
+    rng = random.Random(3)
+    alone = [adapter.make_cache() for _ in range(4)]
+    for n, cache in zip((6, 13, 2, 9), alone):
+        adapter.forward(mx.array([[rng.randrange(300) for _ in range(n)]]), cache)
+    one_by_one, at_once = batch_cache(alone[0]), batch_cache(alone[0])
+    for cache in alone[1:]:
+        for b, r in zip(one_by_one, batch_cache(cache)):
+            b.extend(r)
+    for b, *rows in zip(at_once, *(batch_cache(c) for c in alone[1:])):
+        b.extend(*rows)
+    for a, b in zip(one_by_one, at_once):
+        np.testing.assert_array_equal(a.pos, b.pos)
+        np.testing.assert_array_equal(a.lengths, b.lengths)
+        assert a.size() == b.size() == 13
+        np.testing.assert_array_equal(np.array(a.keys[..., : a.size(), :]),
+                                      np.array(b.keys[..., : b.size(), :]))
+    buffers = [c.keys.shape[2] for c in at_once]
+    assert all(n >= 13 + 4 for n in buffers)
+    x = mx.array([[rng.randrange(300) for _ in range(4)] for _ in alone])
+    logits, _ = adapter.forward(x, at_once)
+    assert [c.keys.shape[2] for c in at_once] == buffers      # no second copy to grow
+    for i, cache in enumerate(alone):
+        ref, _ = adapter.forward(x[i : i + 1], cache)
+        np.testing.assert_allclose(np.array(logits[i]), np.array(ref[0]), atol=1e-4, rtol=1e-4)
+
+
 def test_commit_checks_its_counts(adapter):
     batch = batch_cache(adapter.make_cache())
     with pytest.raises(ValueError, match="commit"):

@@ -71,9 +71,8 @@ def test_rollback_rows_equal_single_rollbacks(target):
         target.forward(mx.array([p]), cache)
     live = [0, 1, 2]
     batch = batch_cache(alone[0])
-    for i in live[1:]:
-        for b, r in zip(batch, batch_cache(alone[i])):
-            b.extend(r)
+    for b, *rows in zip(batch, *(batch_cache(alone[i]) for i in live[1:])):
+        b.extend(*rows)                               # two rows joining at once
     rolled = 0
     for step in range(24):
         if step == 8:                                 # row 1 leaves, a longer one joins
