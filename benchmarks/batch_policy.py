@@ -4,7 +4,7 @@ price.
 
     python benchmarks/batch_policy.py --kind code --clients 8,16 --max-tokens 96 \\
         [--systems plain,baseline,policy --baseline old_batch.py] [--log steps.jsonl]
-        [--time-drafts]
+        [--time-drafts] [--carry]
 
 Embedded SmolLM2 pair, greedy. Per batch size, the systems run in turn on the same prompts:
 `plain` (every sequence `FixedWidth(1)`, no lookup: `--block-size 1 --no-lookup`), `policy`
@@ -16,7 +16,9 @@ first turn: ~1k tokens). The log (JSON lines, one per decode step of the draftin
 sequences, rows, slots, seconds, the step's price by the cost model and correction as the
 policies saw it before the step, and per sequence (source, width, expected tokens, draft
 seconds, drafter alphas 1-3). --time-drafts times each drafter pass alone (synchronously:
-slower, for the price of a pass only). Only ratios measured in one run mean anything on a
+slower, for the price of a pass only). --carry: each system keeps its estimates and
+correction from one batch size to the next, as a server keeps them from wave to wave (the
+load benchmark's waves run on one server). Only ratios measured in one run mean anything on a
 shared machine; the load average is printed.
 """
 
