@@ -111,13 +111,18 @@ class RaggedKVCache(BatchKVCache):
         order = np.argsort(valid, axis=1, kind="stable")[:, self._idx - n:]
         self.pos = np.take_along_axis(self.pos, order, axis=1)
         if self.keys is not None:
+            # `step` more columns (any slot's copy: free room) so that the next forward
+            # writes in place, not growing the buffer with a second copy of every row
             B, H, _, D = self.keys.shape
-            idx = mx.array(order.astype(np.int32))[:, None, :, None]
+            room = np.zeros((B, self.step), order.dtype)
+            idx = mx.array(np.concatenate([order, room], axis=1).astype(np.int32))
+            idx = idx[:, None, :, None]
+            S = n + self.step
             self.keys = mx.take_along_axis(self.keys[..., : self._idx, :],
-                                           mx.broadcast_to(idx, (B, H, n, D)), axis=2)
+                                           mx.broadcast_to(idx, (B, H, S, D)), axis=2)
             self.values = mx.take_along_axis(
                 self.values[..., : self._idx, :],
-                mx.broadcast_to(idx, (B, H, n, self.values.shape[3])), axis=2)
+                mx.broadcast_to(idx, (B, H, S, self.values.shape[3])), axis=2)
         self._idx = n
 
     # ---- rows joining and leaving

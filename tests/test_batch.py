@@ -67,7 +67,9 @@ def test_ragged_rows_equal_single_caches(adapter):
         before = batch[0].size()
         for c in batch:
             c.commit(keep)
-        compacted += batch[0].size() < before
+        if batch[0].size() < before:
+            compacted += 1        # with room left: the next forward writes in place
+            assert all(c.keys.shape[2] >= c.size() + 6 for c in batch)
         for k, w, cache in zip(keep, widths, alone):
             if k < w:
                 single_trim(cache, w - k)
