@@ -387,6 +387,7 @@ class _Ahead:
     rows: list[_Sequence]                      # the batch's rows when it was launched
     tokens: mx.array                           # [B] uint32
     feats: mx.array | None                     # [B, 1, F]
+    waited: float = 0.0                        # seconds waited for it before its step
 
     def index(self, seq: _Sequence) -> int:
         return next(j for j, s in enumerate(self.rows) if s is seq)
@@ -650,9 +651,13 @@ class BatchEngine:
                           if any(p.seq.req.sampling.greedy for p in plans) else None)
             results = [self._accept(i, p, logits, greedy_ids) for i, p in enumerate(plans)]
         # mlx-lm's double buffering: when every sequence would launch its next plain step
-        # alone, launch the batch's before reading this one (no joiner can share it)
-        if T == 1 and self.launch and all(p.seq.launched is not None for p in plans) \
-                and not self._joinable():
+        # alone, launch the batch's before reading this one (no joiner can share it). One
+        # that ends now by its length runs one row more, discarded: its end must not break
+        # the others' chain (at B = 16 a chain's restart and its first step's copy cost ~2
+        # plain steps, every few steps under load)
+        if T == 1 and self.launch and not self._joinable() and all(
+                p.seq.launched is not None or self._last(p.seq) for p in plans) \
+                and not all(self._last(p.seq) for p in plans):
             self._ahead = self._launch(tokens)
         t = self._tick("build", t)
         if T == 1:
@@ -671,7 +676,7 @@ class BatchEngine:
                     c.commit(keep)
             snapshot.rollback_rows(keep, T)
             t = self._tick("commit", t)
-        seconds = time.perf_counter() - tic
+        seconds = time.perf_counter() - tic + (ahead.waited if ahead is not None else 0.0)
         self.history.append((len(plans), len(plans) * T, seconds))
         if T == 1:
             seconds = self._clock.plain(seconds, ahead is not None, self._ahead is not None)
@@ -725,7 +730,8 @@ class BatchEngine:
         """The next plain step of every row, on this step's tokens [B] (not read yet), each
         sampled with the key its sequence would launch it with alone (`_Sequence.launched`;
         its next `_plan` is forced plain with that key)."""
-        nxt, feats = self._plain(tokens[:, None], [seq.launched for seq in self.rows])
+        keys = [seq.key if seq.launched is None else seq.launched for seq in self.rows]
+        nxt, feats = self._plain(tokens[:, None], keys)     # (a last row's key: unused)
         mx.async_eval(nxt)
         self.launches += 1
         return _Ahead(list(self.rows), nxt, feats)
@@ -749,6 +755,11 @@ class BatchEngine:
 
     # ---- leaving
     @staticmethod
+    def _last(seq: _Sequence) -> bool:
+        """Whether this step's token is its last by max_tokens (a plain step adds one)."""
+        return len(seq.tokens) + 1 >= seq.req.max_tokens
+
+    @staticmethod
     def _finished(seq: _Sequence) -> str | None:
         if seq.tokens[-1] in seq.req.stop_ids:
             return STOP
@@ -770,11 +781,24 @@ class BatchEngine:
                                            else ahead.feats[j : j + 1], self.keep)
                 seq.state.cache = [c.to_single(i) for c in self.cache]
                 self._keep(seq)
-        stay = [i for i in range(len(self.rows)) if i not in set(rows)]
+        stay = _fill(len(self.rows), rows)
         self.rows = [self.rows[i] for i in stay]
         if not stay:
             self.cache = self._ahead = None
             mx.clear_cache()
             return
+        if ahead is not None:     # the moves below wait for it: its time is its step's
+            tic = time.perf_counter()
+            mx.eval(ahead.tokens)
+            ahead.waited += time.perf_counter() - tic
         for c in self.cache:
             c.filter(stay)
+
+
+def _fill(n: int, leaving: list[int]) -> list[int]:
+    """The rows that stay of n when `leaving` leave, in their places but for the leavers'
+    places, which the last staying rows fill (so that the caches move only those)."""
+    gone = set(leaving)
+    k = n - len(gone)
+    tail = [i for i in range(n - 1, k - 1, -1) if i not in gone]
+    return [tail.pop(0) if i in gone else i for i in range(k)]

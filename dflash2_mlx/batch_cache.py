@@ -49,10 +49,25 @@ class RaggedKVCache(BatchKVCache):
 
     # ---- the models' protocol
     def update_and_fetch(self, keys, values):
-        offset = self.offset                # rope positions stay put until `commit`
-        out = super().update_and_fetch(keys, values)
-        self.offset = offset
-        return out
+        """Write the step's T slots of every row in place -> the rows' keys and values so
+        far. The buffer may hold more rows than the batch (rows that left: `filter`); a
+        buffer out of slots grows by `step` slots, as mlx-lm's, and drops those rows then.
+        Rope positions (`offset`) stay put until `commit`."""
+        B, _, T, _ = keys.shape
+        prev = self._idx
+        if self.keys is None or prev + T > self.keys.shape[2]:
+            grow = -(-T // self.step) * self.step
+            k = mx.zeros((B, keys.shape[1], grow, keys.shape[3]), keys.dtype)
+            v = mx.zeros((B, values.shape[1], grow, values.shape[3]), values.dtype)
+            if self.keys is None:
+                self.keys, self.values = k, v
+            else:
+                self.keys = mx.concatenate([self.keys[:B, :, :prev], k], axis=2)
+                self.values = mx.concatenate([self.values[:B, :, :prev], v], axis=2)
+        self._idx = prev + T
+        self.keys[:B, :, prev : self._idx] = keys
+        self.values[:B, :, prev : self._idx] = values
+        return self.keys[:B, :, : self._idx], self.values[:B, :, : self._idx]
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None,
                   **kwargs) -> mx.array:
@@ -113,23 +128,35 @@ class RaggedKVCache(BatchKVCache):
         if self.keys is not None:
             # `step` more columns (any slot's copy: free room) so that the next forward
             # writes in place, not growing the buffer with a second copy of every row
-            B, H, _, D = self.keys.shape
+            B, H, D = self.batch, self.keys.shape[1], self.keys.shape[3]
             room = np.zeros((B, self.step), order.dtype)
             idx = mx.array(np.concatenate([order, room], axis=1).astype(np.int32))
             idx = idx[:, None, :, None]
             S = n + self.step
-            self.keys = mx.take_along_axis(self.keys[..., : self._idx, :],
+            self.keys = mx.take_along_axis(self.keys[:B, :, : self._idx],
                                            mx.broadcast_to(idx, (B, H, S, D)), axis=2)
             self.values = mx.take_along_axis(
-                self.values[..., : self._idx, :],
+                self.values[:B, :, : self._idx],
                 mx.broadcast_to(idx, (B, H, S, self.values.shape[3])), axis=2)
         self._idx = n
 
     # ---- rows joining and leaving
     def filter(self, batch_indices) -> None:
-        """Keep the given rows, in that order."""
+        """Keep the given rows, in that order. When at most half the kept rows change place
+        (rows that leave, their places filled from the end: `BatchEngine._leave`), only those
+        are copied, in place; the buffer keeps the rows past the batch until it grows (a
+        gather of every row, as mlx-lm's filter does, took ~0.3-0.5 of a plain step at 16
+        rows of 1.2k slots, every time a sequence left)."""
         rows = np.asarray(batch_indices, np.int64)
-        if self.keys is not None:
+        moved = np.flatnonzero(rows != np.arange(len(rows)))
+        if self.keys is not None and len(moved) <= len(rows) // 2:
+            if len(moved):
+                src = mx.array(rows[moved].astype(np.int32))
+                k, v = self.keys[src], self.values[src]
+                mx.eval(k, v)      # read first, then slice writes: they go in place (a
+                for j, i in enumerate(moved.tolist()):    # scatter copied the buffer)
+                    self.keys[i : i + 1], self.values[i : i + 1] = k[j : j + 1], v[j : j + 1]
+        elif self.keys is not None:
             idx = mx.array(rows.astype(np.int32))
             self.keys, self.values = self.keys[idx], self.values[idx]
         self.pos, self.lengths = self.pos[rows], self.lengths[rows]
@@ -163,8 +190,8 @@ class RaggedKVCache(BatchKVCache):
             left = n - c._idx
             pos = np.pad(c.pos[:, : c._idx], ((0, 0), (left, 0)), constant_values=-1)
             widths = [(0, 0), (0, 0), (left, self.step), (0, 0)]
-            return (mx.pad(c.keys[..., : c._idx, :], widths),
-                    mx.pad(c.values[..., : c._idx, :], widths), pos)
+            return (mx.pad(c.keys[: c.batch, :, : c._idx], widths),
+                    mx.pad(c.values[: c.batch, :, : c._idx], widths), pos)
 
         keys, values, pos = zip(*map(padded, caches))
         self.keys, self.values = mx.concatenate(keys), mx.concatenate(values)

@@ -108,6 +108,53 @@ def test_leave_and_join_keep_rows(adapter):
         np.testing.assert_allclose(np.array(logits[i]), np.array(ref[0]), atol=1e-4, rtol=1e-4)
 
 
+def test_rows_leaving_move_in_place_and_stay_exact(adapter):
+    """A leaver's place is filled from the end (`batch._fill`): only that row is copied, the
+    buffer keeps its rows past the batch until it grows (then drops them), and every row's
+    logits stay its single cache's through leaves, a join and the growth."""
+    from dflash2_mlx.batch import _fill
+
+    rng = random.Random(4)
+    alone = [adapter.make_cache() for _ in range(5)]
+    for n, cache in zip((6, 13, 2, 9, 4), alone):
+        adapter.forward(mx.array([[rng.randrange(300) for _ in range(n)]]), cache)
+    batch = batch_cache(alone[0])
+    for b, *rows in zip(batch, *(batch_cache(c) for c in alone[1:4])):
+        b.extend(*rows)
+    rows = alone[:4]
+
+    def step(T=1):
+        x = mx.array([[rng.randrange(300) for _ in range(T)] for _ in rows])
+        logits, _ = adapter.forward(x, batch)
+        for c in batch:
+            c.commit([T] * len(rows))
+        for i, cache in enumerate(rows):
+            ref, _ = adapter.forward(x[i : i + 1], cache)
+            np.testing.assert_allclose(np.array(logits[i]), np.array(ref[0]), atol=1e-4,
+                                       rtol=1e-4, err_msg=f"row {i}")
+
+    step()
+    order = _fill(4, [1])                  # row 1 leaves, row 3 takes its place
+    assert order == [0, 3, 2]
+    for c in batch:
+        c.filter(order)
+    rows = [rows[i] for i in order]
+    assert all(c.keys.shape[0] == 4 and c.batch == 3 for c in batch)    # nothing gathered
+    step()
+    for b, r in zip(batch, batch_cache(alone[4])):
+        b.extend(r)                        # a joiner after a leave
+    rows.append(alone[4])
+    step(2)
+    for c in batch:
+        c.filter(_fill(4, [0]))
+    rows = [rows[i] for i in _fill(4, [0])]
+    step()
+    size = batch[0].keys.shape[2]
+    step(size - batch[0].size() + 1)       # past the buffer: it grows, without spare rows
+    assert all(c.keys.shape[0] == c.batch == 3 for c in batch)
+    step()
+
+
 def test_rows_joining_at_once_equal_rows_joining_one_by_one(adapter):
     """`extend(*rows)` (the engine's joiners of one step) builds the batch that joining them
     one by one builds, in one copy with room left: the next forward writes in place."""
@@ -844,6 +891,36 @@ def test_plain_batch_launched_ahead_is_exact(pipe):
     # it restarts exactly
     state = engine.pop_state(1)
     assert state.tokens in (prompts[1] + out[1][0], prompts[1] + out[1][0][:-1])
+    assert all(c.offset == len(state.tokens) for c in state.cache)
+    follow = state.tokens + [5, 6, 7]
+    engine = BatchEngine(pipe.adapter, pipe.drafter)
+    again = run(engine, {0: [(0, Request(follow, 12, policy=FixedWidth(1), state=state))]})
+    assert again[0] == (mlx_lm_greedy(pipe.target, follow, 12), "length")
+
+
+def test_a_sequence_ending_by_length_keeps_the_others_launch_chain(pipe):
+    """A plain sequence that ends by max_tokens runs one launched row more (discarded), so the
+    others' chain of launched steps goes on through its end; outputs and its kept state stay
+    as alone."""
+    rng = random.Random(23)
+    vocab = pipe.adapter.vocab_size
+    prompts = [[rng.randrange(vocab - 1) for _ in range(n)] for n in (8, 14, 5)]
+    engine = BatchEngine(pipe.adapter, pipe.drafter)
+    ids = [engine.add(Request(p, m, policy=FixedWidth(1), keep_state=k == 0))
+           for k, (p, m) in enumerate(zip(prompts, (6, 16, 11)))]
+    out = {rid: [] for rid in ids}
+    chained = []                           # per step: was a launched step pending after it
+    while engine.running or engine.waiting:
+        events = engine.step()
+        for ev in events:
+            out[ev.id].extend(ev.tokens)
+        chained.append((engine._ahead is not None, [ev.id for ev in events if ev.finish]))
+    for rid, p, m in zip(ids, prompts, (6, 16, 11)):
+        assert out[rid] == mlx_lm_greedy(pipe.target, p, m), rid
+    ends = [i for i, (_, gone) in enumerate(chained) if gone and i < len(chained) - 1]
+    assert len(ends) == 2 and all(chained[i][0] for i in ends)   # launched across both ends
+    state = engine.pop_state(ids[0])
+    assert state.tokens == prompts[0] + out[ids[0]]        # its launched row is in its cache
     assert all(c.offset == len(state.tokens) for c in state.cache)
     follow = state.tokens + [5, 6, 7]
     engine = BatchEngine(pipe.adapter, pipe.drafter)
