@@ -145,8 +145,8 @@ class RaggedKVCache(BatchKVCache):
         """Keep the given rows, in that order. When at most half the kept rows change place
         (rows that leave, their places filled from the end: `BatchEngine._leave`), only those
         are copied, in place; the buffer keeps the rows past the batch until it grows (a
-        gather of every row, as mlx-lm's filter does, took ~0.3-0.5 of a plain step at 16
-        rows of 1.2k slots, every time a sequence left)."""
+        gather of every row, as mlx-lm's filter does, took ~95 ms, about 0.3 of a plain
+        step, at 16 rows of 1.2k slots, every time a sequence left)."""
         rows = np.asarray(batch_indices, np.int64)
         moved = np.flatnonzero(rows != np.arange(len(rows)))
         if self.keys is not None and len(moved) <= len(rows) // 2:
