@@ -471,6 +471,32 @@ def test_calibration_measures_the_context_slope(pipe):
     assert model.verify(16, 2048) > model.verify(16, 32)
 
 
+def test_calibration_times_the_long_context_again_when_it_fits_no_slope(pipe, monkeypatch):
+    """Timings that make a longer context no dearer had other work in them: they are taken
+    again (up to SLOPE_TRIES), and a target whose caches cannot be grown is not retried."""
+    from dflash2_mlx import costs
+
+    calls = []
+
+    def slopes(*args):
+        calls.append(args)
+        return ((0.0, 0.0), (0.0, 0.0), True) if len(calls) == 1 else \
+            ((3e-6, 1e-5), (4e-7, 0.0), True)
+    monkeypatch.setattr(costs, "_measure_slopes", slopes)
+    model = costs.measure_costs(pipe, 4, context=32, reps=1)
+    assert len(calls) == 2 and model.verify_slope == (3e-6, 1e-5)
+    calls.clear()
+    monkeypatch.setattr(costs, "_measure_slopes",
+                        lambda *a: calls.append(a) or ((0.0, 0.0), (0.0, 0.0), False))
+    assert costs.measure_costs(pipe, 4, context=32, reps=1).verify_slope == (0.0, 0.0)
+    assert len(calls) == 1
+    calls.clear()
+    monkeypatch.setattr(costs, "_measure_slopes",
+                        lambda *a: calls.append(a) or ((0.0, 0.0), (0.0, 0.0), True))
+    costs.measure_costs(pipe, 4, context=32, reps=1)
+    assert len(calls) == costs.SLOPE_TRIES
+
+
 # CAL16 with this machine's context slopes (quiet machine, embedded pair: ~3 us per verified row
 # and context token, the softmax's exps; the drafter's pass ~0.4 us per row and token).
 LONG16 = CostModel(CAL16.draft_table, CAL16.verify_table, 128, (3e-6, 0.0), (4e-7, 0.0))
