@@ -155,6 +155,32 @@ def test_rows_leaving_move_in_place_and_stay_exact(adapter):
     step()
 
 
+def test_spare_rows_stay_bounded_as_rows_leave(adapter):
+    """Rows leaving one by one keep at most a quarter of the batch (at least 1) as spare rows
+    in the buffer; past that, the rows kept are gathered into a buffer of their own."""
+    from dflash2_mlx.batch import _fill
+    from dflash2_mlx.batch_cache import SPARE_ROWS
+
+    rng = random.Random(5)
+    alone = [adapter.make_cache() for _ in range(9)]
+    for cache in alone:
+        adapter.forward(mx.array([[rng.randrange(300) for _ in range(rng.randint(2, 9))]]),
+                        cache)
+    batch = batch_cache(alone[0])
+    for b, *rows in zip(batch, *(batch_cache(c) for c in alone[1:])):
+        b.extend(*rows)
+    gathered = in_place = 0
+    while batch[0].batch > 1:
+        before = batch[0].keys.shape[0]
+        for c in batch:
+            c.filter(_fill(c.batch, [rng.randrange(c.batch)]))
+        n = batch[0].batch
+        assert all(c.keys.shape[0] - n <= max(1, n // SPARE_ROWS) for c in batch)
+        gathered += batch[0].keys.shape[0] < before
+        in_place += batch[0].keys.shape[0] == before
+    assert gathered >= 2 and in_place >= 2          # both paths ran
+
+
 def test_rows_joining_at_once_equal_rows_joining_one_by_one(adapter):
     """`extend(*rows)` (the engine's joiners of one step) builds the batch that joining them
     one by one builds, in one copy with room left: the next forward writes in place."""
