@@ -655,10 +655,11 @@ class BatchEngine:
         # that ends now by its length runs one row more, discarded: its end must not break
         # the others' chain (at B = 16 the step after such an end timed ~2.5x a steady one,
         # and under load one ends every few steps)
-        if T == 1 and self.launch and not self._joinable() and all(
-                p.seq.launched is not None or self._last(p.seq) for p in plans) \
-                and not all(self._last(p.seq) for p in plans):
-            self._ahead = self._launch(tokens)
+        if T == 1 and self.launch and not self._joinable():
+            last = [self._last(p.seq) for p in plans]
+            if not all(last) and all(p.seq.launched is not None or end
+                                     for p, end in zip(plans, last)):
+                self._ahead = self._launch(tokens)
         t = self._tick("build", t)
         if T == 1:
             mx.eval(tokens)

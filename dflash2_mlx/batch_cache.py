@@ -151,18 +151,17 @@ class RaggedKVCache(BatchKVCache):
         step, at 16 rows of 1.2k slots, every time a sequence left)."""
         rows = np.asarray(batch_indices, np.int64)
         moved = np.flatnonzero(rows != np.arange(len(rows)))
-        spare = 0 if self.keys is None else self.keys.shape[0] - len(rows)
-        if self.keys is not None and len(moved) <= len(rows) // 2 \
-                and spare <= max(1, len(rows) // SPARE_ROWS):
-            if len(moved):
+        if self.keys is not None:
+            spare = self.keys.shape[0] - len(rows)
+            if len(moved) > len(rows) // 2 or spare > max(1, len(rows) // SPARE_ROWS):
+                idx = mx.array(rows.astype(np.int32))
+                self.keys, self.values = self.keys[idx], self.values[idx]
+            elif len(moved):
                 src = mx.array(rows[moved].astype(np.int32))
                 k, v = self.keys[src], self.values[src]
                 mx.eval(k, v)      # read first, then slice writes: they go in place (a
                 for j, i in enumerate(moved.tolist()):    # scatter copied the buffer)
                     self.keys[i : i + 1], self.values[i : i + 1] = k[j : j + 1], v[j : j + 1]
-        elif self.keys is not None:
-            idx = mx.array(rows.astype(np.int32))
-            self.keys, self.values = self.keys[idx], self.values[idx]
         self.pos, self.lengths = self.pos[rows], self.lengths[rows]
         self.offset = mx.array(self.lengths, dtype=mx.int32)
         self.left_padding = mx.zeros((len(rows),), mx.int32)

@@ -306,8 +306,11 @@ def measure_costs(pipeline, max_width: int, context: int = BASE_CONTEXT,
         # a longer context always costs more: timings that say otherwise had other work in
         # them (a server's calibration beside two other servers loading fitted 0, 0 once,
         # and the file keeps it for good)
-        log.get(__name__).warning("calibration: the long-context forwards timed no slower "
-                                  "than the short ones (a busy machine?); timing them again")
+        again = attempt + 1 < SLOPE_TRIES
+        log.get(__name__).warning(
+            "calibration: the long-context forwards timed no slower than the short ones (a "
+            "busy machine?); " + ("timing them again" if again else
+                                  "their cost is left to the timed cycles"))
     return CostModel(tuple(draft), tuple(verify), context, v_slope, d_slope)
 
 
