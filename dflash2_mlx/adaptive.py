@@ -138,10 +138,10 @@ class AdaptiveWidth:
 
     def cycle_cost(self, width: int, source: str = DRAFTER, context: int | None = None) -> float:
         """Expected seconds of a cycle: the cost model at this context times the correction
-        of `cycle_keys`."""
+        of `price_keys`."""
         source = PLAIN if width == 1 else source
         return self.cost.cycle(width, source, context) * self.correction.ratio(
-            cycle_keys(source, width, context))
+            price_keys(source, width, context))
 
     def counts_for(self, source: str, match_n: int = 0,
                    context: int | None = None) -> PositionCounts:
@@ -292,12 +292,25 @@ def cycle_keys(source: str, width: int, context: int | None) -> tuple:
     a drafter cycle cannot (its pass and verify wait on each other); priced at the plain
     steps' ratio, its untimed widths looked a third cheaper than they ran, drafting looked
     nearly worth it on HumanEval, where it never is, and the near-paying probe budget (5%)
-    was spent there."""
+    was spent there. Plain steps are priced by their own keys only (`price_keys`; untimed:
+    the calibrated chain, `CostModel.plain`), though they teach every cycle's: priced at
+    the drafting cycles' ratio, plain decoding looked as dear as a 2-row drafter cycle, was
+    never chosen, so never timed (chat prompts, alone: 75 drafter cycles at tau ~1.2 in
+    3 x 64 tokens, 0.85x b=1). (Plain teaching none, untimed lookup widths priced at the
+    drafter's ratio were never tried: 0.77-0.79 of the best fixed choice in simulation at
+    8k with a calibration blind to the context.)"""
     bucket = context_bucket(context)
     keys = ((source, width, bucket), (source, width, None))
     if source == DRAFTER:
         keys += ((DRAFTER, bucket), (DRAFTER, None))
     return keys + (("all", bucket), ("all", None))
+
+
+def price_keys(source: str, width: int, context: int | None) -> tuple:
+    """The keys a cycle is priced by: its `cycle_keys`, but a plain step's own only (it
+    teaches the others, and borrows from none: see `cycle_keys`)."""
+    keys = cycle_keys(source, width, context)
+    return keys[:2] if source == PLAIN else keys
 
 
 class Shadow:
@@ -336,7 +349,7 @@ class Shadow:
 
 # --------------------------------------------------------------------------- calibration
 
-CALIBRATION_VERSION = "4"     # bump when measure_costs changes: old entries are re-measured
+CALIBRATION_VERSION = "5"     # bump when measure_costs changes: old entries are re-measured
 
 
 def cache_file() -> Path:

@@ -100,8 +100,13 @@ class BatchAwareWidth:
         corrected by the steps timed at that shape, or seeded from the nearest timed shapes
         (`step_ratio`; a busy machine slows the drafter as it slows the verify: uncorrected,
         drafting looked cheap beside a corrected verify)."""
-        return (self.inner.cost.verify(n * T, context) + drafts) * step_ratio(
-            self.shared, n, T, context)
+        return (self._forward(n, T, context) + drafts) * step_ratio(self.shared, n, T, context)
+
+    def _forward(self, n: int, T: int, context: int | None) -> float:
+        """The cost model's forward of n sequences x T rows; all plain (T = 1), as a chain of
+        plain steps launched ahead runs (`CostModel.plain`)."""
+        cost = self.inner.cost
+        return cost.plain(n, context) if T == 1 else cost.verify(n * T, context)
 
     def observe(self, n: int, T: int, context: int | None, seconds: float,
                 drafts: float = 0.0) -> None:
@@ -111,7 +116,7 @@ class BatchAwareWidth:
         policies saw (a seeded shape's too: else it learnt its first steps at twice the
         calibration's ratio only)."""
         self.shared.observe(step_keys(n, T, context), seconds,
-                            self.inner.cost.verify(n * T, context) + drafts,
+                            self._forward(n, T, context) + drafts,
                             step_ratio(self.shared, n, T, context))
 
     def _options(self, available: dict, match_n: int, context: int | None):
@@ -144,7 +149,7 @@ class BatchAwareWidth:
         draft = sum(d for _, _, d in self.planned)
         top = max((d for _, _, d in self.planned), default=0.0)
         slots = self.slots if self.slots is not None else context
-        rows = {T: (self.inner.cost.verify(n * T, slots), step_ratio(self.shared, n, T, slots))
+        rows = {T: (self._forward(n, T, slots), step_ratio(self.shared, n, T, slots))
                 for T in {max(widest, w) for _, w, _, _ in opts}}
         # its own outlook, for those after it without one (at the batch's rate: its latest,
         # or the step's with the rest plain)
@@ -679,11 +684,12 @@ class BatchEngine:
             t = self._tick("commit", t)
         seconds = time.perf_counter() - tic + (ahead.waited if ahead is not None else 0.0)
         self.history.append((len(plans), len(plans) * T, seconds))
-        if T == 1:
-            seconds = self._clock.plain(seconds, ahead is not None, self._ahead is not None)
+        if T == 1:            # (None: a plain step in no chain teaches no price, as alone)
+            seconds = self._clock.plain(seconds, ahead is not None, self._ahead is not None,
+                                        drop=True)
         draft_s = drafter_pass(d for _, _, d in planned)     # its one pass, as calibrated
         timed = {id(s.policy.shared): s.policy for s in self.rows
-                 if isinstance(s.policy, BatchAwareWidth)}
+                 if isinstance(s.policy, BatchAwareWidth)} if seconds is not None else {}
         for policy in timed.values():                 # once per shared correction
             policy.observe(len(plans), T, slots, seconds, draft_s)
         events, leaving = [], []

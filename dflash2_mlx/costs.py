@@ -43,6 +43,7 @@ BASE_CONTEXT = 128                 # the per-width tables are timed after this m
 # both slopes; more would cost seconds of calibration on every new machine.
 LONG_CONTEXTS = (2048,)
 SLOPE_WIDTHS = (1, 4, 16)
+CHAIN_STEPS = 16         # plain steps per timed chain (its unhidden first build amortised)
 SLOPE_TRIES = 3          # long-context timings taken again while they fit no slope at all
 
 
@@ -50,17 +51,32 @@ SLOPE_TRIES = 3          # long-context timings taken again while they fit no sl
 class CostModel:
     """draft_table / verify_table: seconds at `base` context, index w-1 for width w (the
     drafter's pass up to its block size, 0.0 at w = 1; the verify up to the widest any source
-    drafts). *_slope: (per_row, per_forward) extra seconds per context token."""
+    drafts). *_slope: (per_row, per_forward) extra seconds per context token. plain_step: a
+    plain step in a chain of them launched ahead (mlx-lm's double buffering: each step's
+    graph is built while the one before computes) at `base` context, as plain decoding runs
+    (None: the one-row verify). Priced as the synchronous one-row verify, plain decoding
+    looked as dear as a 2-row drafter cycle here; a policy that drafted every cycle then
+    never timed a plain step to learn otherwise (140 drafter cycles at tau 1.19 on the chat
+    prompts, alone: 0.72x plain)."""
 
     draft_table: tuple[float, ...]
     verify_table: tuple[float, ...]
     base: int = BASE_CONTEXT
     verify_slope: tuple[float, float] = (0.0, 0.0)
     draft_slope: tuple[float, float] = (0.0, 0.0)
+    plain_step: float | None = None
 
     def verify(self, rows: int, context: int | None = None) -> float:
         """Seconds of a target forward of `rows` rows reading `context` keys (None: base)."""
         return _at(self.verify_table, rows) + self._extra(self.verify_slope, rows, context)
+
+    def plain(self, rows: int = 1, context: int | None = None) -> float:
+        """Seconds of a plain step of `rows` sequences (one row each) in a chain launched
+        ahead: the verify less the graph build the chain hides (`plain_step` against the
+        one-row verify, a fixed amount per forward)."""
+        hidden = 0.0 if self.plain_step is None else max(self.verify_table[0] - self.plain_step,
+                                                         0.0)
+        return self.verify(rows, context) - hidden
 
     def draft(self, width: int, context: int | None = None) -> float:
         """Seconds of a drafter pass of a `width`-row block (0 at width 1: nothing drafted)."""
@@ -70,7 +86,9 @@ class CostModel:
 
     def cycle(self, width: int, source: str = "drafter", context: int | None = None) -> float:
         """A cycle of `width` rows: the verify, and the drafter's pass if it drafted (a lookup
-        drafts for free)."""
+        drafts for free); a plain step (width 1, source "plain") as it runs in a chain."""
+        if width <= 1 and source == "plain":
+            return self.plain(1, context)
         draft = self.draft(width, context) if source == "drafter" else 0.0
         return self.verify(width, context) + draft
 
@@ -87,7 +105,7 @@ class CostModel:
     def to_dict(self) -> dict:
         return {"draft": list(self.draft_table), "verify": list(self.verify_table),
                 "base": self.base, "verify_slope": list(self.verify_slope),
-                "draft_slope": list(self.draft_slope)}
+                "draft_slope": list(self.draft_slope), "plain_step": self.plain_step}
 
     @classmethod
     def from_dict(cls, entry, draft_widths: int, verify_widths: int) -> "CostModel | None":
@@ -100,12 +118,14 @@ class CostModel:
                   "draft_slope": 2}
         ok = all(isinstance(xs, list) and len(xs) == n and all(_number(x) for x in xs)
                  for xs, n in ((entry.get(k), n) for k, n in fields.items()))
-        base = entry.get("base")
-        if not ok or not (_number(base) and base == int(base)):
+        base, plain = entry.get("base"), entry.get("plain_step")
+        if not ok or not (_number(base) and base == int(base)) or not (
+                plain is None or _number(plain) and plain > 0):
             return None
         return cls(tuple(map(float, entry["draft"])), tuple(map(float, entry["verify"])),
                    int(base), tuple(map(float, entry["verify_slope"])),
-                   tuple(map(float, entry["draft_slope"])))
+                   tuple(map(float, entry["draft_slope"])),
+                   None if plain is None else float(plain))
 
 
 class Correction:
@@ -297,6 +317,8 @@ def measure_costs(pipeline, max_width: int, context: int = BASE_CONTEXT,
                                     block, reps, copy_cache=True)
     draft = [0.0] + monotone([min(d_times[w]) for w in range(2, block + 1)])
     verify = monotone([min(v_times[w]) for w in widths])
+    # never dearer than the synchronous step (a chain only hides work)
+    plain = min(_time_chain(target, cache, anchor, reps), verify[0])
     for attempt in range(SLOPE_TRIES):
         v_slope, d_slope, measured = _measure_slopes(
             pipeline, [w for w in SLOPE_WIDTHS if w <= widths[-1]], context, long, ids, block,
@@ -311,7 +333,31 @@ def measure_costs(pipeline, max_width: int, context: int = BASE_CONTEXT,
             "calibration: the long-context forwards timed no slower than the short ones (a "
             "busy machine?); " + ("timing them again" if again else
                                   "their cost is left to the timed cycles"))
-    return CostModel(tuple(draft), tuple(verify), context, v_slope, d_slope)
+    return CostModel(tuple(draft), tuple(verify), context, v_slope, d_slope, plain)
+
+
+def _time_chain(target, cache, anchor, reps: int, steps: int = CHAIN_STEPS) -> float:
+    """Seconds per plain step of a greedy chain of `steps` launched ahead, as
+    `engine._plain_step` runs them (the next step's graph built and launched before the
+    token before it is read; its first build unhidden, as a chain's is): the fastest of
+    `reps` rounds after a warm-up, each from a copy of `cache`."""
+    best = float("inf")
+    for rep in range(reps + 1):
+        run = copy.deepcopy(cache)
+        mx.eval([c.state for c in run])
+        t0 = time.perf_counter()
+        y = mx.argmax(target.forward(anchor, run)[0][:, -1], axis=-1)
+        mx.async_eval(y)
+        for _ in range(steps - 1):
+            nxt = mx.argmax(target.forward(y.reshape(1, 1).astype(mx.uint32), run)[0][:, -1],
+                            axis=-1)
+            mx.async_eval(nxt)
+            y.item()
+            y = nxt
+        y.item()
+        if rep:
+            best = min(best, (time.perf_counter() - t0) / steps)
+    return best
 
 
 def _time_widths(target, drafter, cache, dcache, anchor, feats, widths, block, reps,

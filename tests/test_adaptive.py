@@ -14,7 +14,7 @@ import dflash2_mlx
 from dflash2_mlx.adaptive import (DRAFTER, LOOKUP, PLAIN, AdaptiveWidth, FixedWidth, Shadow,
                                   load_or_measure_costs)
 from dflash2_mlx.costs import RELAUNCH, CostModel
-from dflash2_mlx.engine import PlainClock, _next_hit
+from dflash2_mlx.engine import TRUSTED_CHAIN, PlainClock, _next_hit
 
 # A verify of w rows costs 100 + 5w ms, a draft 30 ms: roughly this CPU's shape.
 COST = CostModel(tuple([0.0] + [0.030] * 15), tuple(0.100 + 0.005 * w
@@ -147,6 +147,33 @@ def test_a_launch_chain_reads_as_plain_steps_of_equal_cost():
              (0.1, False, False), (0.2, False, True), (0.0, True, False)]
     reported = [clock.plain(*s) for s in steps]
     assert reported == pytest.approx([0.1] * len(steps))
+    # drop: a step in no chain (between drafting cycles) or early in one reports nothing;
+    # from TRUSTED_CHAIN steps on (the launched one counted), the chain's mean
+    clock = PlainClock()
+    assert clock.plain(0.17, False, False, drop=True) is None
+    got = [clock.plain(*s, drop=True) for s in steps[:4]]
+    assert got[:TRUSTED_CHAIN - 2] == [None] * (TRUSTED_CHAIN - 2)
+    assert got[TRUSTED_CHAIN - 2:] == pytest.approx([0.1] * (6 - TRUSTED_CHAIN))
+
+
+def test_plain_decoding_is_priced_as_its_chain_not_as_steps_between_drafting_cycles():
+    """The calibration's one-row verify is synchronous (here as dear as 2 rows, as measured);
+    plain decoding runs chained at `plain_step`. A drafter of alpha 0.2 pays against the
+    synchronous price, not against the chain: the policy decodes plainly. Steps in no chain
+    (dropped by `PlainClock`, seconds None) teach nothing, so the chain's price stands."""
+    sync = CostModel((0.0, 0.01), (0.066, 0.066))
+    chained = CostModel((0.0, 0.01), (0.066, 0.066), plain_step=0.057)
+    assert AdaptiveWidth(sync, prior=0.2, strength=1e9).choose() == (DRAFTER, 2)
+    policy = AdaptiveWidth(chained, prior=0.2, strength=1e9)
+    assert policy.choose() == (PLAIN, 1)
+    for _ in range(10):
+        policy.update(PLAIN, 1, 0, None)
+        policy.update(DRAFTER, 2, 0, 1.5 * chained.cycle(2, DRAFTER))   # dearer than modelled
+    assert policy.cycle_cost(1, PLAIN) == pytest.approx(0.057)   # drafting's ratio not borrowed
+    assert policy.cycle_cost(2, LOOKUP) == pytest.approx(1.5 * 0.066)   # (an untimed width is)
+    for _ in range(4):
+        policy.update(PLAIN, 1, 0, 0.08)              # a long chain's steps teach the price
+    assert policy.cycle_cost(1, PLAIN) > 0.057
 
 
 def test_lookup_proposals_nobody_verified_are_scored_against_what_committed():
@@ -444,6 +471,14 @@ def test_cost_model_grows_with_the_context_and_the_rows():
     assert again == model
     assert CostModel.from_dict({**model.to_dict(), "base": -1}, 3, 3) is None
     assert CostModel.from_dict({**model.to_dict(), "verify_slope": [1.0]}, 3, 3) is None
+    # a plain step is priced as it runs chained (launched ahead), plus the one-row slope
+    chained = CostModel((0.0, 0.02, 0.03), (0.10, 0.11, 0.13), base=100,
+                        verify_slope=(2e-6, 1e-6), plain_step=0.06)
+    assert chained.cycle(1, PLAIN, 8100) == pytest.approx(0.06 + 8000 * 3e-6)
+    assert chained.cycle(2, DRAFTER) == pytest.approx(0.11 + 0.02)     # the others as before
+    assert model.cycle(1, PLAIN) == model.verify(1)                   # none timed: the verify
+    assert CostModel.from_dict(chained.to_dict(), 3, 3) == chained
+    assert CostModel.from_dict({**chained.to_dict(), "plain_step": -1.0}, 3, 3) is None
 
 
 @pytest.mark.parametrize("per_row, per_forward", [(3e-6, 0.0), (2e-6, 5e-6), (0.0, 4e-6)])
@@ -467,6 +502,7 @@ def test_calibration_measures_the_context_slope(pipe):
 
     model = measure_costs(pipe, 16, context=32, long=(8192,), reps=3)
     assert len(model.verify_table) == 16 and model.base == 32
+    assert 0 < model.plain_step <= model.verify_table[0]      # a chain only hides work
     assert model.verify_slope[0] > 0 or model.verify_slope[1] > 0
     assert model.verify(16, 2048) > model.verify(16, 32)
 
