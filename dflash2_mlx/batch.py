@@ -100,13 +100,8 @@ class BatchAwareWidth:
         corrected by the steps timed at that shape, or seeded from the nearest timed shapes
         (`step_ratio`; a busy machine slows the drafter as it slows the verify: uncorrected,
         drafting looked cheap beside a corrected verify)."""
-        return (self._forward(n, T, context) + drafts) * step_ratio(self.shared, n, T, context)
-
-    def _forward(self, n: int, T: int, context: int | None) -> float:
-        """The cost model's forward of n sequences x T rows; all plain (T = 1), as a chain of
-        plain steps launched ahead runs (`CostModel.plain`)."""
-        cost = self.inner.cost
-        return cost.plain(n, context) if T == 1 else cost.verify(n * T, context)
+        return (self.inner.cost.verify(n * T, context) + drafts) * step_ratio(
+            self.shared, n, T, context)
 
     def observe(self, n: int, T: int, context: int | None, seconds: float,
                 drafts: float = 0.0) -> None:
@@ -116,7 +111,7 @@ class BatchAwareWidth:
         policies saw (a seeded shape's too: else it learnt its first steps at twice the
         calibration's ratio only)."""
         self.shared.observe(step_keys(n, T, context), seconds,
-                            self._forward(n, T, context) + drafts,
+                            self.inner.cost.verify(n * T, context) + drafts,
                             step_ratio(self.shared, n, T, context))
 
     def _options(self, available: dict, match_n: int, context: int | None):
@@ -149,7 +144,7 @@ class BatchAwareWidth:
         draft = sum(d for _, _, d in self.planned)
         top = max((d for _, _, d in self.planned), default=0.0)
         slots = self.slots if self.slots is not None else context
-        rows = {T: (self._forward(n, T, slots), step_ratio(self.shared, n, T, slots))
+        rows = {T: (self.inner.cost.verify(n * T, slots), step_ratio(self.shared, n, T, slots))
                 for T in {max(widest, w) for _, w, _, _ in opts}}
         # its own outlook, for those after it without one (at the batch's rate: its latest,
         # or the step's with the rest plain)
@@ -684,12 +679,15 @@ class BatchEngine:
             t = self._tick("commit", t)
         seconds = time.perf_counter() - tic + (ahead.waited if ahead is not None else 0.0)
         self.history.append((len(plans), len(plans) * T, seconds))
-        if T == 1:            # (None: a plain step in no chain teaches no price, as alone)
-            seconds = self._clock.plain(seconds, ahead is not None, self._ahead is not None,
-                                        drop=True)
+        alone = seconds if len(plans) == 1 else None        # what a sequence alone learns
+        if T == 1:
+            seconds = self._clock.plain(seconds, ahead is not None, self._ahead is not None)
+            # alone, as `generate_tokens`: a short chain's steps teach no plain price
+            alone = seconds if alone is not None and self._clock.long(
+                self._ahead is not None) else None
         draft_s = drafter_pass(d for _, _, d in planned)     # its one pass, as calibrated
         timed = {id(s.policy.shared): s.policy for s in self.rows
-                 if isinstance(s.policy, BatchAwareWidth)} if seconds is not None else {}
+                 if isinstance(s.policy, BatchAwareWidth)}
         for policy in timed.values():                 # once per shared correction
             policy.observe(len(plans), T, slots, seconds, draft_s)
         events, leaving = [], []
@@ -700,7 +698,7 @@ class BatchEngine:
                         else feats[i : i + 1])
             new = _commit(seq.state, seq.tokens[-1], step, self.keep, set(seq.req.stop_ids))
             seq.stats.steps.append(Cycle(p.source, p.width, a))
-            seq.policy.update(p.source, p.width, a, seconds if len(plans) == 1 else None,
+            seq.policy.update(p.source, p.width, a, alone,
                               p.match, contexts[i], _next_hit(p.source, p.width, a, p.guess, new))
             seq.tokens.extend(new)                # widths never exceed the room left
             if seq.index is not None:

@@ -290,27 +290,28 @@ class PlainClock:
     def __init__(self):
         self.seconds, self.steps = 0.0, 0
 
-    def plain(self, seconds: float, was_launched: bool, launches: bool,
-              drop: bool = False) -> float | None:
+    def plain(self, seconds: float, was_launched: bool, launches: bool) -> float:
         """A plain step took `seconds`; was_launched: it was launched by the step before;
-        launches: it launched the next one -> the seconds to report for it. drop: None for
-        the first `TRUSTED_CHAIN` - 1 steps of a chain, and for a step in no chain: plain
-        steps between drafting cycles do not cost what plain decoding does (each pays its
-        chain's unhidden start: one alone ran 1.7x, 2-step chains 1.45x a long chain's
-        step), and a policy that learnt plain steps from those priced plain decoding like a
-        2-row drafter cycle and kept drafting at a loss (0.82x b=1 on the chat prompts,
-        alone). The chain's price stands (`CostModel.plain`) until a chain runs long."""
+        launches: it launched the next one -> the seconds to report for it."""
         if not was_launched:
             self.seconds, self.steps = 0.0, 0
         self.seconds, self.steps = self.seconds + seconds, self.steps + 1
-        if drop and self.steps + launches < TRUSTED_CHAIN:
-            return None
         return self.seconds / (self.steps + launches)
 
+    def long(self, launches: bool) -> bool:
+        """Whether the chain of the step just reported (`plain`) is long enough to say what
+        plain decoding costs (`TRUSTED_CHAIN`). Plain steps between drafting cycles do not:
+        each pays its chain's unhidden start (measured with the embedded pair: a 5-step chain
+        after a drafter cycle reported 74-84 ms a step, a long one ~65); a policy that learnt
+        plain steps from those priced plain decoding like a 2-row drafter cycle and kept
+        drafting at a loss (the load benchmark's chat x 1: 140 drafter cycles at tau 1.19).
+        Until a long chain runs, the calibrated chain's price stands (`CostModel.plain`)."""
+        return self.steps + launches >= TRUSTED_CHAIN
 
-# A chain's mean step is what plain decoding costs from this many steps on (its start, about
-# half a step unhidden, then weighs 1/8 or less)
-TRUSTED_CHAIN = 4
+
+# From this many steps, a chain's mean step is what plain decoding costs (its start, about a
+# step unhidden, then weighs 1/8 or less)
+TRUSTED_CHAIN = 8
 
 
 def _plain_step(target: Target, state: DecodeState, anchor: mx.array, ahead: tuple | None,
@@ -452,7 +453,9 @@ def generate_tokens(target: Target, drafter: Drafter | None, prompt: list[int], 
             stats.steps.append(Cycle(source, width, a))
             seconds = time.perf_counter() - cycle_tic
             if source == PLAIN:
-                seconds = clock.plain(seconds, was_launched, ahead is not None, drop=True)
+                seconds = clock.plain(seconds, was_launched, ahead is not None)
+                if not clock.long(ahead is not None):
+                    seconds = None               # a short chain's steps teach no price
             policy.update(source, width, a, seconds, choice.match, context,
                           _next_hit(source, width, a, choice.guess, new))
             tokens.extend(new)

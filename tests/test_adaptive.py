@@ -147,13 +147,18 @@ def test_a_launch_chain_reads_as_plain_steps_of_equal_cost():
              (0.1, False, False), (0.2, False, True), (0.0, True, False)]
     reported = [clock.plain(*s) for s in steps]
     assert reported == pytest.approx([0.1] * len(steps))
-    # drop: a step in no chain (between drafting cycles) or early in one reports nothing;
-    # from TRUSTED_CHAIN steps on (the launched one counted), the chain's mean
+    # long: only a chain of TRUSTED_CHAIN steps (the launched one counted) says what plain
+    # decoding costs; a step in no chain (between drafting cycles) never does
     clock = PlainClock()
-    assert clock.plain(0.17, False, False, drop=True) is None
-    got = [clock.plain(*s, drop=True) for s in steps[:4]]
-    assert got[:TRUSTED_CHAIN - 2] == [None] * (TRUSTED_CHAIN - 2)
-    assert got[TRUSTED_CHAIN - 2:] == pytest.approx([0.1] * (6 - TRUSTED_CHAIN))
+    clock.plain(0.17, False, False)
+    assert not clock.long(False)
+    longs = []
+    for i in range(TRUSTED_CHAIN + 2):
+        launches = i < TRUSTED_CHAIN + 1
+        assert clock.plain(0.2 if i == 0 else 0.1 if launches else 0.0, i > 0,
+                           launches) == pytest.approx(0.1)
+        longs.append(clock.long(launches))
+    assert longs == [False] * (TRUSTED_CHAIN - 2) + [True] * 4
 
 
 def test_plain_decoding_is_priced_as_its_chain_not_as_steps_between_drafting_cycles():
