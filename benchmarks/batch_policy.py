@@ -173,6 +173,7 @@ def run(pipe, ids, max_tokens: int, system: str, log, time_drafts: bool,
                                                    / max(steps, 1), 1),
             "cycles_drafter": cycles[DRAFTER], "tau_drafter": taus[DRAFTER],
             "cycles_lookup": cycles[LOOKUP], "tau_lookup": taus[LOOKUP], "plain": plain,
+            "vetoed": getattr(engine, "vetoed", None),
             "texts": out}
 
 

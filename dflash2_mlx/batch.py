@@ -205,6 +205,27 @@ class BatchAwareWidth:
         self.inner.update(source, width, accepted, *args, **kwargs)
 
 
+def plain_beats(wants: list[tuple[object, tuple[int, float, float]]],
+                slots: int | None = None) -> bool:
+    """Whether every sequence of a step decoding plainly is worth more tokens per second than
+    what their policies want (policy, (width, expected tokens, draft seconds)), by the
+    batch's own prices (`BatchAwareWidth.step_cost`). Each policy chooses expecting those
+    planning after it to do what their last outlooks said; where every one expects the
+    others to draft, the batch drafts whatever that is worth: 16 code sequences ran steps
+    of 2 rows each planned at 49 tok/s beside plain steps priced at 55 (0.94x all-plain;
+    docs/batching.md). Never against a probe (its worth is what it shows) or a policy of
+    another kind (a fixed width drafts regardless)."""
+    wanting = [q for q, (w, _, _) in wants if w > 1]
+    if len(wants) < 2 or not wanting or not all(
+            isinstance(q, BatchAwareWidth) and not q.probing for q in wanting):
+        return False
+    policy, n = wanting[0], len(wants)
+    plain = policy.step_cost(n, 1, slots)
+    step = policy.step_cost(n, max(w for _, (w, _, _) in wants), slots,
+                            drafter_pass(d for _, (_, _, d) in wants))
+    return sum(e for _, (_, e, _) in wants) / step < n / plain
+
+
 PLAIN_OUTLOOK = ((1.0, 0.0),)
 
 
@@ -411,7 +432,10 @@ class _Plan:
     draft: Draft | None = None                 # what the step's drafter pass drafts for it
     sample_key: mx.array | None = None         # a plain step's
     accept_key: mx.array | None = None         # a drafting cycle's
+    draft_key: mx.array | None = None          # its drafts' (a plain step launched instead)
     guess: list[int] | None = None             # a lookup cycle's whole proposal
+    want: tuple[int, float, float] = (1, 1.0, 0.0)   # its policy's choice: (width, expected
+                                                     # tokens, draft seconds), run or not
 
 
 class BatchEngine:
@@ -444,6 +468,7 @@ class BatchEngine:
         self._ahead: _Ahead | None = None                 # the plain step launched last step
         self.launches = 0                                 # plain steps launched ahead
         self._clock = PlainClock()                        # all-plain steps, as alone
+        self.vetoed = 0                     # steps whose drafting plain beat (run or launched)
 
     # ---- the scheduler's interface
     @property
@@ -578,8 +603,11 @@ class BatchEngine:
         if source != LOOKUP:
             seq.shadow.offer(choice.guess, choice.match, context)
         seq.key, k_draft, k_accept = mx.random.split(seq.key, 3)
+        e, d = getattr(seq.policy, "last", (1.0, 0.0))
+        want = (choice.width, e, d if choice.source == DRAFTER else 0.0) \
+            if choice.source != PLAIN else (1, 1.0, 0.0)
         if source == PLAIN:
-            plan = _Plan(seq, PLAIN, 1, choice.match,
+            plan = _Plan(seq, PLAIN, 1, choice.match, draft_key=k_draft, want=want,
                          sample_key=seq.launched if forced else k_accept)
             launch = (room > 1 and choice.source == PLAIN
                       and seq.policy.next_plain(choice.available, context + 1))
@@ -589,11 +617,28 @@ class BatchEngine:
         if source == DRAFTER:
             draft = Draft(anchor, seq.state.take_features(), seq.state.dcache, width,
                           seq.req.sampling, k_draft)
-            return _Plan(seq, source, width, choice.match, draft=draft, accept_key=k_accept)
+            return _Plan(seq, source, width, choice.match, draft=draft, accept_key=k_accept,
+                         draft_key=k_draft, want=want)
         proposal = _draft(self.target, self.drafter, seq.state, anchor, choice,
                           seq.req.sampling, k_draft)
         return _Plan(seq, source, width, choice.match, proposal.tokens.astype(mx.uint32),
-                     proposal, accept_key=k_accept, guess=choice.guess)
+                     proposal, accept_key=k_accept, draft_key=k_draft, guess=choice.guess,
+                     want=want)
+
+    @staticmethod
+    def _plain_instead(plans: list[_Plan], contexts: list[int]) -> None:
+        """Every drafting plan becomes a plain step sampled with its key (a drafter plan's
+        features go back to its state, a lookup's unverified proposal to its shadow)."""
+        for i, p in enumerate(plans):
+            if p.width == 1:
+                continue
+            seq = p.seq
+            if p.draft is not None and p.draft.feats is not None:
+                seq.state.pending.insert(0, p.draft.feats)
+            if p.guess:
+                seq.shadow.offer(p.guess, p.match, contexts[i])
+            plans[i] = _Plan(seq, PLAIN, 1, p.match, sample_key=p.accept_key,
+                             draft_key=p.draft_key, want=p.want)
 
     def _draft_all(self, plans: list[_Plan]) -> None:
         """One drafter pass for every plan drafting from it (their choices are made first:
@@ -628,6 +673,11 @@ class BatchEngine:
             e, d = getattr(seq.policy, "last", (1.0, 0.0))
             planned.append((plans[-1].width, e if plans[-1].width > 1 else 1.0,
                             d if plans[-1].source == DRAFTER else 0.0))
+        plain_wins = plain_beats([(p.seq.policy, p.want) for p in plans], slots)
+        if plain_wins and any(p.width > 1 for p in plans):
+            self._plain_instead(plans, contexts)
+            planned = [(1, 1.0, 0.0)] * len(plans)
+            self.vetoed += 1
         self._draft_all(plans)
         t = self._tick("plan", tic)
         T = max(p.width for p in plans)
@@ -657,6 +707,13 @@ class BatchEngine:
         # and under load one ends every few steps)
         if T == 1 and self.launch and not self._joinable():
             last = [self._last(p.seq) for p in plans]
+            # those that would draft next step, where the batch is better plain, do not
+            # break the chain: their next step is launched plain too
+            held = [p for p, end in zip(plans, last) if p.seq.launched is None and not end]
+            if held and plain_wins and all(p.want[0] > 1 for p in held):
+                for p in held:
+                    p.seq.launched = p.draft_key
+                self.vetoed += 1
             if not all(last) and all(p.seq.launched is not None or end
                                      for p, end in zip(plans, last)):
                 self._ahead = self._launch(tokens)

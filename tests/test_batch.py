@@ -549,6 +549,45 @@ def test_batch_aware_policies_stay_exact(pipe):
         assert out[k] == (mlx_lm_greedy(pipe.target, p, 30), "length"), k
 
 
+def test_a_batch_better_plain_than_its_drafting_stays_plain_in_one_chain(pipe):
+    """Each policy chooses expecting the others to do what their outlooks said; the step as a
+    whole is checked against every sequence decoding plainly, by the same prices. Policies
+    that want 2-row drafter cycles worth 1.02 tokens (3.06 tokens for a 6-row step priced
+    0.11 s, against 3 plain tokens at 0.08 s) run plain instead, their next steps launched
+    ahead; two steps in four they want cycles worth 1.95 tokens, which run when not launched. Greedy outputs
+    are mlx-lm's, and every sequence's drafter context still covers each of its tokens once
+    (the features of a drafter plan run plain go back to its state)."""
+    from dflash2_mlx.adaptive import DRAFTER, AdaptiveWidth
+    from dflash2_mlx.batch import BatchAwareWidth
+    from dflash2_mlx.costs import CostModel, Correction
+
+    class Wants(BatchAwareWidth):
+        calls = 0
+
+        def choose(self, available=None, match_n=0, context=None, launched=False):
+            Wants.calls += 1
+            self.last = (1.95 if Wants.calls % 12 < 6 else 1.02, 0.001)
+            return DRAFTER, 2
+
+    cost = CostModel((0.0,) + (0.001,) * 15, tuple(0.05 + 0.01 * w for w in range(1, 17)))
+    shared = Correction(decay=0.9, trust=1e9)       # the model's prices, never corrected
+    rng = random.Random(31)
+    vocab = pipe.adapter.vocab_size
+    prompts = [[rng.randrange(vocab - 1) for _ in range(5 + 4 * k)] for k in range(3)]
+    engine = BatchEngine(pipe.adapter, pipe.drafter)
+    arrivals = {0: [(k, Request(p, 24, policy=Wants(AdaptiveWidth(cost, {DRAFTER: 8}), shared),
+                                keep_state=True)) for k, p in enumerate(prompts)]}
+    out = run(engine, arrivals)
+    for k, p in enumerate(prompts):
+        assert out[k] == (mlx_lm_greedy(pipe.target, p, 24), "length"), k
+    drafted = sum(len(st.drafting(DRAFTER)) for st in engine.stats.values())
+    assert engine.vetoed >= 5 and engine.launches >= 5 and drafted >= 6
+    for rid in range(3):
+        state = engine.pop_state(rid)
+        rows = sum(f.shape[1] for f in state.pending)
+        assert state.dcache[0].offset + rows == len(state.tokens), rid
+
+
 def test_batch_aware_policies_decoding_plainly_launch_ahead_exactly(pipe):
     """Batch-aware policies whose drafter does not pay (the random drafter accepts nothing)
     decode plainly after their first cycles: those steps are launched ahead as alone
@@ -587,7 +626,7 @@ def _simulate_batch(B: int, steps: int = 400, warmup: int = 60, alpha: float = 0
     ONE drafter pass (`costs.drafter_pass`, as `Drafter.propose_batch` runs), else each its
     own."""
     from dflash2_mlx.adaptive import DRAFTER, AdaptiveWidth
-    from dflash2_mlx.batch import BatchAwareWidth
+    from dflash2_mlx.batch import BatchAwareWidth, plain_beats
     from dflash2_mlx.costs import BASE_CONTEXT, CostModel, Correction, drafter_pass
 
     extra = 0 if context is None else context - BASE_CONTEXT
@@ -620,6 +659,8 @@ def _simulate_batch(B: int, steps: int = 400, warmup: int = 60, alpha: float = 0
             e, d = policy.last
             planned.append((w, e if w > 1 else 1.0, d if source == DRAFTER else 0.0))
             chosen.append((source, w))
+        if plain_beats(list(zip(policies, planned)), context):     # as the engine
+            chosen = [("plain", 1)] * B
         T = max(w for _, w in chosen)
         took = verify(B * T)
         if correct:
@@ -733,7 +774,7 @@ def _simulate_mixed(B: int, plain: bool = False, steps: int = 300, warmup: int =
     one sequence alone), the batched steps as above. one_pass: the step's drafting sequences share one drafter pass
     (`costs.drafter_pass`, as the engine runs them), else each runs its own."""
     from dflash2_mlx.adaptive import DRAFTER, LOOKUP, PLAIN, AdaptiveWidth
-    from dflash2_mlx.batch import BatchAwareWidth
+    from dflash2_mlx.batch import BatchAwareWidth, plain_beats
     from dflash2_mlx.costs import CostModel, Correction, drafter_pass
 
     cost = CostModel((0.0, .0134, .0142, .0219, .0239, .0239, .0255, .0291),
@@ -757,6 +798,8 @@ def _simulate_mixed(B: int, plain: bool = False, steps: int = 300, warmup: int =
             e, d = policy.last
             planned.append((w, e if w > 1 else 1.0, d if source == DRAFTER else 0.0))
             chosen.append((source, w))
+        if plain_beats(list(zip(policies, planned))):            # as the engine
+            chosen, planned = [(PLAIN, 1)] * b, [(1, 1.0, 0.0)] * b
         T = max(w for _, w in chosen)
         drafts = sum(d for _, _, d in planned)
         if one_pass:
