@@ -402,7 +402,9 @@ def bench(
                                 help="Prompts per set (HumanEval: spread over the 164)"),
     prompt_sets: str = typer.Option("humaneval,agent", "--prompt-sets",
                                     help="Comma-separated: humaneval, agent (copy-heavy "
-                                    "edits and log questions), chat"),
+                                    "edits and log questions), chat, and long contexts: "
+                                    "long-edit-, long-log-, long-agent-, long-quote- with "
+                                    "2k, 4k or 8k"),
     block_sizes: str = typer.Option("2,4,8,16,auto", "--block-sizes",
                                     help="Comma-separated block sizes and/or 'auto'; "
                                     "sizes beyond the drafter's run the hybrid only"),

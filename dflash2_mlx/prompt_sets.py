@@ -160,6 +160,25 @@ def long_log_prompts(n: int, tokens: int) -> list[str]:
     return out
 
 
+QUOTES = [
+    "Copy the last five lines of the log exactly.",
+    "Repeat the last ten lines of the log, unchanged.",
+    "Copy the first five lines of the log exactly.",
+]
+
+
+def long_quote_prompts(n: int, tokens: int) -> list[str]:
+    """A long server log (deterministic, other seeds than long-log's), then an ask to copy
+    some of its lines verbatim: where an agent's answer really copies its context (the
+    embedded 135M target paraphrases long-edit's and long-log's asks at these lengths)."""
+    out = []
+    for i in range(n):
+        log, _ = _log(random.Random(3000 + i), lines=int(tokens * LOG_CHARS_PER_TOKEN / 85) + 1)
+        log = _cut(log, tokens, LOG_CHARS_PER_TOKEN)
+        out.append(f"Here is a server log:\n\n```\n{log}```\n\n{QUOTES[i % len(QUOTES)]}")
+    return out
+
+
 def long_agent_prompts(n: int, tokens: int) -> list[str]:
     """A multi-turn agent transcript: the user's task, the agent's tool calls and their
     outputs (a source file, a test log), then the next instruction."""
@@ -190,3 +209,4 @@ for _size, _tokens in LONG_SIZES.items():
     PROMPT_SETS[f"long-edit-{_size}"] = _long(long_edit_prompts, _tokens)
     PROMPT_SETS[f"long-log-{_size}"] = _long(long_log_prompts, _tokens)
     PROMPT_SETS[f"long-agent-{_size}"] = _long(long_agent_prompts, _tokens)
+    PROMPT_SETS[f"long-quote-{_size}"] = _long(long_quote_prompts, _tokens)

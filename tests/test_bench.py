@@ -120,7 +120,7 @@ def test_long_context_sets_prefill_once_and_compare_with_plain(llama_dir, tmp_pa
 def test_long_prompt_sets_reach_their_sizes():
     from dflash2_mlx.prompt_sets import PROMPT_SETS
 
-    for kind in ("edit", "log", "agent"):
+    for kind in ("edit", "log", "agent", "quote"):
         short, long = PROMPT_SETS[f"long-{kind}-2k"](1)[0], PROMPT_SETS[f"long-{kind}-8k"](1)[0]
         assert 3000 < len(short) < len(long) / 3, kind
     assert PROMPT_SETS["long-log-4k"](2) == PROMPT_SETS["long-log-4k"](2)     # deterministic
