@@ -670,9 +670,7 @@ class BatchEngine:
             if hasattr(seq.policy, "set_batch"):
                 seq.policy.set_batch(planned, later[i + 1], slots)
             plans.append(self._plan(seq))
-            e, d = getattr(seq.policy, "last", (1.0, 0.0))
-            planned.append((plans[-1].width, e if plans[-1].width > 1 else 1.0,
-                            d if plans[-1].source == DRAFTER else 0.0))
+            planned.append(plans[-1].want if plans[-1].width > 1 else (1, 1.0, 0.0))
         plain_wins = plain_beats([(p.seq.policy, p.want) for p in plans], slots)
         if plain_wins and any(p.width > 1 for p in plans):
             self._plain_instead(plans, contexts)

@@ -268,6 +268,43 @@ def test_a_prefix_cache_hit_while_batched_gives_the_same_text(pipe):
     assert other.json()["choices"][0]["text"] == beside
 
 
+def test_a_stop_string_leaves_its_state_to_the_prefix_cache_while_batched(pipe):
+    """A request ended by a stop string beside another (its sequence leaves the batch
+    mid-generation, cancelled) leaves its state to the prefix cache as one ending by its
+    length does: the conversation's next turn, holding the answer cut at the stop, reuses it
+    and gives the text it gives without any cache."""
+    msgs = [{"role": "system", "content": "You are a small assistant, turn by turn."},
+            {"role": "user", "content": "def add(a, b):"}]
+    full = pipe.generate(chat_ids(pipe, msgs), max_tokens=40).text
+    stop = full[6:8]
+    assert stop and full.index(stop) >= 1
+    first = full[: full.index(stop)]
+    turn = msgs + [{"role": "assistant", "content": first},
+                   {"role": "user", "content": "class Stack:"}]
+    want = pipe.generate(chat_ids(pipe, turn), max_tokens=16).text      # no cache at all
+
+    async def clients(app, http, go):
+        scheduler = app.state.scheduler
+        go.set()
+        path, endless = _completion(ENDLESS, 60)
+        other = asyncio.ensure_future(http.post(path, json=endless))
+        await _until(lambda: scheduler.batch_figures["running"] == 1)
+        body = {"model": "llama", "temperature": 0}
+        one = await http.post("/v1/chat/completions",
+                              json={**body, "max_tokens": 40, "messages": msgs, "stop": [stop]})
+        two = await http.post("/v1/chat/completions",
+                              json={**body, "max_tokens": 16, "messages": turn})
+        return one, two, await other
+
+    one, two, other = in_process(pipe, clients)
+    assert _text("/v1/chat/completions", one) == (first, "stop")
+    assert two.json()["choices"][0]["message"]["content"] == want
+    cached = two.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= common_prefix(chat_ids(pipe, msgs), chat_ids(pipe, turn)) > 0, cached
+    assert other.json()["choices"][0]["text"] == pipe.generate(
+        ENDLESS, max_tokens=60, chat_template=False).text
+
+
 def test_a_full_batch_and_queue_429_then_shutdown_gives_503s(pipe):
     """max_batch 2, queue 1, the worker not started yet: the free rows count as places, so
     three requests are taken and the fourth gets 429; then two streams run and one waits; the

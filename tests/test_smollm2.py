@@ -39,3 +39,22 @@ def test_lookup_alone_on_the_gguf_target_equals_mlx_lm():
         assert gen.tokens == ref[: len(gen.tokens)] and (len(gen.tokens) == 40
                                                          or gen.finish_reason == "stop")
         assert gen.stats.to_dict()["cycles_lookup"] > 0 and not gen.stats.drafting("drafter")
+
+
+def test_a_batch_on_the_gguf_target_equals_mlx_lm(pipe):
+    """The real GGUF target batched: three prompts of different lengths in one
+    `generate_batch`, at a fixed width and under `auto` (the drafter and the lookup), each
+    equal to mlx-lm's greedy output alone."""
+    code = "def area(width, height):\n    return width * height\n"
+    ids = [pipe.encode(p) for p in (
+        f"Rename `area` to `rect_area` and show the code:\n```python\n{code}```",
+        "What is the capital of France?",
+        "Write a Python function that returns the n-th Fibonacci number.")]
+    refs = [[t for t, _ in generate_step(mx.array(i), pipe.target, max_tokens=24)]
+            for i in ids]
+    for b in (8, "auto"):
+        gens = pipe.generate_batch(ids, max_tokens=24, block_size=b)
+        for gen, ref in zip(gens, refs):
+            assert gen.tokens == ref[: len(gen.tokens)], b
+            assert len(gen.tokens) == 24 or gen.finish_reason == "stop", b
+        assert sum(gen.stats.cycles for gen in gens) > 0, b
