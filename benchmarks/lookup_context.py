@@ -87,6 +87,8 @@ def replay(prompt, output, index, policy, cost):
         policy.update(source, w, a, took, match, context)
         seconds += took
         index.extend(new)
+        if source == LOOKUP and a == w - 1:              # as the engine
+            shadow.follow(guess, w, match, context)
         shadow.commit(new)
         n += len(new)
     return len(output) - 1, seconds, cycles, accepted
@@ -95,6 +97,8 @@ def replay(prompt, output, index, policy, cost):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="2k")
+    ap.add_argument("--kinds", default="edit,log,agent",
+                    help="long-context sets per size: edit, log, agent, quote")
     ap.add_argument("--prompts", type=int, default=1, help="per set")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--outputs", default=None, help="cache of the greedy outputs (JSON)")
@@ -126,7 +130,7 @@ def main() -> None:
               for size in (a.sizes.split(",") if a.copy else ())}
     runs = {**copies, **runs}             # (--shared: the copying answers first)
     for size in () if a.copy else a.sizes.split(","):
-        for kind in ("edit", "log", "agent"):
+        for kind in a.kinds.split(","):
             name = f"long-{kind}-{size}"
             if name in runs:
                 continue

@@ -58,8 +58,11 @@ class PositionCounts:
         self.decay = decay
         self.hits, self.tries = [0.0] * positions, [0.0] * positions
 
-    def update(self, width: int, accepted: int) -> None:
-        for k in range(1, min(accepted + 1, width - 1, len(self.tries)) + 1):
+    def update(self, width: int, accepted: int, first: int = 1) -> None:
+        """A cycle of `width` rows accepted `accepted` drafts: positions `first` .. the first
+        rejected one (at most width - 1) were tried (those before `first` were counted
+        already: a shadow following a verified run)."""
+        for k in range(first, min(accepted + 1, width - 1, len(self.tries)) + 1):
             self.tries[k - 1] = self.tries[k - 1] * self.decay + 1
             self.hits[k - 1] = self.hits[k - 1] * self.decay + (k <= accepted)
 
@@ -91,8 +94,7 @@ class FixedWidth:
         return self.width == 1
 
     def update(self, source: str, width: int, accepted: int, seconds: float | None = None,
-               match_n: int = 0, context: int | None = None,
-               next_hit: bool | None = None) -> None:
+               match_n: int = 0, context: int | None = None, first: int = 1) -> None:
         pass
 
 
@@ -260,20 +262,12 @@ class AdaptiveWidth:
         return rate
 
     def update(self, source: str, width: int, accepted: int, seconds: float | None = None,
-               match_n: int = 0, context: int | None = None,
-               next_hit: bool | None = None) -> None:
+               match_n: int = 0, context: int | None = None, first: int = 1) -> None:
         """After a cycle of `width` drafted by `source` that accepted `accepted` drafts (and
-        took `seconds`; `match_n` and `context` as given to `choose`). next_hit: a lookup
-        cycle that accepted every draft and had one more token proposed: whether its bonus
-        token was that one. Position `width` is then counted too, for free (sampled, the
-        bonus is that token with probability p(token), the point-mass acceptance, as in
-        `Shadow`): without it a position just past the chosen width that missed in its first
-        tries was never tried again, and a lookup that copies on settled at 3 rows (one
-        simulated seed at 0.82 of the best fixed choice)."""
+        took `seconds`; `match_n` and `context` as given to `choose`); first: the first
+        position to count (a `Shadow` following the rest of a verified lookup run)."""
         if width > 1:
-            extra = next_hit is not None and accepted == width - 1
-            self.counts_for(source, match_n, context).update(
-                width + extra, accepted + bool(extra and next_hit))
+            self.counts_for(source, match_n, context).update(width, accepted, first)
         if self.probing and source == DRAFTER:        # (shadows score the lookup only)
             self.probe_again, self.probing = accepted > 0, False
         if seconds is not None:
@@ -326,24 +320,35 @@ class Shadow:
 
     def __init__(self, policy, source: str = LOOKUP):
         self.policy, self.source = policy, source
-        self.open: tuple[list[int], int, int | None] | None = None   # (proposal, match_n,
-        self.seen: list[int] = []                                     # context); committed since
+        # (proposal, match_n, context, the first position to count); committed since
+        self.open: tuple[list[int], int, int | None, int] | None = None
+        self.seen: list[int] = []
 
     def offer(self, guess, match_n: int = 0, context: int | None = None) -> None:
         """A proposal (token ids) this cycle does not verify; ignored while one is followed."""
         if guess and self.open is None:
-            self.open, self.seen = (list(guess), match_n, context), []
+            self.open, self.seen = (list(guess), match_n, context, 1), []
+
+    def follow(self, guess, width: int, match_n: int = 0, context: int | None = None) -> None:
+        """A lookup cycle of `width` rows accepted all of `guess`'s first width - 1 tokens (and
+        counted them): follow the rest of the run from position `width` (the bonus token's),
+        its tokens to come with this cycle's commit; ignored while one is followed (a run
+        restarted by every cycle that copies on would only ever be counted where it ends
+        soon). Counting only the bonus (position `width`), as a first version did, left a
+        position a little past the chosen width that missed once untried for good."""
+        if len(guess) >= width and self.open is None:
+            self.open, self.seen = (list(guess), match_n, context, width), []
 
     def commit(self, new: list[int]) -> None:
         if self.open is None:
             return
-        guess, match_n, context = self.open
+        guess, match_n, context, first = self.open
         self.seen.extend(new)
         a = next((i for i, (g, t) in enumerate(zip(guess, self.seen)) if g != t), None)
         if a is None and len(self.seen) < len(guess):
             return                                         # all agree so far: keep following
         self.policy.update(self.source, len(guess) + 1, len(guess) if a is None else a,
-                           None, match_n, context)
+                           None, match_n, context, first)
         self.open = None
 
 

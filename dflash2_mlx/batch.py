@@ -39,7 +39,7 @@ from .costs import Correction, context_bucket, drafter_pass, pass_seconds, probe
 from .batch_cache import RaggedKVCache, batch_cache, check_batchable
 from .drafter import Draft, Drafter, Proposal
 from .engine import (Cycle, DecodeState, GenerationStats, PlainClock, Step, _choose, _commit,
-                     _draft, _launch, _next_hit, _reuse, prefill)
+                     _draft, _launch, _reuse, prefill)
 from .lookup import LookupConfig, LookupIndex
 from .sampling import Sampling, greedy_accept, rejection_accept
 from .target import Target
@@ -753,11 +753,12 @@ class BatchEngine:
                         else feats[i : i + 1])
             new = _commit(seq.state, seq.tokens[-1], step, self.keep, set(seq.req.stop_ids))
             seq.stats.steps.append(Cycle(p.source, p.width, a))
-            seq.policy.update(p.source, p.width, a, alone,
-                              p.match, contexts[i], _next_hit(p.source, p.width, a, p.guess, new))
+            seq.policy.update(p.source, p.width, a, alone, p.match, contexts[i])
             seq.tokens.extend(new)                # widths never exceed the room left
             if seq.index is not None:
                 seq.index.extend(new)
+                if p.source == LOOKUP and a == p.width - 1:   # the rest of the run, as alone
+                    seq.shadow.follow(p.guess, p.width, p.match, contexts[i])
                 seq.shadow.commit(new)
             seq.stats.generated_tokens = len(seq.tokens)
             seq.stats.decode_s = time.perf_counter() - seq.tic

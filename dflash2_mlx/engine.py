@@ -269,16 +269,6 @@ def _choose(policy, drafter: Drafter | None, index: LookupIndex | None,
     return Choice(source, width, available, match, guess)
 
 
-def _next_hit(source: str, width: int, accepted: int, guess: list[int] | None,
-              new: list[int]) -> bool | None:
-    """For a lookup cycle that accepted all its drafts and whose proposal went on: whether the
-    bonus token is the proposal's next one (the policy counts that position too); else None."""
-    if source != LOOKUP or accepted < width - 1 or not guess or len(guess) < width \
-            or len(new) <= accepted:
-        return None
-    return new[accepted] == guess[width - 1]
-
-
 class PlainClock:
     """Times plain steps across launches. A step that launches the next one reads its token
     only after the launched graph has run too (it takes two steps' time), and the launched
@@ -456,11 +446,12 @@ def generate_tokens(target: Target, drafter: Drafter | None, prompt: list[int], 
                 seconds = clock.plain(seconds, was_launched, ahead is not None)
                 if not clock.long(ahead is not None):
                     seconds = None               # a short chain's steps teach no price
-            policy.update(source, width, a, seconds, choice.match, context,
-                          _next_hit(source, width, a, choice.guess, new))
+            policy.update(source, width, a, seconds, choice.match, context)
             tokens.extend(new)
             if index is not None:
                 index.extend(new)
+                if source == LOOKUP and a == width - 1:     # the rest of the run, for free
+                    shadow.follow(choice.guess, width, choice.match, context)
                 shadow.commit(new)
             stats.generated_tokens, stats.decode_s = len(tokens), time.perf_counter() - tic
             anchor = step.bonus.reshape(1, 1).astype(mx.uint32)
