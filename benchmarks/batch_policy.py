@@ -10,7 +10,8 @@ Embedded SmolLM2 pair, greedy. Per batch size, the systems run in turn on the sa
 `plain` (every sequence `FixedWidth(1)`, no lookup: `--block-size 1 --no-lookup`), `policy`
 (`Pipeline.add_to_batch`'s `auto` policies, lookup on) and `baseline` (the engine and policy
 of another version of batch.py, `--baseline`, with this version's estimates), each from a fresh
-pipeline policy (the prior, as a server starts). kind: `code` (HumanEval prompts, ~150 tokens) or `agent` (the load
+pipeline policy (the prior, as a server starts). kind: `code` (HumanEval prompts, ~150 tokens), `chat` (the everyday questions of
+`dflash2-mlx bench`, ~40 tokens) or `agent` (the load
 benchmark's agent system prompts, a tool list and ~3000 characters of a source file, and its
 first turn: ~1k tokens). The log (JSON lines, one per decode step of the drafting runs): the
 sequences, rows, slots, seconds, the step's price by the cost model and correction as the
@@ -39,10 +40,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def prompts(pipe, kind: str, n: int) -> list[list[int]]:
-    if kind == "code":
-        from dflash2_mlx.prompt_sets import humaneval_prompts
+    if kind in ("code", "chat"):
+        from dflash2_mlx.prompt_sets import chat_prompts, humaneval_prompts
 
-        return [pipe.encode(p) for p in humaneval_prompts(n)]
+        return [pipe.encode(p) for p in (humaneval_prompts if kind == "code" else
+                                         chat_prompts)(n)]
     import sys
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -179,7 +181,7 @@ def run(pipe, ids, max_tokens: int, system: str, log, time_drafts: bool,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kind", choices=["code", "agent"], default="code")
+    ap.add_argument("--kind", choices=["code", "chat", "agent"], default="code")
     ap.add_argument("--clients", default="8,16")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--systems", default="plain,policy")

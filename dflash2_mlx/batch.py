@@ -30,6 +30,7 @@ import math
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -510,10 +511,13 @@ class BatchEngine:
         """The single-sequence state of a sequence that left with `keep_state`."""
         return self.states.pop(rid, None)
 
-    def step(self, prefill_budget: int | None = None) -> list[Event]:
+    def step(self, prefill_budget: int | None = None,
+             started: Callable[[Event], None] | None = None) -> list[Event]:
         """Prefill waiting sequences for up to `prefill_budget` prompt tokens (None: no
         limit; a sequence whose prompt is in joins the batch), then one decode step of every
-        running sequence."""
+        running sequence. started: called with the first-token event of each sequence that
+        starts and goes on, at once, in place of returning it (a server sends it before the
+        join and the decode step: ~0.17 s sooner alone, here)."""
         events: list[Event] = []
         decoded = self._ahead is not None and self._joinable()
         if decoded:                   # the launched step first: a joiner cannot share it
@@ -527,9 +531,13 @@ class BatchEngine:
             if seq.todo:
                 break
             self.queue.popleft()
-            events.append(self._start(seq))
-            if events[-1].finish is None:
+            first = self._start(seq)
+            if first.finish is None:
                 joining.append(seq)
+            if first.finish is None and started is not None:
+                started(first)
+            else:
+                events.append(first)
         self._join(joining)
         if self.rows and not decoded:
             events.extend(self._decode())

@@ -997,6 +997,34 @@ def test_a_sequence_ending_by_length_keeps_the_others_launch_chain(pipe):
     assert again[0] == (mlx_lm_greedy(pipe.target, follow, 12), "length")
 
 
+def test_a_first_token_is_handed_out_before_the_step_decodes(pipe):
+    """`step(started=...)` hands each starting sequence's first token out as soon as it is
+    sampled (before the join and the decode step: the server's time to first token), in
+    place of returning it; what every sequence writes stays as alone. A prompt that ends at
+    its first token (max_tokens 1) comes back with the step's events, finished."""
+    rng = random.Random(29)
+    vocab = pipe.adapter.vocab_size
+    prompts = [[rng.randrange(vocab - 1) for _ in range(n)] for n in (9, 6, 12)]
+    limits = (7, 1, 10)
+    engine = BatchEngine(pipe.adapter, pipe.drafter)
+    ids = [engine.add(Request(p, m, policy=FixedWidth(1))) for p, m in zip(prompts, limits)]
+    out, handed = {rid: [] for rid in ids}, set()
+
+    def started(ev):
+        assert ev.finish is None and len(ev.tokens) == 1 and out[ev.id] == []
+        assert all(seq.id != ev.id for seq in engine.rows)   # before it joins and decodes
+        handed.add(ev.id)
+        out[ev.id].extend(ev.tokens)
+
+    while engine.running or engine.waiting:
+        for ev in engine.step(started=started):
+            assert ev.id != ids[1] or ev.finish == "length"
+            out[ev.id].extend(ev.tokens)
+    assert handed == {ids[0], ids[2]}
+    for rid, p, m in zip(ids, prompts, limits):
+        assert out[rid] == mlx_lm_greedy(pipe.target, p, m), rid
+
+
 def test_plain_batch_launched_ahead_samples_as_alone(pipe):
     """Seeded sampled plain sequences launched ahead in a batch draw what they draw alone
     (the launched step's key is the one alone launches with)."""

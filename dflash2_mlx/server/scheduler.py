@@ -244,6 +244,11 @@ class Scheduler:
         engine = pipe.batch_engine(self.max_batch)
         running: dict[int, tuple[Job, SequenceText]] = {}     # engine id -> job, its text
         closing = False
+
+        def emit(ev) -> None:     # a first token goes out as soon as it is sampled
+            job, text = running[ev.id]
+            job.emit({"text": text(ev.tokens, ev.finish), "tokens": list(ev.tokens)})
+
         while True:
             while not closing and len(running) < self.max_batch:
                 try:
@@ -268,7 +273,7 @@ class Scheduler:
                 continue
             budget = self.prefill_budget(engine.running, engine.waiting, pipe.prefill_step_size)
             try:
-                events = engine.step(prefill_budget=budget)
+                events = engine.step(prefill_budget=budget, started=emit)
             except Exception as e:  # noqa: BLE001 - reported to the batch; the next one runs
                 log.exception("generation failed")
                 for job, _ in running.values():
@@ -278,11 +283,9 @@ class Scheduler:
                 engine = pipe.batch_engine(self.max_batch)
                 continue
             for ev in events:
-                job, text = running[ev.id]
-                job.emit({"text": text(ev.tokens, ev.finish), "tokens": list(ev.tokens)})
+                emit(ev)
                 if ev.finish is not None:
-                    del running[ev.id]
-                    self._leave(engine, ev.id, job, ev.finish)
+                    self._leave(engine, ev.id, running.pop(ev.id)[0], ev.finish)
             last = engine.history[-1] if engine.history else None
             engine.history.clear()        # a server's engine runs for good: keep the last
             self.batch_figures = self._figures(engine.running, engine.waiting,
