@@ -3,8 +3,9 @@ prompt sets (generated once, cached in --outputs), then the lookup-or-plain poli
 them for each matching rule, priced by the calibrated cost model at the prompt's context.
 
 Rules: the longest recurring suffix from `min_n` tokens (2 or 3), a minimum that grows with the
-context (`LookupConfig.grow_from`: one more per doubling from 2k or from 1k tokens, the
-default), and the most recent occurrence of any suffix long enough (the shortest one's: every
+context (`LookupConfig.grow_from`: one more per doubling from 2k or from 1k tokens), the same
+kept on the source being copied while it agrees (`LookupConfig.sticky`, the default), and the
+most recent occurrence of any suffix long enough (the shortest one's: every
 occurrence of a longer suffix is one of the shorter). The policy is `AdaptiveWidth` with the
 lookup alone, its estimates learnt from its cycles and from `Shadow` as in the engine. Per
 set and rule: the lookup's cycles, tau, and the estimated speedup over plain decoding at that
@@ -144,15 +145,17 @@ def main() -> None:
             if a.outputs:
                 with open(a.outputs, "w") as f:
                     json.dump(runs, f)
-    rules = {"longest, min_n 2": (LookupIndex, LookupConfig(2, 8, 16, None)),
-             "longest, min_n 3": (LookupIndex, LookupConfig(3, 8, 16, None)),
-             "longest, +1 per doubling from 2k": (LookupIndex, LookupConfig(2, 8, 16, 2048)),
-             "longest, +1 per doubling from 1k (default)": (LookupIndex, LookupConfig()),
-             "most recent, min_n 2": (RecentIndex, LookupConfig(2, 8, 16, None)),
-             "most recent, +1 per doubling from 1k": (RecentIndex, LookupConfig())}
+    rules = {"longest, min_n 2": (LookupIndex, LookupConfig(2, 8, 16, None, False)),
+             "longest, min_n 3": (LookupIndex, LookupConfig(3, 8, 16, None, False)),
+             "longest, +1 per doubling from 2k": (LookupIndex,
+                                                  LookupConfig(2, 8, 16, 2048, False)),
+             "longest, +1 per doubling from 1k": (LookupIndex, LookupConfig(sticky=False)),
+             "sticky, +1 per doubling from 1k (default)": (LookupIndex, LookupConfig()),
+             "most recent, min_n 2": (RecentIndex, LookupConfig(2, 8, 16, None, False)),
+             "most recent, +1 per doubling from 1k": (RecentIndex,
+                                                      LookupConfig(sticky=False))}
     if a.rules == "default":
-        rules = {"longest, +1 per doubling from 1k (default)": rules[
-            "longest, +1 per doubling from 1k (default)"]}
+        rules = {rule: rules[rule] for rule in rules if rule.endswith("(default)")}
     shared = {rule: AdaptiveWidth(cost, {LOOKUP: 16}) for rule in rules}
     print("| set | context | rule | lookup cycles | tau | est. speedup |")
     print("|---|---|---|---|---|---|")

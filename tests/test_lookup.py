@@ -30,7 +30,7 @@ def brute_force(seq, min_n, max_n, k):
 def test_index_equals_brute_force_on_random_streams(alphabet, min_n, max_n):
     rng = random.Random(alphabet * 100 + min_n)
     for trial in range(20):
-        index = LookupIndex(LookupConfig(min_n, max_n))
+        index = LookupIndex(LookupConfig(min_n, max_n, sticky=False))
         seq = []
         for _ in range(60):
             chunk = [rng.randrange(alphabet) for _ in range(rng.randrange(1, 4))]
@@ -42,6 +42,44 @@ def test_index_equals_brute_force_on_random_streams(alphabet, min_n, max_n):
             if got:
                 n = got[0]        # the longest: its suffix recurs, a longer one does not
                 assert brute_force(seq, n, n, 1) and not brute_force(seq, n + 1, max_n, 1)
+
+
+@pytest.mark.parametrize("alphabet,min_n,max_n", [(3, 1, 4), (5, 2, 8), (2, 3, 6)])
+def test_a_sticky_match_agrees_at_least_as_far_back_as_the_longest(alphabet, min_n, max_n):
+    """Sticky (the default): a match exists exactly when the longest suffix recurs; its source
+    is preceded by at least as many tokens agreeing with the context's end as the longest
+    recurring suffix has (the source copied from, or that suffix's latest occurrence)."""
+    rng = random.Random(alphabet * 7 + min_n)
+    for trial in range(20):
+        index, seq = LookupIndex(LookupConfig(min_n, max_n)), []
+        for _ in range(60):
+            chunk = [rng.randrange(alphabet) for _ in range(rng.randrange(1, 4))]
+            index.extend(chunk)
+            seq += chunk
+            got, longest = index.match(), brute_force(seq, min_n, max_n, 1)
+            assert (got is None) == (longest is None), (trial, seq)
+            if got:
+                n, i = got
+                L = next(m for m in range(max_n, min_n - 1, -1) if brute_force(seq, m, m, 1))
+                assert n >= L and i < len(seq) and seq[i - L : i] == seq[-L:], (trial, seq)
+
+
+def test_sticky_keeps_copying_the_line_it_copies():
+    """Copying a line whose last n-gram recurs later in another line: the latest occurrence
+    proposes the other line's continuation, sticky the copied line's (its source agrees over
+    more tokens than max_n). Once the output leaves the source, the latest occurrence rules."""
+    one, two = [1, 2, 3, 4, 5, 6, 9, 9], [0, 4, 5, 6, 8, 8]
+    sticky = LookupIndex(LookupConfig(2, 3), one + two)
+    latest = LookupIndex(LookupConfig(2, 3, sticky=False), one + two)
+    for index in (sticky, latest):
+        assert index.propose(2) is None
+        index.extend([1, 2, 3])
+        assert index.propose(2) == (3, [4, 5])           # both: line one, the only "1 2 3"
+        index.extend([4, 5, 6])
+    assert latest.propose(2) == (3, [8, 8])              # line two's "4 5 6"
+    assert sticky.propose(2) == (3, [9, 9]) and sticky.depth == 6
+    sticky.extend([8])                                   # the output left line one
+    assert sticky.source is None and sticky.propose(1) == (3, [8])   # "5 6 8": line two
 
 
 def test_index_built_at_once_equals_incremental():
