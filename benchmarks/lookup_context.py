@@ -95,6 +95,22 @@ def replay(prompt, output, index, policy, cost):
     return len(output) - 1, seconds, cycles, accepted
 
 
+def replay_fixed(prompt, output, index, width, cost) -> float:
+    """A fixed-width lookup over `output` (`width` rows wherever the lookup proposes, plain
+    elsewhere) -> seconds, as the cost model prices them."""
+    n, seconds = 1, 0.0
+    while n < len(output):
+        context, room = len(prompt) + n, len(output) - n + 1
+        found = index.propose(min(16, room) - 1) if room > 1 else None
+        w, a = (min(width, room), 0) if found else (1, 0)
+        while found and a < w - 1 and found[1][a] == output[n + a]:
+            a += 1
+        seconds += cost.cycle(w, LOOKUP if w > 1 else PLAIN, context)
+        index.extend(output[n : n + a + 1])
+        n += a + 1
+    return seconds
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="2k")
@@ -111,6 +127,8 @@ def main() -> None:
     ap.add_argument("--shared", action="store_true", help="one policy for the whole run")
     ap.add_argument("--repeats", type=int, default=1, help="replays of each set")
     ap.add_argument("--rules", default="all", choices=("all", "default"))
+    ap.add_argument("--fixed", default="",
+                    help="also replay fixed lookup widths per rule, e.g. 8,16 (hindsight)")
     a = ap.parse_args()
     pipe = dflash2_mlx.load()
     if a.costs and os.path.exists(a.costs):
@@ -157,24 +175,29 @@ def main() -> None:
     if a.rules == "default":
         rules = {rule: rules[rule] for rule in rules if rule.endswith("(default)")}
     shared = {rule: AdaptiveWidth(cost, {LOOKUP: 16}) for rule in rules}
-    print("| set | context | rule | lookup cycles | tau | est. speedup |")
-    print("|---|---|---|---|---|---|")
+    fixed = [int(w) for w in a.fixed.split(",") if w]
+    print("| set | context | rule | lookup cycles | tau | est. speedup |"
+          + "".join(f" fixed {w} |" for w in fixed))
+    print("|---|---|---|---|---|---|" + "---|" * len(fixed))
     for name, pairs in runs.items():
         for rule in rules:
             tokens = seconds = cycles = acc = 0
-            plain = 0.0
+            plain, at_width = 0.0, dict.fromkeys(fixed, 0.0)
+            kind, config = rules[rule]
             for ids, out in pairs * a.repeats:
-                kind, config = rules[rule]
                 index = kind(config)
                 index.extend(ids + out[:1])
                 policy = shared[rule] if a.shared else AdaptiveWidth(cost, {LOOKUP: 16})
                 t, s, c, k = replay(ids, out, index, policy, cost)
                 tokens, seconds, cycles, acc = tokens + t, seconds + s, cycles + c, acc + k
                 plain += sum(cost.cycle(1, PLAIN, len(ids) + j) for j in range(1, len(out)))
+                for w in fixed:
+                    at_width[w] += replay_fixed(ids, out, kind(config, ids + out[:1]), w, cost)
             ctx = sum(len(ids) for ids, _ in pairs) // len(pairs)
             tau = (acc + cycles) / cycles if cycles else 1.0
             print(f"| {name} | {ctx} | {rule} | {cycles} | {tau:.2f} | "
-                  f"{plain / seconds:.2f}x |", flush=True)
+                  f"{plain / seconds:.2f}x |" + "".join(f" {plain / at_width[w]:.2f}x |"
+                                                        for w in fixed), flush=True)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from . import log
-from .costs import CostModel, Correction, context_bucket, measure_costs, probe_steps
+from .costs import (CostModel, Correction, context_bucket, measure_costs, measure_slopes,
+                    probe_steps)
 from .files import atomic_write
 
 _log = log.get(__name__)
@@ -399,11 +400,15 @@ def load_or_measure_costs(pipeline, max_width: int) -> CostModel:
     path, key = cache_file(), calibration_key(pipeline)
     block = pipeline.drafter.args.block_size if pipeline.drafter is not None else 1
     cost = CostModel.from_dict(_read_table(path).get(key), block, max(max_width, block))
-    if cost is not None:
+    if cost is not None and cost.fitted:
         return cost
-    _log.info("measuring draft and verify cost per block width and context length (once per "
-              "machine, model pair and settings) ...")
-    cost = measure_costs(pipeline, max_width)
+    if cost is None:
+        _log.info("measuring draft and verify cost per block width and context length (once "
+                  "per machine, model pair and settings) ...")
+        cost = measure_costs(pipeline, max_width)
+    else:
+        _log.info("timing the cost of a long context again (the last calibration could not) ...")
+        cost = measure_slopes(pipeline, cost)
     table = _read_table(path)                       # others may have written meanwhile
     table[key] = cost.to_dict()
     with atomic_write(path) as f:

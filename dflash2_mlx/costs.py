@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
@@ -65,6 +65,9 @@ class CostModel:
     verify_slope: tuple[float, float] = (0.0, 0.0)
     draft_slope: tuple[float, float] = (0.0, 0.0)
     plain_step: float | None = None
+    # False: the slopes could have been measured but every try timed the long contexts no
+    # slower (a busy machine); `adaptive.load_or_measure_costs` times them again next time
+    fitted: bool = True
 
     def verify(self, rows: int, context: int | None = None) -> float:
         """Seconds of a target forward of `rows` rows reading `context` keys (None: base)."""
@@ -105,7 +108,8 @@ class CostModel:
     def to_dict(self) -> dict:
         return {"draft": list(self.draft_table), "verify": list(self.verify_table),
                 "base": self.base, "verify_slope": list(self.verify_slope),
-                "draft_slope": list(self.draft_slope), "plain_step": self.plain_step}
+                "draft_slope": list(self.draft_slope), "plain_step": self.plain_step,
+                "fitted": self.fitted}
 
     @classmethod
     def from_dict(cls, entry, draft_widths: int, verify_widths: int) -> "CostModel | None":
@@ -119,13 +123,14 @@ class CostModel:
         ok = all(isinstance(xs, list) and len(xs) == n and all(_number(x) for x in xs)
                  for xs, n in ((entry.get(k), n) for k, n in fields.items()))
         base, plain = entry.get("base"), entry.get("plain_step")
+        fitted = entry.get("fitted", any(entry["verify_slope"]) if ok else True)
         if not ok or not (_number(base) and base == int(base)) or not (
-                plain is None or _number(plain) and plain > 0):
+                plain is None or _number(plain) and plain > 0) or not isinstance(fitted, bool):
             return None
         return cls(tuple(map(float, entry["draft"])), tuple(map(float, entry["verify"])),
                    int(base), tuple(map(float, entry["verify_slope"])),
                    tuple(map(float, entry["draft_slope"])),
-                   None if plain is None else float(plain))
+                   None if plain is None else float(plain), fitted)
 
 
 class Correction:
@@ -319,21 +324,34 @@ def measure_costs(pipeline, max_width: int, context: int = BASE_CONTEXT,
     verify = monotone([min(v_times[w]) for w in widths])
     # never dearer than the synchronous step (a chain only hides work)
     plain = min(_time_chain(target, cache, anchor, reps), verify[0])
+    return measure_slopes(pipeline, CostModel(tuple(draft), tuple(verify), context,
+                                              plain_step=plain), long, reps)
+
+
+def measure_slopes(pipeline, cost: CostModel, long: tuple[int, ...] = LONG_CONTEXTS,
+                   reps: int = 3) -> CostModel:
+    """`cost` with its context slopes timed (`SLOPE_WIDTHS` at each of the `long` contexts
+    against its base), up to `SLOPE_TRIES` times while they fit no slope at all: then
+    `fitted` is False, and the next load times them again (a calibration beside two other
+    servers loading fitted 0, 0 once, the file kept it, and at long context the policy was
+    priced by its timed cycles alone for good)."""
+    target, context = pipeline.adapter, cost.base
+    block = pipeline.drafter.args.block_size if pipeline.drafter is not None else 1
+    ids = mx.array([[(17 * i) % target.vocab_size for i in range(context)]], dtype=mx.uint32)
+    widths = [w for w in SLOPE_WIDTHS if w <= cost.max_width]
     for attempt in range(SLOPE_TRIES):
-        v_slope, d_slope, measured = _measure_slopes(
-            pipeline, [w for w in SLOPE_WIDTHS if w <= widths[-1]], context, long, ids, block,
-            max(reps - 1, 1))
+        v_slope, d_slope, measured = _measure_slopes(pipeline, widths, context, long, ids,
+                                                     block, max(reps - 1, 1))
         if not measured or sum(v_slope) > 0:
-            break
-        # a longer context always costs more: timings that say otherwise had other work in
-        # them (a server's calibration beside two other servers loading fitted 0, 0 once,
-        # and the file keeps it for good)
+            return replace(cost, verify_slope=v_slope, draft_slope=d_slope, fitted=True)
+        # a longer context always costs more: timings that say otherwise had other work in them
         again = attempt + 1 < SLOPE_TRIES
         log.get(__name__).warning(
             "calibration: the long-context forwards timed no slower than the short ones (a "
             "busy machine?); " + ("timing them again" if again else
-                                  "their cost is left to the timed cycles"))
-    return CostModel(tuple(draft), tuple(verify), context, v_slope, d_slope, plain)
+                                  "their cost is left to the timed cycles, and timed again "
+                                  "next time"))
+    return replace(cost, verify_slope=v_slope, draft_slope=d_slope, fitted=False)
 
 
 def _time_chain(target, cache, anchor, reps: int, steps: int = CHAIN_STEPS) -> float:

@@ -4,6 +4,7 @@ import json
 import random
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -272,6 +273,35 @@ def test_a_malformed_calibration_file_is_measured_again(pipe, tmp_path, monkeypa
     assert load_or_measure_costs(pipe, 16) == fake
     assert load_or_measure_costs(pipe, 16) == fake              # and now read back from disk
     assert json.loads(path.read_text())[adaptive.calibration_key(pipe)]["verify"] == [0.02] * 16
+
+
+def test_a_calibration_whose_slopes_fit_nothing_times_them_again_next_load(pipe, monkeypatch):
+    """Slopes that fit nothing (a busy machine) are stored as not fitted, and the next load
+    times the slopes again, not the whole table, until they fit; an entry of an older version
+    with zero slopes counts as not fitted. (Kept for good, such an entry left the policy blind
+    to the context: a load run's servers calibrated while two others loaded, docs/server.md.)"""
+    from dflash2_mlx import adaptive
+
+    path, key = adaptive.cache_file(), adaptive.calibration_key(pipe)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    blind = CostModel((0.0,) + (0.01,) * 15, (0.02,) * 16)
+    old = {k: v for k, v in blind.to_dict().items() if k != "fitted"}
+    path.write_text(json.dumps({key: old}))
+    monkeypatch.setattr(adaptive, "measure_costs", lambda *a: pytest.fail("measured whole"))
+    timed = []
+
+    def slopes(_pipe, cost, fit=False):
+        timed.append(cost)
+        return replace(cost, verify_slope=(3e-6, 1e-5) if fit else (0.0, 0.0), fitted=fit)
+
+    monkeypatch.setattr(adaptive, "measure_slopes", slopes)
+    assert load_or_measure_costs(pipe, 16).fitted is False
+    assert timed == [replace(blind, fitted=False)]          # read back as not fitted
+    assert json.loads(path.read_text())[key]["fitted"] is False
+    monkeypatch.setattr(adaptive, "measure_slopes", lambda p, c: slopes(p, c, True))
+    got = load_or_measure_costs(pipe, 16)
+    assert got.fitted and got.verify_slope == (3e-6, 1e-5) and len(timed) == 2
+    assert load_or_measure_costs(pipe, 16) == got and len(timed) == 2     # from the file now
 
 
 def test_concurrent_calibrations_do_not_collide(pipe, monkeypatch):

@@ -49,6 +49,15 @@ def _completion(prompt, max_tokens, stream=False, **extra):
                                 "temperature": 0, "stream": stream, **extra})
 
 
+async def _running_beside(http, scheduler, max_tokens: int) -> asyncio.Future:
+    """An ENDLESS completion of `max_tokens`, posted and running (a batch of one) -> its
+    response, to come."""
+    path, body = _completion(ENDLESS, max_tokens)
+    running = asyncio.ensure_future(http.post(path, json=body))
+    await _until(lambda: scheduler.batch_figures["running"] == 1)
+    return running
+
+
 def _text(path, r) -> tuple[str, str]:
     """(text, finish_reason) of a chat or completions reply, streamed or not."""
     assert r.status_code == 200, r.text
@@ -142,9 +151,7 @@ def test_a_long_prompt_joins_in_chunks_while_a_stream_keeps_flowing(pipe):
     async def clients(app, http, go):
         scheduler = app.state.scheduler
         go.set()
-        path, body = _completion(ENDLESS, 200)
-        running = asyncio.ensure_future(http.post(path, json=body))
-        await _until(lambda: scheduler.batch_figures["running"] == 1)
+        running = await _running_beside(http, scheduler, 200)
         path, body = _chat(long, 12)
         joining = asyncio.ensure_future(http.post(path, json=body))
         while not joining.done():
@@ -253,9 +260,7 @@ def test_a_prefix_cache_hit_while_batched_gives_the_same_text(pipe):
         go.set()
         body = {"model": "llama", "max_tokens": 16, "temperature": 0}
         one = await http.post("/v1/chat/completions", json={**body, "messages": msgs})
-        path, endless = _completion(ENDLESS, 60)
-        other = asyncio.ensure_future(http.post(path, json=endless))
-        await _until(lambda: scheduler.batch_figures["running"] == 1)
+        other = await _running_beside(http, scheduler, 60)
         two = await http.post("/v1/chat/completions", json={**body, "messages": turn})
         return one, two, await other
 
@@ -286,9 +291,7 @@ def test_a_stop_string_leaves_its_state_to_the_prefix_cache_while_batched(pipe):
     async def clients(app, http, go):
         scheduler = app.state.scheduler
         go.set()
-        path, endless = _completion(ENDLESS, 60)
-        other = asyncio.ensure_future(http.post(path, json=endless))
-        await _until(lambda: scheduler.batch_figures["running"] == 1)
+        other = await _running_beside(http, scheduler, 60)
         body = {"model": "llama", "temperature": 0}
         one = await http.post("/v1/chat/completions",
                               json={**body, "max_tokens": 40, "messages": msgs, "stop": [stop]})
