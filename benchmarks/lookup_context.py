@@ -88,8 +88,7 @@ def replay(prompt, output, index, policy, cost):
         policy.update(source, w, a, took, match, context)
         seconds += took
         index.extend(new)
-        if source == LOOKUP and a == w - 1:              # as the engine
-            shadow.follow(guess, w, match, context)
+        shadow.follow(source, w, a, guess, match, context)              # as the engine
         shadow.commit(new)
         n += len(new)
     return len(output) - 1, seconds, cycles, accepted

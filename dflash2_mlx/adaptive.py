@@ -330,14 +330,18 @@ class Shadow:
         if guess and self.open is None:
             self.open, self.seen = (list(guess), match_n, context, 1), []
 
-    def follow(self, guess, width: int, match_n: int = 0, context: int | None = None) -> None:
-        """A lookup cycle of `width` rows accepted all of `guess`'s first width - 1 tokens (and
-        counted them): follow the rest of the run from position `width` (the bonus token's),
-        its tokens to come with this cycle's commit; ignored while one is followed (a run
-        restarted by every cycle that copies on would only ever be counted where it ends
-        soon). Counting only the bonus (position `width`), as a first version did, left a
-        position a little past the chosen width that missed once untried for good."""
-        if len(guess) >= width and self.open is None:
+    def follow(self, source: str, width: int, accepted: int, guess, match_n: int = 0,
+               context: int | None = None) -> None:
+        """After a verified cycle, before its commit: one of this shadow's source that
+        accepted all its width - 1 drafts of a longer proposal `guess` (and counted them) has
+        the rest of its run followed from position `width` (the bonus token's), its tokens to
+        come with this cycle's commit; any other cycle, or one while a proposal is followed,
+        is ignored (a run restarted by every cycle that copies on would only ever be counted
+        where it ends soon). Counting only the bonus (position `width`), as a first version
+        did, left a position a little past the chosen width that missed once untried for
+        good."""
+        if (source == self.source and accepted == width - 1 and guess and len(guess) >= width
+                and self.open is None):
             self.open, self.seen = (list(guess), match_n, context, width), []
 
     def commit(self, new: list[int]) -> None:

@@ -765,8 +765,7 @@ class BatchEngine:
             seq.tokens.extend(new)                # widths never exceed the room left
             if seq.index is not None:
                 seq.index.extend(new)
-                if p.source == LOOKUP and a == p.width - 1:   # the rest of the run, as alone
-                    seq.shadow.follow(p.guess, p.width, p.match, contexts[i])
+                seq.shadow.follow(p.source, p.width, a, p.guess, p.match, contexts[i])
                 seq.shadow.commit(new)
             seq.stats.generated_tokens = len(seq.tokens)
             seq.stats.decode_s = time.perf_counter() - seq.tic

@@ -308,7 +308,7 @@ def measure_costs(pipeline, max_width: int, context: int = BASE_CONTEXT,
     that priced 2 rows at 3x one on a busy machine); the tables are fitted nondecreasing in
     the width."""
     target, drafter = pipeline.adapter, pipeline.drafter
-    ids = mx.array([[(17 * i) % target.vocab_size for i in range(context)]], dtype=mx.uint32)
+    ids = _context_ids(target, context)
     cache = target.make_cache()
     _, feats = target.forward(ids, cache)
     mx.eval(feats, [c.state for c in cache])
@@ -337,7 +337,7 @@ def measure_slopes(pipeline, cost: CostModel, long: tuple[int, ...] = LONG_CONTE
     priced by its timed cycles alone for good)."""
     target, context = pipeline.adapter, cost.base
     block = pipeline.drafter.args.block_size if pipeline.drafter is not None else 1
-    ids = mx.array([[(17 * i) % target.vocab_size for i in range(context)]], dtype=mx.uint32)
+    ids = _context_ids(target, context)
     widths = [w for w in SLOPE_WIDTHS if w <= cost.max_width]
     for attempt in range(SLOPE_TRIES):
         v_slope, d_slope, measured = _measure_slopes(pipeline, widths, context, long, ids,
@@ -352,6 +352,11 @@ def measure_slopes(pipeline, cost: CostModel, long: tuple[int, ...] = LONG_CONTE
                                   "their cost is left to the timed cycles, and timed again "
                                   "next time"))
     return replace(cost, verify_slope=v_slope, draft_slope=d_slope, fitted=False)
+
+
+def _context_ids(target, context: int) -> mx.array:
+    """The calibration's prompt [1, context]: fixed ids spread over the vocabulary."""
+    return mx.array([[(17 * i) % target.vocab_size for i in range(context)]], dtype=mx.uint32)
 
 
 def _time_chain(target, cache, anchor, reps: int, steps: int = CHAIN_STEPS) -> float:

@@ -450,8 +450,7 @@ def generate_tokens(target: Target, drafter: Drafter | None, prompt: list[int], 
             tokens.extend(new)
             if index is not None:
                 index.extend(new)
-                if source == LOOKUP and a == width - 1:     # the rest of the run, for free
-                    shadow.follow(choice.guess, width, choice.match, context)
+                shadow.follow(source, width, a, choice.guess, choice.match, context)
                 shadow.commit(new)
             stats.generated_tokens, stats.decode_s = len(tokens), time.perf_counter() - tic
             anchor = step.bonus.reshape(1, 1).astype(mx.uint32)

@@ -211,15 +211,17 @@ def test_a_whole_lookup_run_is_followed_to_where_it_ends():
     shadow = Shadow(policy)
     c = policy.counts_for(LOOKUP, 4)
     policy.update(LOOKUP, 3, 2, None, 4)                    # the verified cycle: 2 of 2
-    shadow.follow([5, 6, 7, 8, 9, 1], 3, 4)
+    shadow.follow(LOOKUP, 3, 2, [5, 6, 7, 8, 9, 1], 4)
     shadow.offer([3, 3], 4)                                 # one at a time: ignored
     shadow.commit([5, 6, 7])                                # the cycle's own commit: bonus 7
     assert c.tries[:4] == [1, 1, 0, 0]                      # still going: nothing learnt yet
     shadow.commit([8, 2])                                   # 8 agrees, 2 is not 9
     assert c.tries[:6] == [1, 1, 1, 1, 1, 0] and c.hits[:5] == [1, 1, 1, 1, 0]
-    shadow.follow([5, 6], 3, 4)                             # nothing past the cycle: no-op
+    shadow.follow(LOOKUP, 3, 2, [5, 6], 4)                  # nothing past the cycle: no-op
+    shadow.follow(LOOKUP, 3, 1, [5, 6, 7], 4)               # a draft failed: no-op
+    shadow.follow(DRAFTER, 3, 2, [5, 6, 7], 4)              # not the lookup's: no-op
     assert shadow.open is None
-    shadow.follow([5, 6, 7], 3, 4)
+    shadow.follow(LOOKUP, 3, 2, [5, 6, 7], 4)
     shadow.commit([5, 6, 7])                                # the whole proposal came true
     assert c.tries[:4] == [1, 1, 2, 1] and c.hits[:4] == [1, 1, 2, 1]
 
