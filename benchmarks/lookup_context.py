@@ -17,7 +17,8 @@ context.
         --shared --repeats 3 --rules default
 
 `--shared` keeps one policy for the whole run, every set and repeat in turn, as a pipeline
-does for its requests (what one request learnt, the next starts from); `--costs` keeps the
+does for its requests (`--order`: which sets, in which order; the bench runs a set's rounds
+in a row, set after set) (what one request learnt, the next starts from); `--costs` keeps the
 calibration in a file, so that runs of two versions of the policy price alike.
 
 `--copy` replays, in place of the model's outputs, the answer a model that copies would give
@@ -128,6 +129,8 @@ def main() -> None:
     ap.add_argument("--rules", default="all", choices=("all", "default"))
     ap.add_argument("--fixed", default="",
                     help="also replay fixed lookup widths per rule, e.g. 8,16 (hindsight)")
+    ap.add_argument("--order", default="",
+                    help="replay only these sets, in this order (names as printed)")
     a = ap.parse_args()
     pipe = dflash2_mlx.load()
     if a.costs and os.path.exists(a.costs):
@@ -162,6 +165,12 @@ def main() -> None:
             if a.outputs:
                 with open(a.outputs, "w") as f:
                     json.dump(runs, f)
+    if a.order:
+        missing = [name for name in a.order.split(",") if name not in runs]
+        if missing:
+            raise SystemExit(f"--order: no outputs for {', '.join(missing)} (have: "
+                             f"{', '.join(runs)}; --sizes and --kinds generate them)")
+        runs = {name: runs[name] for name in a.order.split(",")}
     rules = {"longest, min_n 2": (LookupIndex, LookupConfig(2, 8, 16, None, False)),
              "longest, min_n 3": (LookupIndex, LookupConfig(3, 8, 16, None, False)),
              "longest, +1 per doubling from 2k": (LookupIndex,
@@ -175,28 +184,37 @@ def main() -> None:
         rules = {rule: rules[rule] for rule in rules if rule.endswith("(default)")}
     shared = {rule: AdaptiveWidth(cost, {LOOKUP: 16}) for rule in rules}
     fixed = [int(w) for w in a.fixed.split(",") if w]
-    print("| set | context | rule | lookup cycles | tau | est. speedup |"
+    print("| set | context | rule | lookup cycles | tau | est. speedup | per round |"
           + "".join(f" fixed {w} |" for w in fixed))
-    print("|---|---|---|---|---|---|" + "---|" * len(fixed))
+    print("|---|---|---|---|---|---|---|" + "---|" * len(fixed))
     for name, pairs in runs.items():
         for rule in rules:
             tokens = seconds = cycles = acc = 0
             plain, at_width = 0.0, dict.fromkeys(fixed, 0.0)
+            rounds = [[0.0, 0.0] for _ in range(a.repeats)]    # plain, replayed seconds
             kind, config = rules[rule]
-            for ids, out in pairs * a.repeats:
-                index = kind(config)
-                index.extend(ids + out[:1])
-                policy = shared[rule] if a.shared else AdaptiveWidth(cost, {LOOKUP: 16})
-                t, s, c, k = replay(ids, out, index, policy, cost)
-                tokens, seconds, cycles, acc = tokens + t, seconds + s, cycles + c, acc + k
-                plain += sum(cost.cycle(1, PLAIN, len(ids) + j) for j in range(1, len(out)))
-                for w in fixed:
-                    at_width[w] += replay_fixed(ids, out, kind(config, ids + out[:1]), w, cost)
+            for r in range(a.repeats):
+                for ids, out in pairs:
+                    index = kind(config)
+                    index.extend(ids + out[:1])
+                    policy = shared[rule] if a.shared else AdaptiveWidth(cost, {LOOKUP: 16})
+                    t, s, c, k = replay(ids, out, index, policy, cost)
+                    tokens, seconds, cycles, acc = tokens + t, seconds + s, cycles + c, acc + k
+                    p = sum(cost.cycle(1, PLAIN, len(ids) + j) for j in range(1, len(out)))
+                    plain += p
+                    rounds[r][0] += p
+                    rounds[r][1] += s
+                    if r:
+                        continue
+                    for w in fixed:
+                        at_width[w] += replay_fixed(ids, out, kind(config, ids + out[:1]), w,
+                                                    cost)
             ctx = sum(len(ids) for ids, _ in pairs) // len(pairs)
             tau = (acc + cycles) / cycles if cycles else 1.0
+            once = rounds[0][0]                 # fixed widths: one round (they learn nothing)
             print(f"| {name} | {ctx} | {rule} | {cycles} | {tau:.2f} | "
-                  f"{plain / seconds:.2f}x |" + "".join(f" {plain / at_width[w]:.2f}x |"
-                                                        for w in fixed), flush=True)
+                  f"{plain / seconds:.2f}x | {', '.join(f'{p / s:.2f}' for p, s in rounds)} |"
+                  + "".join(f" {once / at_width[w]:.2f}x |" for w in fixed), flush=True)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ context size, the drafter's per context size from 1k tokens): counts of the rece
 each position (older tries decay), so a change of content - code to chat - shows within tens
 of cycles. From 1k tokens an estimate without evidence starts where a 2-row cycle is the
 widest worth verifying at that context (`prior_at`), not at the short-context prior: a wide
-cycle that fails costs several plain steps there. The lookup's proposals that no
+cycle that fails costs several plain steps there, and the lookup's evidence from other
+requests counts as one try beside the request's own (`CARRY`). The lookup's proposals that no
 cycle verified are scored against the tokens that committed (`Shadow`), so its
 estimates stay current for free; the drafter's cannot be, so while the policy decodes plainly
 it drafts one token now and then to notice when drafting pays again: probes spaced so that
@@ -48,6 +49,14 @@ MATCH_BUCKETS = (1, 2, 3, 4, 8)     # lookup suffix lengths tracked apart: n, or
 # per context size and start where 2 rows are the most a cycle should verify (`prior_at`), not
 # at `prior`: an unproven 8- or 16-row cycle that fails costs ~3 plain steps at 2k tokens
 LONG_BUCKET = 2
+# From LONG_BUCKET, the lookup's evidence from other sequences (requests before, the rest of a
+# batch) weighs as this many tries at most beside the sequence's own: its acceptance is the
+# request's content, and there a failing wide cycle costs several plain steps. A request whose
+# lookup failed right after one that copied (an edit after a quoted log at 4k tokens) kept
+# verifying wide blocks until ~14 failures had halved the other's decayed tries. Replayed in
+# the bench's order of sets, the worst round went from 0.86x to 0.95x plain, the geometric
+# mean from 1.090x to 1.096x; a request alone is priced as before (docs/benchmarks.md).
+CARRY = 1.0
 
 
 class PositionCounts:
@@ -128,15 +137,19 @@ class AdaptiveWidth:
         self.probing = self.probe_again = False
         # the timed cycles against the model (`cycle_keys`)
         self.correction = Correction(decay)
+        # this sequence's own lookup counts at long context (`_evidence`), fresh per sequence
+        self.own: dict[str, PositionCounts] = {}
 
     def for_sequence(self) -> "AdaptiveWidth":
         """A policy for one more sequence decoding beside this one (a batch): the same cost
         model, acceptance estimates and timed corrections, shared (what any sequence learns,
         every one uses, and the next request starts from it, as one at a time: a fresh
         estimate per request started at the prior and drafted low-acceptance blocks into every
-        batch), and its own probe state (plain_run, probing, probe_again)."""
+        batch), and its own probe state (plain_run, probing, probe_again) and lookup counts at
+        long context (`own`: beside them, the others' evidence weighs `CARRY` tries at most)."""
         other = copy.copy(self)                 # the containers are shared, not copied
         other.plain_run, other.probing, other.probe_again = 0, False, False
+        other.own = {}
         return other
 
     def cycle_cost(self, width: int, source: str = DRAFTER, context: int | None = None) -> float:
@@ -152,29 +165,48 @@ class AdaptiveWidth:
         (a drafter that pays on a short prompt accepts little after 2k tokens); the lookup's
         per suffix length bucket and per context size at every length (a recurring 3-gram in
         8k tokens of code is a weaker cue than in a short chat)."""
+        return self._counts(self.counts, source, match_n, context)
+
+    def _counts(self, table: dict, source: str, match_n: int,
+                context: int | None) -> PositionCounts:
         bucket = context_bucket(context)
         if source == LOOKUP:
             key = (f"{LOOKUP}:{max([b for b in MATCH_BUCKETS if b <= match_n] or [0])}"
                    f":{bucket}")
         else:
             key = source if bucket < LONG_BUCKET else f"{source}:{bucket}"
-        if key not in self.counts:
-            self.counts[key] = PositionCounts(self.widths[source] - 1, self.decay)
-        return self.counts[key]
+        if key not in table:
+            table[key] = PositionCounts(self.widths[source] - 1, self.decay)
+        return table[key]
 
     def alphas(self, source: str = DRAFTER, match_n: int = 0,
                context: int | None = None) -> list[float]:
         """Estimated alpha_k of a source (the lookup's: for suffix matches of length
         `match_n` at this context size). Position 1 starts from `prior_at`; a later position
         starts from the estimate of the one before it, so positions that are rarely reached
-        (drafting goes badly) do not keep an optimistic prior that has no evidence."""
+        (drafting goes badly) do not keep an optimistic prior that has no evidence. The
+        evidence: `_evidence`."""
         c = self.counts_for(source, match_n, context)
         out, prior = [], self.prior_at(source, context)
-        for h, t in zip(c.hits, c.tries):
+        for h, t in self._evidence(c, source, match_n, context):
             prior = (h + prior * self.prior_tries) / (t + self.prior_tries)
             out.append(prior)
         unproven = context_bucket(context) >= LONG_BUCKET and c.tries and not c.tries[0]
         return out[:1] if unproven else out
+
+    def _evidence(self, c: PositionCounts, source: str, match_n: int, context: int | None):
+        """(hits, tries) per position: the shared counts `c`; the lookup's from `LONG_BUCKET`
+        this sequence's own plus the other sequences' weighing `CARRY` tries at most (its
+        acceptance is the request's content: what it copies, from its own context)."""
+        if source != LOOKUP or context_bucket(context) < LONG_BUCKET:
+            return zip(c.hits, c.tries)
+        own = self._counts(self.own, source, match_n, context)
+        out = []
+        for h, t, oh, ot in zip(c.hits, c.tries, own.hits, own.tries):
+            others = max(t - ot, 0.0)
+            scale = min(1.0, CARRY / others) if others > 1e-9 else 0.0
+            out.append((oh + scale * max(h - oh, 0.0), ot + scale * others))
+        return out
 
     def prior_at(self, source: str, context: int | None) -> float:
         """alpha_1 before any evidence: `prior`; the lookup's from `LONG_BUCKET` at most the
@@ -269,6 +301,8 @@ class AdaptiveWidth:
         position to count (a `Shadow` following the rest of a verified lookup run)."""
         if width > 1:
             self.counts_for(source, match_n, context).update(width, accepted, first)
+            if source == LOOKUP and context_bucket(context) >= LONG_BUCKET:
+                self._counts(self.own, source, match_n, context).update(width, accepted, first)
         if self.probing and source == DRAFTER:        # (shadows score the lookup only)
             self.probe_again, self.probing = accepted > 0, False
         if seconds is not None:

@@ -200,7 +200,7 @@ class Pipeline:
             _notice(f"the prompt has {len(ids)} tokens, at or beyond max_ctx={self.max_ctx}: "
                     "plain target decoding")
             b = 1
-        policy = self.width_policy() if b == "auto" else FixedWidth(b)
+        policy = self.width_policy().for_sequence() if b == "auto" else FixedWidth(b)
         stop_ids = self.stop_ids(stop_tokens)
         stats = GenerationStats(block_size=b)
         text = SequenceText(self.tokenizer, stop_ids)

@@ -237,6 +237,33 @@ def test_the_lookup_is_never_probed():
     assert alone.next_plain({LOOKUP: 16})
 
 
+def test_at_long_context_a_request_trusts_its_own_failures_over_what_others_taught():
+    """From LONG_BUCKET, the lookup's evidence from other sequences weighs as `CARRY` tries at
+    most beside a sequence's own: a request whose lookup fails drops from 16 rows at once
+    and to 2 within five failures, although the request before it (same suffix length, same
+    context size) copied for 40 cycles. One estimate for both, as before, kept verifying 16
+    rows after 12 such failures; a sequence alone still does (its own 40 copies)."""
+    cost = CostModel(COST.draft_table, COST.verify_table, 128, (3e-6, 0.0), (4e-7, 0.0))
+    n, offer = 4096, {LOOKUP: 16}
+
+    def copied(policy):                     # a quoted log: 40 cycles, every draft right
+        for _ in range(40):
+            w = max(policy.choose(offer, 8, n)[1], 2)
+            policy.update(LOOKUP, w, w - 1, None, 8, n)
+        return policy
+
+    def fail(policy, times=5):              # then drafts that fail at the first position
+        for _ in range(times):
+            policy.update(LOOKUP, max(policy.choose(offer, 8, n)[1], 2), 0, None, 8, n)
+        return policy.choose(offer, 8, n)[1]
+
+    editing = copied(AdaptiveWidth(cost, offer)).for_sequence()
+    assert editing.choose(offer, 8, n)[1] >= 8               # starts from what was taught
+    assert fail(editing, 1) <= 4
+    assert fail(editing, 4) <= 2
+    assert fail(copied(AdaptiveWidth(cost, offer))) >= 8     # its own 40 copies outweigh them
+
+
 @pytest.fixture
 def pipe(llama_dir, dflash2_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path / "cache"))
