@@ -2,6 +2,7 @@
 
     python benchmarks/cost_model.py [--model M --draft D] [--contexts 100,1024,4096,8192]
                                     [--widths 1,2,4,8,16] [--real-up-to 1024] [--reps 3]
+                                    [--slope-contexts 2048/4096/2048,8192]
 
 Calibrates (`costs.measure_costs`, timed: the calibration's own cost), then at each context
 builds the target's cache by a real prefill (contexts up to `--real-up-to`; longer ones take
@@ -10,7 +11,9 @@ prefill's features (or random ones), and times the verify of each width and the 
 pass, round-robin, against what the model predicts. Prints ms measured / predicted and their
 ratio per context and width (verify), and the drafter's pass per context (point 4 of issue 21:
 how the drafter's cost grows with the context). Only ratios measured in one run mean anything
-on a shared machine; the load average is printed.
+on a shared machine; the load average is printed. `--slope-contexts`: the long contexts the
+slopes are fitted at, one fit per '/'-separated choice (the first is the package's
+`costs.LONG_CONTEXTS`), each priced against the same measured forwards.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import time
 import mlx.core as mx
 
 import dflash2_mlx
-from dflash2_mlx.costs import grow_cache, measure_costs
+from dflash2_mlx.costs import LONG_CONTEXTS, grow_cache, measure_costs, measure_slopes
 from dflash2_mlx.sampling import Sampling
 
 
@@ -35,21 +38,31 @@ def main() -> None:
     ap.add_argument("--widths", default="1,2,4,8,16")
     ap.add_argument("--real-up-to", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--slope-contexts", default="/".join(
+        [",".join(map(str, LONG_CONTEXTS)), "4096", "2048,8192"]))
     a = ap.parse_args()
     pipe = dflash2_mlx.load(a.model, a.draft)
     target, drafter = pipe.adapter, pipe.drafter
     widths = [int(w) for w in a.widths.split(",")]
     print(f"load average before: {os.getloadavg()}")
     tic = time.perf_counter()
-    model = measure_costs(pipe, pipe.max_width(True))
-    print(f"calibration: {time.perf_counter() - tic:.1f} s; verify slope (per row, per "
-          f"forward) {model.verify_slope[0] * 1e9:.1f} / {model.verify_slope[1] * 1e9:.1f} "
-          f"ns per token, draft slope {model.draft_slope[0] * 1e9:.1f} / "
-          f"{model.draft_slope[1] * 1e9:.1f}")
+    choices = [tuple(int(n) for n in c.split(",")) for c in a.slope_contexts.split("/")]
+    model = measure_costs(pipe, pipe.max_width(True), long=choices[0])
+    print(f"calibration: {time.perf_counter() - tic:.1f} s")
+    models = {choices[0]: model}
+    for long in choices[1:]:
+        tic = time.perf_counter()
+        models[long] = measure_slopes(pipe, model, long)
+        print(f"slopes at {long}: {time.perf_counter() - tic:.1f} s")
+    for long, m in models.items():
+        print(f"slopes at {long}: verify (per row, per forward) {m.verify_slope[0] * 1e9:.1f}"
+              f" / {m.verify_slope[1] * 1e9:.1f} ns per token, draft "
+              f"{m.draft_slope[0] * 1e9:.1f} / {m.draft_slope[1] * 1e9:.1f}")
     greedy, block = Sampling(), drafter.args.block_size
-    print("| context | cache | " + " | ".join(f"verify w={w} ms (model)" for w in widths)
+    print("| context | cache | slopes at | "
+          + " | ".join(f"verify w={w} ms (model)" for w in widths)
           + f" | draft w={block} ms (model) |")
-    print("|---" * (len(widths) + 3) + "|")
+    print("|---" * (len(widths) + 4) + "|")
     for n in [int(x) for x in a.contexts.split(",")]:
         real = n <= a.real_up_to
         start = n if real else min(n, 128)
@@ -78,11 +91,12 @@ def main() -> None:
                                     mx.random.key(0)).tokens)
             if rep:
                 d.append(time.perf_counter() - t)
-        cells = [f"{1e3 * statistics.median(v[w]):.0f} ({1e3 * model.verify(w, n):.0f})"
-                 for w in widths]
-        print(f"| {n} | {'prefill' if real else 'grown'} | " + " | ".join(cells) +
-              f" | {1e3 * statistics.median(d):.0f} ({1e3 * model.draft(block, n):.0f}) |",
-              flush=True)
+        for i, (long, m) in enumerate(models.items()):
+            cells = [f"{1e3 * statistics.median(v[w]):.0f} ({1e3 * m.verify(w, n):.0f})"
+                     for w in widths]
+            print(f"| {n} | {'prefill' if real else 'grown'} | {'/'.join(map(str, long))} | "
+                  + " | ".join(cells) + f" | {1e3 * statistics.median(d):.0f} "
+                  f"({1e3 * m.draft(block, n):.0f}) |", flush=True)
         del cache, dcache
         mx.clear_cache()
     print(f"load average after: {os.getloadavg()}")
