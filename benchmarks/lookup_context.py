@@ -17,9 +17,10 @@ context.
         --shared --repeats 3 --rules default
 
 `--shared` keeps one policy for the whole run, every set and repeat in turn, as a pipeline
-does for its requests (`--order`: which sets, in which order; the bench runs a set's rounds
-in a row, set after set) (what one request learnt, the next starts from); `--costs` keeps the
-calibration in a file, so that runs of two versions of the policy price alike.
+does for its requests (what one request learnt, the next starts from); `--order` names the
+sets replayed and their order (the bench runs a set's rounds in a row, set after set);
+`--costs` keeps the calibration in a file, so that runs of two versions of the policy price
+alike.
 
 `--copy` replays, in place of the model's outputs, the answer a model that copies would give
 to each long-edit prompt: its function, renamed, in a code block (no generation: only the
@@ -189,8 +190,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|" + "---|" * len(fixed))
     for name, pairs in runs.items():
         for rule in rules:
-            tokens = seconds = cycles = acc = 0
-            plain, at_width = 0.0, dict.fromkeys(fixed, 0.0)
+            cycles = acc = 0
+            at_width = dict.fromkeys(fixed, 0.0)
             rounds = [[0.0, 0.0] for _ in range(a.repeats)]    # plain, replayed seconds
             kind, config = rules[rule]
             for r in range(a.repeats):
@@ -198,11 +199,10 @@ def main() -> None:
                     index = kind(config)
                     index.extend(ids + out[:1])
                     policy = shared[rule] if a.shared else AdaptiveWidth(cost, {LOOKUP: 16})
-                    t, s, c, k = replay(ids, out, index, policy, cost)
-                    tokens, seconds, cycles, acc = tokens + t, seconds + s, cycles + c, acc + k
-                    p = sum(cost.cycle(1, PLAIN, len(ids) + j) for j in range(1, len(out)))
-                    plain += p
-                    rounds[r][0] += p
+                    _, s, c, k = replay(ids, out, index, policy, cost)
+                    cycles, acc = cycles + c, acc + k
+                    rounds[r][0] += sum(cost.cycle(1, PLAIN, len(ids) + j)
+                                        for j in range(1, len(out)))
                     rounds[r][1] += s
                     if r:
                         continue
@@ -211,6 +211,7 @@ def main() -> None:
                                                     cost)
             ctx = sum(len(ids) for ids, _ in pairs) // len(pairs)
             tau = (acc + cycles) / cycles if cycles else 1.0
+            plain, seconds = (sum(col) for col in zip(*rounds))
             once = rounds[0][0]                 # fixed widths: one round (they learn nothing)
             print(f"| {name} | {ctx} | {rule} | {cycles} | {tau:.2f} | "
                   f"{plain / seconds:.2f}x | {', '.join(f'{p / s:.2f}' for p, s in rounds)} |"
