@@ -172,7 +172,8 @@ def run_bench(model: str, draft: str, prompt_sets: dict[str, Sequence[str]], *,
               block_sizes: Sequence[int | str] = (2, 4, 8, "auto"),
               temperatures: Sequence[float] = (0.0, 1.0), max_tokens: int = 128,
               lookup: bool = True, reference: bool = True, seed: int = 0,
-              repeats: int = 1) -> dict:
+              repeats: int = 1, earlier: dict | None = None,
+              checkpoint: Callable[[dict], None] | None = None) -> dict:
     """Run every system on every prompt of each set, alternating; return JSON-ready results
     keyed "<set> T=<t>". Systems: mlx-lm; per block size b, "dflash2-mlx b=<b>" (the drafter
     alone, b up to its block size), "hybrid b=<b>" (drafter and lookup, with `lookup`) and
@@ -185,7 +186,12 @@ def run_bench(model: str, draft: str, prompt_sets: dict[str, Sequence[str]], *,
     Sets named "long-..." (`prompt_sets.LONG_SIZES`) prefill each prompt once (`prefilled`)
     and run every system of ours from a copy of that state, against plain decoding from the
     same state ("dflash2-mlx b=1", the baseline of their speedups); mlx-lm and the reference
-    would prefill again (minutes at 8k) and are left out there."""
+    would prefill again (minutes at 8k) and are left out there.
+
+    earlier: the results of an unfinished run (`unfinished`); with the same setup its parts
+    are kept as measured and only the rest run (the policy starts fresh: what it learned in
+    the kept parts is gone). checkpoint: called with the results after every part, so an
+    interrupted run can resume; `setup["complete"]` is False until the last part is in."""
     import dflash2_mlx
 
     from .loading import resolve, save_drafter, stored_quantization
@@ -228,7 +234,9 @@ def run_bench(model: str, draft: str, prompt_sets: dict[str, Sequence[str]], *,
                                "max_tokens": max_tokens, "block_sizes": list(block_sizes),
                                "temperatures": list(temperatures), "seed": seed,
                                "lookup": lookup, "drafter_block_size": block,
-                               "repeats": repeats}}
+                               "repeats": repeats, "reference": reference,
+                               "complete": False}}
+    kept = _kept_parts(earlier, results["setup"])
     long_systems: dict[str, Callable] = {PLAIN_NAME: (
         lambda ids, t, s, state: _ours(pipe, ids, t, max_tokens, s, 1, False, state))}
     for b in block_sizes:
@@ -242,6 +250,10 @@ def run_bench(model: str, draft: str, prompt_sets: dict[str, Sequence[str]], *,
         long = set_name.startswith("long-")
         chosen, baseline = (long_systems, PLAIN_NAME) if long else (systems, "mlx-lm")
         for temperature in temperatures:
+            key = f"{set_name} T={temperature:g}"
+            if key in kept:
+                results[key] = kept[key]
+                continue
             runs: dict[str, list[Run]] = {name: [] for name in chosen}
             mismatches, prefill_s = [], []
             for i, ids in enumerate(log.progress(encoded, f"{set_name} T={temperature:g}",
@@ -263,7 +275,6 @@ def run_bench(model: str, draft: str, prompt_sets: dict[str, Sequence[str]], *,
                         mismatches += [f"prompt {i}: {n}" for n, o in outs.items()
                                        if o != base]
             table = add_ratios({name: summarize(r) for name, r in runs.items()}, baseline)
-            key = f"{set_name} T={temperature:g}"
             results[key] = {"systems": table, "baseline": baseline,
                             "prompt_tokens": float(np.mean([len(x) for x in encoded]))}
             if long:
@@ -272,7 +283,42 @@ def run_bench(model: str, draft: str, prompt_sets: dict[str, Sequence[str]], *,
             if temperature == 0:
                 results[key]["greedy_identical"] = not mismatches
                 results[key]["mismatches"] = mismatches
+            if checkpoint is not None:
+                checkpoint(results)
+    results["setup"]["complete"] = True
     return results
+
+
+def unfinished(out: Path) -> dict | None:
+    """The results in `out/bench.json` when that run stopped before its last part, else None
+    (no file, or a finished run: those are measured again, as asked)."""
+    path = out / "bench.json"
+    if not path.exists():
+        return None
+    try:
+        results = json.loads(path.read_text())
+        done = results["setup"].get("complete", True)    # files from before resuming: finished
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path}: not the bench.json of a bench run ({type(e).__name__}: "
+                         f"{e}); move it away or choose another --out") from None
+    return None if done else results
+
+
+def _kept_parts(earlier: dict | None, setup: dict) -> dict:
+    """The parts of `earlier` worth keeping: all of them when its setup is ours, else none."""
+    if earlier is None:
+        return {}
+    theirs = {k: v for k, v in earlier["setup"].items() if k != "complete"}
+    ours = {k: v for k, v in setup.items() if k != "complete"}
+    parts = dict(_parts(earlier))
+    if theirs != ours:
+        differ = sorted(k for k in theirs.keys() | ours.keys() if theirs.get(k) != ours.get(k))
+        _log.info(f"the unfinished run in --out had other settings ({', '.join(differ)}): "
+                  f"its {len(parts)} part(s) are measured again")
+        return {}
+    _log.info(f"resuming an unfinished run: {len(parts)} part(s) kept as measured "
+              f"({', '.join(parts) or 'none'}); delete its bench.json to start over")
+    return parts
 
 
 def _parts(results: dict):
@@ -395,11 +441,14 @@ def _plot_context(plt, parts, path: Path) -> Path:
     return path
 
 
-def write(results: dict, out: Path) -> None:
+def write(results: dict, out: Path, plots: bool = True) -> None:
+    """bench.json and bench.md, then (with `plots` and matplotlib) the plots."""
     with atomic_write(out / "bench.json") as f:
         f.write(json.dumps(results, indent=1) + "\n")
     with atomic_write(out / "bench.md") as f:
         f.write(markdown(results))
+    if not plots:
+        return
     try:
         paths = plot(results, out)
         _log.info("wrote " + ", ".join(str(p) for p in [out / "bench.json", *paths]))

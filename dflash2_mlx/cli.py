@@ -418,7 +418,8 @@ def bench(
     reference: bool = typer.Option(True, "--reference/--no-reference",
                                    help="Include dflash.model_mlx when it is importable"),
     out: Path = typer.Option(Path("bench-results"), "--out", help="Folder for bench.json, "
-                             "bench.md and the plots"),
+                             "bench.md and the plots; an unfinished run there with the same "
+                             "settings resumes"),
     verbose: bool = typer.Option(False, "--verbose", help="Tracebacks"),
 ):
     """Plain mlx-lm vs dflash2-mlx per block size (drafter alone and hybrid) vs the reference."""
@@ -434,7 +435,7 @@ def bench(
             draft = draft or default_draft
         if draft is None:
             raise ValueError("--draft: a drafter is needed to benchmark speculative decoding")
-        from .bench import markdown, run_bench, write
+        from .bench import markdown, run_bench, unfinished, write
         from .prompt_sets import PROMPT_SETS
 
         names = [n.strip() for n in prompt_sets.split(",") if n.strip()]
@@ -442,11 +443,13 @@ def bench(
         if unknown or not names:
             raise ValueError(f"--prompt-sets: {', '.join(unknown) or 'nothing'} is not one of "
                              f"{', '.join(PROMPT_SETS)}")
+        earlier = unfinished(out)
         with contextlib.redirect_stdout(sys.stderr):
             chosen = {n: PROMPT_SETS[n](prompts) for n in names}
             results = run_bench(model, draft, chosen, block_sizes=sizes, temperatures=temps,
                                 max_tokens=max_tokens, lookup=lookup, reference=reference,
-                                repeats=repeats)
+                                repeats=repeats, earlier=earlier,
+                                checkpoint=lambda r: write(r, out, plots=False))
         write(results, out)
         print(markdown(results))
 

@@ -5,7 +5,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dflash2_mlx.bench import add_ratios, markdown, run_bench, summarize, Run
+import pytest
+
+from dflash2_mlx.bench import add_ratios, markdown, run_bench, summarize, unfinished, write, Run
 from dflash2_mlx.engine import Cycle
 from fixtures import drafter_args, write_drafter
 
@@ -115,6 +117,47 @@ def test_long_context_sets_prefill_once_and_compare_with_plain(llama_dir, tmp_pa
     assert part["systems"]["dflash2-mlx b=1"]["speedup"] == 1.0
     assert part["prompt_tokens"] > 100
     assert "speedup over dflash2-mlx b=1" in markdown(results)
+
+
+def test_an_interrupted_bench_resumes_keeping_the_parts_it_measured(llama_dir, tmp_path,
+                                                                    monkeypatch):
+    """bench.json after every part, marked unfinished; run again with the same settings, the
+    kept parts are not measured again; other settings, or a finished run, are measured anew."""
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path))
+    drafter = write_drafter(tmp_path / "b4", drafter_args(dflash2=True, block_size=4), seed=2)
+    sets, out = {"code": ["def add(a, b):"], "chat": ["Hello there"]}, tmp_path / "out"
+    kw = dict(block_sizes=(2,), temperatures=(0.0,), reference=False)
+
+    class Interrupted(Exception):
+        pass
+
+    def stop_after_one(results):
+        write(results, out, plots=False)
+        raise Interrupted
+
+    with pytest.raises(Interrupted):
+        run_bench(str(llama_dir), str(drafter), sets, max_tokens=8, checkpoint=stop_after_one,
+                  **kw)
+    earlier = unfinished(out)
+    assert [k for k in earlier if k != "setup"] == ["code T=0"]
+    assert earlier["setup"]["complete"] is False and "**code T=0**" in (out / "bench.md").read_text()
+
+    measured = []
+    results = run_bench(str(llama_dir), str(drafter), sets, max_tokens=8, earlier=earlier,
+                        checkpoint=lambda r: measured.append(list(r)[1:]), **kw)
+    assert measured == [["code T=0", "chat T=0"]]         # one part measured: the chat one
+    assert results["code T=0"] == earlier["code T=0"] and results["setup"]["complete"]
+    write(results, out, plots=False)
+    assert unfinished(out) is None                         # finished: a rerun measures anew
+
+    measured.clear()
+    other = run_bench(str(llama_dir), str(drafter), sets, max_tokens=6, earlier=earlier,
+                      checkpoint=lambda r: measured.append(list(r)[1:]), **kw)
+    assert len(measured) == 2 and other["setup"]["max_tokens"] == 6
+
+    (out / "bench.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"out/bench.json: not the bench.json of a bench run"):
+        unfinished(out)
 
 
 def test_long_prompt_sets_reach_their_sizes():
