@@ -7,9 +7,10 @@ context (`LookupConfig.grow_from`: one more per doubling from 2k or from 1k toke
 kept on the source being copied while it agrees (`LookupConfig.sticky`, the default), and the
 most recent occurrence of any suffix long enough (the shortest one's: every
 occurrence of a longer suffix is one of the shorter). The policy is `AdaptiveWidth` with the
-lookup alone, its estimates learnt from its cycles and from `Shadow` as in the engine. Per
-set and rule: the lookup's cycles, tau, and the estimated speedup over plain decoding at that
-context.
+lookup alone, its estimates learnt from its cycles and from `Shadow` as in the engine, its plain
+steps run in launch chains as the engine runs them (`AdaptiveWidth.launch_next`; a step that
+starts a chain pays `CostModel.relaunch`). Per set and rule: the lookup's cycles, tau, and the
+estimated speedup over plain decoding at that context (plain: one unbroken chain).
 
     python benchmarks/lookup_context.py --sizes 2k --max-tokens 96 --outputs /tmp/lk.json
     python benchmarks/lookup_context.py --sizes 2k,4k,8k --copy
@@ -36,6 +37,7 @@ import os
 import dflash2_mlx
 from dflash2_mlx.adaptive import LOOKUP, PLAIN, AdaptiveWidth, Shadow, load_or_measure_costs
 from dflash2_mlx.costs import CostModel, measure_costs
+from dflash2_mlx.engine import PlainClock
 from dflash2_mlx.lookup import LookupConfig, LookupIndex
 from dflash2_mlx.prompt_sets import LONG_SIZES, PROMPT_SETS, _last_function, long_edit_prompts
 
@@ -67,17 +69,23 @@ def _copy_answer(pipe, prompt: str) -> tuple[list[int], list[int]]:
 
 
 def replay(prompt, output, index, policy, cost):
-    """The lookup-or-plain policy over `output` -> (tokens, seconds, cycles, accepted)."""
+    """The lookup-or-plain policy over `output` -> (tokens, seconds, cycles, accepted). Plain
+    steps run in launch chains as in the engine (`engine.generate_tokens`): a plain step
+    launches the next one when the policy says the next will be plain too (`next_plain`), a
+    launched step is plain whatever the policy chooses, and a step not launched pays the graph
+    build a chain hides (`CostModel.plain` against the one-row verify)."""
     policy = policy.for_sequence()          # a request of its own (shared estimates)
     shadow = Shadow(policy, LOOKUP)
-    n, seconds, cycles, accepted = 1, 0.0, 0, 0
+    n, seconds, cycles, accepted, launched = 1, 0.0, 0, 0, False
+    clock = PlainClock()
     while n < len(output):
         context = len(prompt) + n
         room = len(output) - n + 1
         found = index.propose(min(16, room) - 1) if room > 1 else None
         match, guess = found or (0, None)
         available = {LOOKUP: min(16, room)} if guess else {}
-        source, w = policy.choose(available, match, context)
+        choice = policy.choose(available, match, context, launched)
+        source, w = (PLAIN, 1) if launched else choice
         a = 0
         if source == LOOKUP:
             while a < w - 1 and guess[a] == output[n + a]:
@@ -87,7 +95,17 @@ def replay(prompt, output, index, policy, cost):
             shadow.offer(guess, match, context)
         new = output[n : n + a + 1]
         took = cost.cycle(w, source if w > 1 else PLAIN, context)
-        policy.update(source, w, a, took, match, context)
+        timed = took
+        if source == PLAIN:
+            if not launched:                        # a chain starts: its build unhidden
+                took += cost.verify(1, context) - cost.plain(1, context)
+            was, launched = launched, room > 1 and policy.launch_next(choice, available, match,
+                                                                       context + 1)
+            timed = clock.plain(took, was, launched)       # the engine's view of the chain
+            timed = timed if clock.long(launched) else None
+        else:
+            launched = False
+        policy.update(source, w, a, timed, match, context)
         seconds += took
         index.extend(new)
         shadow.follow(source, w, a, guess, match, context)              # as the engine
@@ -98,7 +116,8 @@ def replay(prompt, output, index, policy, cost):
 
 def replay_fixed(prompt, output, index, width, cost) -> float:
     """A fixed-width lookup over `output` (`width` rows wherever the lookup proposes, plain
-    elsewhere) -> seconds, as the cost model prices them."""
+    elsewhere, launching no next step: any may draft) -> seconds, as the cost model prices
+    them."""
     n, seconds = 1, 0.0
     while n < len(output):
         context, room = len(prompt) + n, len(output) - n + 1
@@ -107,6 +126,8 @@ def replay_fixed(prompt, output, index, width, cost) -> float:
         while found and a < w - 1 and found[1][a] == output[n + a]:
             a += 1
         seconds += cost.cycle(w, LOOKUP if w > 1 else PLAIN, context)
+        if w == 1 and width > 1:            # it launches no next step: built unhidden
+            seconds += cost.verify(1, context) - cost.plain(1, context)
         index.extend(output[n : n + a + 1])
         n += a + 1
     return seconds

@@ -23,7 +23,10 @@ cycle verified are scored against the tokens that committed (`Shadow`), so its
 estimates stay current for free; the drafter's cannot be, so while the policy decodes plainly
 it drafts one token now and then to notice when drafting pays again: probes spaced so that
 what they cost over plain steps stays under 1% of the time where drafting is far from paying
-(5% where it nearly pays, where probes are worth more), at every context length.
+(5% where it nearly pays, where probes are worth more), at every context length. A plain step
+launches the next one before its token is read (`launch_next`), so a chain of them hides each
+step's graph build; a draft wanted on a launched step breaks the chain only when it is worth
+the restart.
 """
 
 from __future__ import annotations
@@ -102,6 +105,11 @@ class FixedWidth:
         """Whether the next cycle will surely be a plain step: only at width 1 (a fixed width
         drafts whenever a source can, the lookup included)."""
         return self.width == 1
+
+    def launch_next(self, choice: tuple[str, int], available: dict[str, int],
+                    match_n: int = 0, context: int | None = None) -> bool:
+        """Whether a plain step launches the next one: as `next_plain`."""
+        return self.next_plain(available, context)
 
     def update(self, source: str, width: int, accepted: int, seconds: float | None = None,
                match_n: int = 0, context: int | None = None, first: int = 1) -> None:
@@ -260,6 +268,38 @@ class AdaptiveWidth:
             return DRAFTER, 2
         self.plain_run += 1
         return best
+
+    def launch_next(self, choice: tuple[str, int], available: dict[str, int],
+                    match_n: int = 0, context: int | None = None) -> bool:
+        """Whether a plain step launches the next one (`engine._plain_step`; that cycle is then
+        plain whatever it chooses). choice: this cycle's (source, width) from `choose`; a
+        draft on a launched step, which could not be made: the chain breaks for it, the next
+        cycle free to draft, only when that draft is worth the chain's restart
+        (`CostModel.relaunch`), or when its estimate has no evidence yet (only a cycle
+        proves it); else as `next_plain`. The next cycle's draft is a lookup's only if the
+        launched step's token is the one proposed (alpha_1), and then its match is one token
+        longer (`LookupIndex.match` copies on): its worth is the seconds the best cycle at
+        that length saves over plain steps, for as many cycles as a run of them lasts.
+        long-agent-2k: 3-token suffixes that predict about half the time, whose 4-token
+        continuations rarely do, broke 6-12 chains per request (`docs/benchmarks.md`)."""
+        source, width = choice
+        if width > 1:
+            c = self.counts_for(source, match_n, context)
+            if not next(iter(self._evidence(c, source, match_n, context)), (0.0, 0.0))[1]:
+                return False
+            chance, longer = ((self.alphas(source, match_n, context)[0], match_n + 1)
+                              if source == LOOKUP else (1.0, match_n))
+            plain, worth = self.cycle_cost(1, PLAIN, context), 0.0
+            tokens, p = 1.0, 1.0                 # E(w) and P(all w - 1 drafts pass)
+            for w, alpha in zip(range(2, min(available[source], self.widths[source]) + 1),
+                                self.alphas(source, longer, context)):
+                p *= alpha
+                tokens += p
+                saves = tokens * plain - self.cycle_cost(w, source, context)
+                worth = max(worth, saves / (1.0 - min(p, 0.95)))   # a run: while all pass
+            if chance * worth > self.cost.relaunch:
+                return False
+        return self.next_plain(available, context)
 
     def next_plain(self, available: dict[str, int], context: int | None = None) -> bool:
         """Whether the next cycle will be a plain step unless the lookup finds a match: plain

@@ -200,6 +200,15 @@ class BatchAwareWidth:
         alone = not self.planned and not self.after.count
         return self.inner.next_plain(available, context) if alone else self.plain_next
 
+    def launch_next(self, choice: tuple[str, int], available: dict, match_n: int = 0,
+                    context: int | None = None) -> bool:
+        """Whether its plain step launches the next one: alone as AdaptiveWidth says (a draft
+        it could not make on a launched step breaks the chain only when worth it); in a batch
+        when this step's choice was plain and `next_plain`."""
+        if not self.planned and not self.after.count:
+            return self.inner.launch_next(choice, available, match_n, context)
+        return choice[1] == 1 and self.plain_next
+
     def update(self, source: str, width: int, accepted: int, *args, **kwargs) -> None:
         if self.probing and source == DRAFTER:
             self.probe_again, self.probing = accepted > 0, False
@@ -617,8 +626,8 @@ class BatchEngine:
         if source == PLAIN:
             plan = _Plan(seq, PLAIN, 1, choice.match, draft_key=k_draft, want=want,
                          sample_key=seq.launched if forced else k_accept)
-            launch = (room > 1 and choice.source == PLAIN
-                      and seq.policy.next_plain(choice.available, context + 1))
+            launch = room > 1 and seq.policy.launch_next(
+                (choice.source, choice.width), choice.available, choice.match, context + 1)
             seq.launched = k_draft if launch else None
             return plan
         anchor = mx.array([[seq.tokens[-1]]], dtype=mx.uint32)

@@ -75,11 +75,16 @@ class CostModel:
 
     def plain(self, rows: int = 1, context: int | None = None) -> float:
         """Seconds of a plain step of `rows` sequences (one row each) in a chain launched
-        ahead: the verify less the graph build the chain hides (`plain_step` against the
-        one-row verify, a fixed amount per forward)."""
-        hidden = 0.0 if self.plain_step is None else max(self.verify_table[0] - self.plain_step,
-                                                         0.0)
-        return self.verify(rows, context) - hidden
+        ahead: the verify less the graph build the chain hides (`relaunch`)."""
+        return self.verify(rows, context) - self.relaunch
+
+    @property
+    def relaunch(self) -> float:
+        """Seconds of the graph build a chain of plain steps launched ahead hides, which a
+        chain's first step pays (`plain_step` against the one-row verify, a fixed amount per
+        forward): what breaking a chain costs."""
+        return 0.0 if self.plain_step is None else max(self.verify_table[0] - self.plain_step,
+                                                       0.0)
 
     def draft(self, width: int, context: int | None = None) -> float:
         """Seconds of a drafter pass of a `width`-row block (0 at width 1: nothing drafted)."""

@@ -428,10 +428,10 @@ def generate_tokens(target: Target, drafter: Drafter | None, prompt: list[int], 
                 shadow.offer(choice.guess, choice.match, context)
             key, k_draft, k_accept = mx.random.split(key, 3)
             if source == PLAIN:
-                # launch the next plain step too, unless the policy wanted to draft here (the
-                # next step may)
-                launch = (room > 1 and choice.source == PLAIN
-                          and policy.next_plain(choice.available, context + 1))
+                # launch the next plain step too, unless the next cycle may draft (the policy
+                # wanted to here, and it is worth the chain's restart)
+                launch = room > 1 and policy.launch_next(
+                    (choice.source, choice.width), choice.available, choice.match, context + 1)
                 was_launched = ahead is not None
                 step, ahead = _plain_step(target, state, anchor, ahead, launch, sampling,
                                           k_accept, k_draft)

@@ -139,6 +139,37 @@ def test_a_probe_due_on_a_launched_step_waits_for_the_next_cycle():
     assert policy.choose({DRAFTER: 8}) == (DRAFTER, 2)                  # and taken next
 
 
+def test_a_draft_wanted_on_a_launched_step_breaks_the_chain_only_when_worth_it():
+    """On a launched step the policy may want a lookup draft it cannot make. Breaking the
+    chain (the next step built unhidden, `CostModel.relaunch`) lets the next cycle draft, on
+    a match one token longer if the launched token was the one proposed; it pays only where
+    that draft saves more than the restart. long-agent-2k: 3-token suffixes that predict
+    about half the time, whose 4-token continuations rarely do, broke 6-12 chains per
+    request. An unproven match still breaks it (only a cycle proves it), and so does one
+    whose continuation copies. Costs shaped as this machine's calibration (a row ~20 ms, a
+    chain hiding 12)."""
+    cost = CostModel(tuple([0.0] + [0.015] * 7),
+                     tuple(0.070 + 0.020 * (w - 1) for w in range(1, 17)), 128,
+                     (7e-6, 9e-6), (4e-7, 0.0), plain_step=0.058)
+    n, offer = 2000, {LOOKUP: 16}
+    assert cost.relaunch == pytest.approx(0.070 - 0.058)
+    policy = AdaptiveWidth(cost, offer)
+    wish = policy.choose(offer, 3, n, True)
+    assert wish == (LOOKUP, 2)                                # unproven: tried at 2 rows
+    assert not policy.launch_next(wish, offer, 3, n)
+    for i in range(40):                     # 11 in 20 predicted; after a hit, 2 in 20
+        policy.update(LOOKUP, 2, int(i * 11 % 20 < 11), None, 3, n)
+        policy.update(LOOKUP, 2, int(i % 10 == 0), None, 4, n)
+    assert 0.5 < policy.alphas(LOOKUP, 3, n)[0] < 0.6
+    wish = policy.choose(offer, 3, n, True)
+    assert wish == (LOOKUP, 2)                                # (barely) worth a cycle,
+    assert policy.launch_next(wish, offer, 3, n)              # not a chain's restart
+    assert policy.launch_next((PLAIN, 1), offer, 3, n)
+    for _ in range(20):                     # now the 4-token continuations copy
+        policy.update(LOOKUP, 16, 15, None, 4, n)
+    assert not policy.launch_next(wish, offer, 3, n)
+
+
 def test_a_launch_chain_reads_as_plain_steps_of_equal_cost():
     """A step that launches the next waits for both; the launched one then takes nothing:
     `PlainClock` reports each as the mean of its chain (the policy saw 2x and 0x before)."""
