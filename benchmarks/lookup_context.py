@@ -71,9 +71,9 @@ def _copy_answer(pipe, prompt: str) -> tuple[list[int], list[int]]:
 def replay(prompt, output, index, policy, cost):
     """The lookup-or-plain policy over `output` -> (tokens, seconds, cycles, accepted). Plain
     steps run in launch chains as in the engine (`engine.generate_tokens`): a plain step
-    launches the next one when the policy says the next will be plain too (`next_plain`), a
-    launched step is plain whatever the policy chooses, and a step not launched pays the graph
-    build a chain hides (`CostModel.plain` against the one-row verify)."""
+    launches the next one when the policy says so (`launch_next`), a launched step is plain
+    whatever the policy chooses, and a step not launched pays the graph build a chain hides
+    (`CostModel.relaunch`)."""
     policy = policy.for_sequence()          # a request of its own (shared estimates)
     shadow = Shadow(policy, LOOKUP)
     n, seconds, cycles, accepted, launched = 1, 0.0, 0, 0, False
@@ -98,7 +98,7 @@ def replay(prompt, output, index, policy, cost):
         timed = took
         if source == PLAIN:
             if not launched:                        # a chain starts: its build unhidden
-                took += cost.verify(1, context) - cost.plain(1, context)
+                took += cost.relaunch
             was, launched = launched, room > 1 and policy.launch_next(choice, available, match,
                                                                        context + 1)
             timed = clock.plain(took, was, launched)       # the engine's view of the chain
@@ -127,7 +127,7 @@ def replay_fixed(prompt, output, index, width, cost) -> float:
             a += 1
         seconds += cost.cycle(w, LOOKUP if w > 1 else PLAIN, context)
         if w == 1 and width > 1:            # it launches no next step: built unhidden
-            seconds += cost.verify(1, context) - cost.plain(1, context)
+            seconds += cost.relaunch
         index.extend(output[n : n + a + 1])
         n += a + 1
     return seconds
