@@ -4,6 +4,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
+# Under pytest-xdist (`-n`), each worker's BLAS gets one thread: the workers share the cores
+# (two workers with MKL's threads each, on the 2-core CI machine: 19 minutes, 10 of them system
+# time; with one thread each: 15.5).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for var in ("MKL_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ.setdefault(var, "1")
+
 import dflash2_mlx
 
 dflash2_mlx.use_fast_blas()      # before any test imports MLX: it binds to that BLAS as it loads

@@ -44,7 +44,10 @@ def test_lookup_alone_on_the_gguf_target_equals_mlx_lm():
 def test_a_batch_on_the_gguf_target_equals_mlx_lm(pipe):
     """The real GGUF target batched: three prompts of different lengths in one
     `generate_batch`, at a fixed width and under `auto` (the drafter and the lookup), each
-    equal to mlx-lm's greedy output alone."""
+    equal to mlx-lm's greedy output alone. The fixed width must draft; whether `auto` does
+    follows the costs this machine measured (under load, plain can be the right choice), so
+    there only the output is asserted (tests/test_batch.py prices the batch policy with fixed
+    costs)."""
     code = "def area(width, height):\n    return width * height\n"
     ids = [pipe.encode(p) for p in (
         f"Rename `area` to `rect_area` and show the code:\n```python\n{code}```",
@@ -57,4 +60,4 @@ def test_a_batch_on_the_gguf_target_equals_mlx_lm(pipe):
         for gen, ref in zip(gens, refs):
             assert gen.tokens == ref[: len(gen.tokens)], b
             assert len(gen.tokens) == 24 or gen.finish_reason == "stop", b
-        assert sum(gen.stats.cycles for gen in gens) > 0, b
+        assert b == "auto" or sum(gen.stats.cycles for gen in gens) > 0
