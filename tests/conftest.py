@@ -6,7 +6,7 @@ from pathlib import Path
 
 # Under pytest-xdist (`-n`), each worker's BLAS gets one thread: the workers share the cores
 # (two workers with MKL's threads each, on the 2-core CI machine: 19 minutes, 10 of them system
-# time; with one thread each: 15.5).
+# time; with one thread each: 15.5, and 18 in a clean-clone CI run).
 if os.environ.get("PYTEST_XDIST_WORKER"):
     for var in ("MKL_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ.setdefault(var, "1")
