@@ -88,11 +88,19 @@ def teardown() -> None:
 
 def progress(items: Iterable[T] | None, desc: str, total: int | None = None, unit: str = "it",
              **kw) -> Iterator[T]:
-    """`items` with a progress bar on stderr (tqdm), shown only when the package logs at INFO
-    or below (the CLI's default; quiet in embedding apps that did not ask for it).
+    """`items` with a progress bar on stderr (tqdm), shown only when stderr is a terminal and
+    the package logs at INFO or below (the CLI's default; quiet in embedding apps that did not
+    ask for it, and in log files, where a bar's carriage returns would pile up).
     items=None: a bar moved by hand (`.update(n)`, `.n` so far, `.close()`) to `total`."""
     from tqdm import tqdm
 
-    quiet = not logging.getLogger(ROOT).isEnabledFor(logging.INFO)
+    quiet = not (logging.getLogger(ROOT).isEnabledFor(logging.INFO) and _is_terminal(sys.stderr))
     return tqdm(items, desc=desc, total=total, unit=unit, mininterval=2.0, dynamic_ncols=True,
                 file=sys.stderr, disable=quiet, leave=False, **kw)
+
+
+def _is_terminal(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):       # a replaced or closed stream
+        return False
