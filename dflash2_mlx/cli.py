@@ -478,6 +478,13 @@ def serve(
     context_length: Optional[int] = typer.Option(
         None, "--context-length", callback=_flag(check.context_length),
         help="Prompt + completion tokens (default: the target's max_position_embeddings)"),
+    beyond_positions: bool = typer.Option(
+        False, "--allow-context-beyond-model", help="Accept a --context-length above the "
+        "positions the target was trained for (its output past them is unreliable)"),
+    keep_billing_header: bool = typer.Option(
+        False, "--keep-billing-header", help="Keep Claude Code's per-session "
+        "`x-anthropic-billing-header` system block in the prompt (by default it is left out, "
+        "so that a new session reuses the prefix cache)"),
     max_body_bytes: int = typer.Option(4 * 2**20, "--max-body-bytes",
                                        callback=_flag(check.max_body_bytes),
                                        help="Largest request body"),
@@ -544,17 +551,21 @@ def serve(
                               pipeline_timeout=pipeline_timeout)
         if pipe is None:                     # a rank > 0: it served rank 0 until it closed
             return
-        context = context_length or getattr(getattr(pipe.target, "args", None),
-                                           "max_position_embeddings", None)
+        positions = pipe.context_length
+        if context_length and positions and context_length > positions and \
+                not beyond_positions:
+            raise ValueError(f"--context-length {context_length} is above the {positions} "
+                             "positions the target was made for (max_position_embeddings): "
+                             "give at most that, or add --allow-context-beyond-model")
         config = server.ServerConfig(
             model_id=server.model_id_for(pipe.info["model"]), max_tokens=max_tokens,
-            context_length=context or 4096, max_body_bytes=max_body_bytes,
+            context_length=context_length or positions or 4096, max_body_bytes=max_body_bytes,
             queue_size=queue_size, api_key=api_key, block_size=block_size,
             prompt_cache_size=prompt_cache_size, prompt_cache_bytes=prompt_cache_bytes,
             prompt_cache_dir=None if prompt_cache_dir is None else str(prompt_cache_dir),
             prompt_cache_disk_bytes=prompt_cache_disk_bytes or check.PROMPT_CACHE_DISK_BYTES,
             ping_interval=ping_interval, read_timeout=read_timeout, max_batch=max_batch,
-            prefill_chunk=prefill_chunk)
+            prefill_chunk=prefill_chunk, keep_billing_header=keep_billing_header)
         server.serve(pipe, config, host=host, port=port, shutdown_timeout=shutdown_timeout,
                      ready=lambda url: _log.info(f"serving {config.model_id} on {url}"))
         _log.info("stopped")

@@ -94,6 +94,69 @@ def write_target(folder: Path, family: str = "llama", seed: int = 0, **overrides
     return folder
 
 
+# --------------------------------------------------------------------------- a tool caller
+
+TOOL_CALL = '{"name":"get_weather","arguments":{"city":"Paris"}}'
+TOOL_SEEN = "<|tool_seen|>"        # ends the generation prompt after a tool result (`reply`)
+TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:\n{% for tool in tools %}{{ tool | tojson }}\n"
+    "{% endfor %}Call one as <tool_call>{...}</tool_call><|im_end|>\n{% endif %}"
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message.tool_calls %}{% for tool_call in message.tool_calls %}"
+    "{% set tool_call = tool_call.function %}<tool_call>{\"name\":\"{{ tool_call.name }}\","
+    "\"arguments\":{{ tool_call.arguments | tojson }}}</tool_call>{% endfor %}"
+    "{% else %}{{ message['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_REPLY_PROMPT = ("{% if add_generation_prompt %}<|im_start|>assistant\n"
+                 "{% if messages[-1]['role'] == 'tool' %}" + TOOL_SEEN + "{% endif %}{% endif %}")
+
+
+def write_tool_target(folder: Path, call: str = TOOL_CALL, reply: str | None = None,
+                      **overrides) -> Path:
+    """A llama whose greedy answer to any chat prompt is `<tool_call>call</tool_call>` then
+    <|im_end|>; with `reply`, a prompt whose last message is a tool result is answered `reply`
+    instead (an agent's tool round trip ends). Every layer adds nothing (o_proj, down_proj
+    zero), so the next token depends on the current one only, and the head maps a chain of
+    tokens one to the next. overrides: the config's (e.g. one layer and head for long
+    prompts)."""
+    from tokenizers import Tokenizer
+
+    write_target(folder, "llama", seed=5, **overrides)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.add_tokens(["<tool_call>", "</tool_call>", call] + ([TOOL_SEEN, reply] if reply else []))
+    tok.save(str(folder / "tokenizer.json"))
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = (TOOL_TEMPLATE if reply is None else
+                            TOOL_TEMPLATE.replace(TOOL_TEMPLATE[TOOL_TEMPLATE.index(
+                                "{% if add_generation_prompt %}"):], _REPLY_PROMPT))
+    cfg["model_max_length"] = overrides.get("max_position_embeddings", 4096)
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+
+    def chain(tokens: list[str], start: int) -> list[tuple[int, int]]:
+        ids = [start] + [tok.token_to_id(t) for t in tokens]
+        return list(zip(ids[:-1], ids[1:]))
+
+    newline = tok.encode("<|im_start|>assistant\n").ids[-1]   # every chat prompt ends so
+    links = chain(["<tool_call>", call, "</tool_call>", "<|im_end|>"], newline)
+    if reply:
+        links += chain([reply, "<|im_end|>"], tok.token_to_id(TOOL_SEEN))
+    w = dict(mx.load(str(folder / "model.safetensors")))
+    for k in w:
+        if k.endswith(("o_proj.weight", "down_proj.weight")):
+            w[k] = mx.zeros_like(w[k])
+    embed, head = w["model.embed_tokens.weight"], w["lm_head.weight"]
+    dims = len(links)
+    head = head * (mx.arange(head.shape[1]) >= dims)        # no other token reads these dims
+    for d, (src, dst) in enumerate(links):
+        one = (mx.arange(embed.shape[1]) == d).astype(embed.dtype)
+        embed[src] = one * 4.0
+        head[dst] = head[dst] + one * 10.0            # <|im_end|> ends two chains
+    w["model.embed_tokens.weight"], w["lm_head.weight"] = embed, head
+    mx.save_safetensors(str(folder / "model.safetensors"), w)
+    return folder
+
+
 def drafter_args(*, dflash2: bool = True, block_size: int = 16, layer_ids=(0, 2),
                  layers: int = 2, **overrides) -> DrafterArgs:
     base = dict(hidden_size=HIDDEN, num_hidden_layers=layers, num_attention_heads=4,

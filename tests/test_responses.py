@@ -129,7 +129,7 @@ def test_input_items_become_the_chat_messages_of_the_same_conversation():
         {"role": "user", "content": "And?"}]})
     req = parse_request(body)
     assert chat_messages(req) == openai_messages(chat)
-    assert chat_tools(req) == openai_tools(chat)
+    assert chat_tools(req)[0] == openai_tools(chat)
     # a call with no assistant text before it is an assistant turn of its own
     alone = parse_request({"model": "m", "input": body["input"][2:3]})
     assert chat_messages(alone) == [{"role": "assistant", "content": "", "tool_calls": [
@@ -137,10 +137,10 @@ def test_input_items_become_the_chat_messages_of_the_same_conversation():
                                                       "arguments": {"city": "Paris"}}}]}]
     # tool_choice: "none" drops the tools; a named function is the only one offered
     other = {**WEATHER, "name": "get_time"}
-    assert chat_tools(parse_request({**body, "tool_choice": "none"})) is None
+    assert chat_tools(parse_request({**body, "tool_choice": "none"}))[0] is None
     named = parse_request({**body, "tools": [WEATHER, other],
                            "tool_choice": {"type": "function", "name": "get_time"}})
-    assert [t["function"]["name"] for t in chat_tools(named)] == ["get_time"]
+    assert [t["function"]["name"] for t in chat_tools(named)[0]] == ["get_time"]
 
 
 # --------------------------------------------------------------------------- text
@@ -293,15 +293,8 @@ REFUSED = [
     ("store true", {**OK, "store": True}, 400, "store: true", "store"),
     ("conversation", {**OK, "conversation": "conv_1"}, 400, "stores no", "conversation"),
     ("background", {**OK, "background": True}, 400, "background", "background"),
-    ("web search", {**OK, "tools": [{"type": "web_search"}]}, 400, "built-in tool",
-     "tools.0.type"),
-    ("file search", {**OK, "tools": [WEATHER, {"type": "file_search",
-                                               "vector_store_ids": ["v"]}]}, 400,
-     "function tools only", "tools.1.type"),
     ("item reference", {**OK, "input": [{"type": "item_reference", "id": "msg_1"}]}, 400,
      "stored responses", "input.0.type"),
-    ("a reasoning item", {**OK, "input": [{"type": "reasoning", "id": "r", "summary": []}]},
-     400, "not served", "input.0.type"),
     ("an image part", {**OK, "input": [{"role": "user", "content": [
         {"type": "input_image", "image_url": "https://x/y.png"}]}]}, 400, "input_text",
      "input.0.content.0.type"),
@@ -323,8 +316,6 @@ REFUSED = [
     ("top_p 0", {**OK, "top_p": 0}, 400, "top_p", "top_p"),
     ("max_output_tokens 0", {**OK, "max_output_tokens": 0}, 400, "0 is not an integer >= 1",
      "max_output_tokens"),
-    ("max_output_tokens above the cap", {**OK, "max_output_tokens": CAP + 1}, 400, "limit",
-     "max_output_tokens"),
     ("prompt longer than the context", {**OK, "input": LONG}, 400, "context", "input"),
     ("logprobs", {**OK, "include": ["message.output_text.logprobs"]}, 400,
      "reasoning.encrypted_content", "include.0"),
@@ -333,7 +324,6 @@ REFUSED = [
                                                      "schema": {}}}}, 400, "'text'",
      "text.format.type"),
     ("truncation auto", {**OK, "truncation": "auto"}, 400, "disabled", "truncation"),
-    ("reasoning", {**OK, "reasoning": {"effort": "high"}}, 400, "reasoning", "reasoning"),
     ("tool_choice names no tool", {**OK, "tools": [WEATHER], "tool_choice": {
         "type": "function", "name": "get_time"}}, 400, "get_time", "tool_choice.name"),
     ("tool_choice required without tools", {**OK, "tool_choice": "required"}, 400,

@@ -34,6 +34,12 @@ async def health(service: ServiceDep):
                          "prompt_cache": scheduler.cache_figures}, 200 if ok else 503)
 
 
+@health_router.api_route("/", methods=["GET", "HEAD"])
+async def root(service: ServiceDep):
+    """What a client probing the base URL gets (Claude Code sends HEAD / first)."""
+    return {"status": "ok", "model": service.config.model_id}
+
+
 def create_app(pipe: Pipeline, config: ServerConfig, *, worker_thread: bool = True) -> FastAPI:
     """The ASGI app (`app.state.scheduler` runs the generations). worker_thread: the scheduler's
     worker starts on its own thread with the app's lifespan; False: the caller runs

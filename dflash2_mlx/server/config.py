@@ -28,6 +28,9 @@ class ServerConfig:
     read_timeout: float = 30.0          # seconds a client may take to send headers or a body part
     max_batch: int = check.MAX_BATCH    # sequences decoding at once; 1: one at a time
     prefill_chunk: int = check.PREFILL_CHUNK    # prompt tokens per step beside running streams
+    # Claude Code's first system block (x-anthropic-billing-header: ...) differs every session;
+    # left in, it would end the prefix cache's match after ~25 tokens
+    keep_billing_header: bool = False
 
     def __post_init__(self):
         for name in ("max_tokens", "context_length", "max_body_bytes", "queue_size",

@@ -50,7 +50,12 @@ def error_body(err: APIError, anthropic: bool) -> dict:
                       "code": err.code}}
 
 
-def error_response(err: APIError, path: str, headers: dict | None = None) -> JSONResponse:
+def error_response(err: APIError, path: str, headers: dict | None = None,
+                   method: str = "POST") -> JSONResponse:
+    """The error in the called API's shape; a refusal (4xx) is also one log line, with the
+    route, the status and the reason (never the body)."""
+    if 400 <= err.status < 500:
+        log.warning(f"{method} {path} {err.status}: {err.message}")
     return JSONResponse(error_body(err, is_anthropic(path)), err.status, headers=headers)
 
 
@@ -95,16 +100,16 @@ def add_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, err: APIError):
-        return error_response(err, request.url.path)
+        return error_response(err, request.url.path, method=request.method)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        return error_response(validation_error(exc), request.url.path)
+        return error_response(validation_error(exc), request.url.path, method=request.method)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         err = APIError(exc.status_code, str(exc.detail), kind="invalid_request_error")
-        return error_response(err, request.url.path)
+        return error_response(err, request.url.path, method=request.method)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):

@@ -159,7 +159,8 @@ class BodyLimit:
     @staticmethod
     async def _refuse(err: APIError, path: str, scope, send):
         # the rest of the body is not read: the connection cannot serve another request
-        response = error_response(err, path, headers={"Connection": "close"})
+        response = error_response(err, path, headers={"Connection": "close"},
+                                  method=scope["method"])
         await response(scope, None, send)
 
 
@@ -175,6 +176,7 @@ def sse(data: dict | str, event: str | None = None) -> str:
 PING = ": ping\n\n"
 
 
-def event_stream(chunks: AsyncIterator[str]) -> StreamingResponse:
+def event_stream(chunks: AsyncIterator[str], headers: dict | None = None) -> StreamingResponse:
     return StreamingResponse(chunks, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                      **(headers or {})})

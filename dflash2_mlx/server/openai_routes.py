@@ -21,19 +21,25 @@ from .text_stream import TextStream
 router = APIRouter(route_class=JSONRoute, dependencies=[Authorized])
 
 
-def model_card(model_id: str) -> dict:
-    return {"id": model_id, "object": "model", "created": 0, "owned_by": "dflash2-mlx"}
+def model_card(service: Service) -> dict:
+    """The model, with its context length under the names vLLM (`max_model_len`) and LM Studio
+    (`max_context_length`, `loaded_context_length`) use, and a plain `context_length`."""
+    c = service.config
+    return {"id": c.model_id, "object": "model", "created": 0, "owned_by": "dflash2-mlx",
+            "context_length": c.context_length, "max_model_len": c.context_length,
+            "max_context_length": c.context_length, "loaded_context_length": c.context_length,
+            "max_output_tokens": c.max_tokens}
 
 
 @router.get("/v1/models")
 async def models(service: ServiceDep):
-    return {"object": "list", "data": [model_card(service.config.model_id)]}
+    return {"object": "list", "data": [model_card(service)]}
 
 
 @router.get("/v1/models/{name:path}")
 async def model(name: str, service: ServiceDep):
     service.check_model(name)
-    return model_card(name)
+    return model_card(service)
 
 
 def check_openai(service: Service, req: _OpenAISampling) -> None:

@@ -4,8 +4,11 @@ A request's `instructions` and `input` items become the chat messages `/v1/chat/
 would get for the same conversation, so the prompt ids, and with them the greedy text, are the
 same; the pieces `TextStream` cuts out become output items (`message` with `output_text`,
 `function_call`), streamed as the API's typed events. Stateless: nothing is stored, so
-`previous_response_id`, `store: true` and stored items are refused, as are built-in tools and
-every field this server does not serve (never silently ignored). docs/server.md lists them.
+`previous_response_id`, `store: true` and stored items are refused, as is every field this
+server does not know. Built-in tools it cannot run (web search, ...) are left out of the prompt
+and named in the `x-dflash2-ignored-tools` header; namespace tools are flattened into function
+tools and their calls answered with the `namespace` field, as Codex routes them; custom
+(freeform) tools become functions of one string, `input`. docs/server.md lists every field.
 """
 
 from __future__ import annotations
@@ -63,19 +66,39 @@ class FunctionCallItem(_Closed):
     call_id: str
     name: str
     arguments: str                                     # JSON text
+    namespace: Optional[str] = None                    # a namespace tool's function
+    id: Optional[str] = None
+    status: Optional[Literal["in_progress", "completed", "incomplete"]] = None
+
+
+class CustomCallItem(_Closed):
+    type: Literal["custom_tool_call"]
+    call_id: str
+    name: str
+    input: str
+    namespace: Optional[str] = None
     id: Optional[str] = None
     status: Optional[Literal["in_progress", "completed", "incomplete"]] = None
 
 
 class FunctionCallOutputItem(_Closed):
-    type: Literal["function_call_output"]
+    type: Literal["function_call_output", "custom_tool_call_output"]
     call_id: str
     output: Union[str, list[TextPart]]
+    name: Optional[str] = None
+    namespace: Optional[str] = None
     id: Optional[str] = None
     status: Optional[Literal["in_progress", "completed", "incomplete"]] = None
 
 
-ITEM_TYPES = ("message", "function_call", "function_call_output")
+class ReasoningItem(BaseModel):
+    """A reasoning item sent back (this server makes none): taken and left out."""
+    model_config = ConfigDict(extra="allow")
+    type: Literal["reasoning"]
+
+
+ITEM_TYPES = ("message", "function_call", "function_call_output", "custom_tool_call",
+              "custom_tool_call_output", "reasoning")
 
 
 def _item_tag(item: Any) -> str:
@@ -86,7 +109,10 @@ def _item_tag(item: Any) -> str:
 
 InputItem = Annotated[Union[Annotated[MessageItem, Tag("Message")],
                             Annotated[FunctionCallItem, Tag("FunctionCall")],
-                            Annotated[FunctionCallOutputItem, Tag("FunctionCallOutput")]],
+                            Annotated[CustomCallItem, Tag("CustomToolCall")],
+                            Annotated[FunctionCallOutputItem, Tag("FunctionCallOutput")],
+                            Annotated[FunctionCallOutputItem, Tag("CustomToolCallOutput")],
+                            Annotated[ReasoningItem, Tag("Reasoning")]],
                       Discriminator(_item_tag)]
 
 
@@ -96,6 +122,28 @@ class FunctionTool(_Closed):
     description: Optional[str] = None
     parameters: Optional[dict] = None
     strict: Optional[bool] = None
+
+
+class NamespaceTool(_Closed):
+    """Function tools under one name (Codex's multi-agent and MCP tools)."""
+    type: Literal["namespace"]
+    name: str
+    description: Optional[str] = None
+    tools: list[FunctionTool]
+
+
+class CustomTool(_Closed):
+    """A freeform tool (its input is text, e.g. a patch): offered as a function of `input`."""
+    type: Literal["custom"]
+    name: str
+    description: Optional[str] = None
+    format: Optional[dict] = None
+
+
+Tool = Annotated[Union[Annotated[FunctionTool, Tag("Function")],
+                       Annotated[NamespaceTool, Tag("Namespace")],
+                       Annotated[CustomTool, Tag("Custom")]], Discriminator(_item_tag)]
+TOOL_TYPES = ("function", "namespace", "custom")
 
 
 class FunctionChoice(_Closed):
@@ -109,18 +157,19 @@ class TextFormat(_Closed):
 
 class TextConfig(_Closed):
     format: Optional[TextFormat] = None
-    verbosity: None = None
+    verbosity: Optional[Literal["low", "medium", "high"]] = None     # the model decides
 
 
 class StreamOptions(_Closed):
     include_obfuscation: Optional[bool] = None         # no obfuscation field is ever sent
+    reasoning_summary_delivery: Optional[str] = None   # no reasoning summaries are made
 
 
 class ResponsesRequest(_Closed):
     model: str
     input: Union[str, Annotated[list[InputItem], Field(min_length=1)]]
     instructions: Optional[str] = None
-    tools: Optional[list[FunctionTool]] = None
+    tools: Optional[list[Tool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], FunctionChoice, None] = None
     max_output_tokens: Optional[MaxTokens] = None
     temperature: Optional[Temperature] = None
@@ -143,16 +192,16 @@ class ResponsesRequest(_Closed):
     text: Optional[TextConfig] = None
     top_logprobs: Optional[Literal[0]] = None
     max_tool_calls: Optional[int] = None               # counts built-in tool calls: none here
-    service_tier: Optional[Literal["auto", "default"]] = None
+    service_tier: Optional[str] = None                 # one tier here
+    reasoning: Optional[dict] = None                   # no reasoning settings: the template's
+    access_programs: Optional[dict] = None
     # OpenAI's hosted features: refused unless null
     previous_response_id: Optional[Any] = None
     conversation: Optional[Any] = None
     prompt: Optional[Any] = None
-    reasoning: Optional[Any] = None
     context_management: Optional[Any] = None
     moderation: Optional[Any] = None
     image: Optional[Any] = None
-    access_programs: Optional[Any] = None
     background_options: Optional[Any] = None
     prompt_cache_options: Optional[Any] = None
     prompt_cache_retention: Optional[Any] = None
@@ -165,11 +214,9 @@ REFUSED = {
     "conversation": NOT_STORED,
     "prompt": "stored prompt templates are not served; send the prompt in `instructions` and "
               "`input`",
-    "reasoning": "this server has no reasoning settings (the model's chat template decides)",
     "context_management": "server-side compaction is not served",
     "moderation": "moderation is not served",
     "image": "images are not served",
-    "access_programs": "access programs are not served",
     "background_options": "background responses are not served",
     "prompt_cache_options": "the prefix cache needs no options: it reuses the longest cached "
                             "prefix of every prompt",
@@ -181,19 +228,26 @@ HINTS = {"stop": "the Responses API has no stop strings",
          "messages": "use input (and instructions)"}
 
 
+def hosted_tools(body: dict) -> list[str]:
+    """Takes the built-in tools (web_search, file_search, ...) out of `body`, which this
+    server cannot run; their types, for the client to be told."""
+    tools = body.get("tools")
+    if not isinstance(tools, list):
+        return []
+    hosted = [t for t in tools if isinstance(t, dict) and isinstance(t.get("type"), str)
+              and t["type"] not in TOOL_TYPES]
+    body["tools"] = [t for t in tools if not any(t is h for h in hosted)]
+    return [t["type"] for t in hosted]
+
+
 def parse_request(body: dict) -> ResponsesRequest:
-    """The body checked field by field; APIError 400 naming the first field refused."""
+    """The body checked field by field (built-in tools already taken out by `hosted_tools`);
+    APIError 400 naming the first field refused."""
     for name in body:
         if name not in ResponsesRequest.model_fields:
             why = HINTS.get(name, "this server refuses fields it does not serve rather than "
                                   "ignore them (see docs/server.md)")
             raise APIError(400, f"{name}: unknown field of /v1/responses; {why}", param=name)
-    tools = body.get("tools")
-    for i, tool in enumerate(tools if isinstance(tools, list) else []):
-        kind = tool.get("type") if isinstance(tool, dict) else None
-        if isinstance(kind, str) and kind != "function":
-            raise APIError(400, f"tools.{i}.type: '{kind}' is a built-in tool of OpenAI's hosted "
-                           "API; this server serves function tools only", param=f"tools.{i}.type")
     items = body.get("input")
     for i, item in enumerate(items if isinstance(items, list) else []):
         if not isinstance(item, dict):
@@ -223,27 +277,60 @@ def parse_request(body: dict) -> ResponsesRequest:
 
 # --------------------------------------------------------------------------- request -> chat
 
-def chat_tools(req: ResponsesRequest) -> list[dict] | None:
-    """The tools, as the chat template takes them (the chat completions shape); a function named
-    by `tool_choice` is the only one offered. The server cannot force a call: "required" and a
-    named function leave the choice to the model, as on chat completions."""
+CUSTOM_INPUT = {"type": "object", "properties": {"input": {
+    "type": "string", "description": "The tool's input, as free text"}}, "required": ["input"]}
+
+
+def flat_name(namespace: str | None, name: str) -> str:
+    """The name a namespace's function has in the prompt: `mcp__git__` + `log` is
+    `mcp__git__log`, `multi_agent` + `spawn` is `multi_agent__spawn`."""
+    if not namespace:
+        return name
+    return namespace + name if namespace.endswith("_") else f"{namespace}__{name}"
+
+
+class ToolNames:
+    """The tools as the chat template takes them (chat completions' shape, namespaces
+    flattened, custom tools as functions of `input`), and the way back from a name the model
+    called to the item that reports the call."""
+
+    def __init__(self, tools: list):
+        self.functions: list[dict] = []
+        self.origin: dict[str, tuple[str | None, str, str]] = {}   # flat -> (ns, name, kind)
+        for t in tools:
+            inner = t.tools if t.type == "namespace" else [t]
+            ns = t.name if t.type == "namespace" else None
+            for f in inner:
+                flat = flat_name(ns, f.name)
+                params = CUSTOM_INPUT if f.type == "custom" else f.parameters
+                fn = {"name": flat, "description": f.description, "parameters": params}
+                self.functions.append({"type": "function", "function": {
+                    k: v for k, v in fn.items() if v is not None}})
+                self.origin[flat] = (ns, f.name, f.type)
+
+    def names(self) -> set[str]:
+        return set(self.origin)
+
+
+def chat_tools(req: ResponsesRequest) -> tuple[list[dict] | None, ToolNames]:
+    """The tools offered in the prompt; a function named by `tool_choice` is the only one
+    offered. The server cannot force a call: "required" and a named function leave the choice
+    to the model, as on chat completions."""
     choice = req.tool_choice
     if choice == "required" or isinstance(choice, FunctionChoice):
         if not req.tools:
             raise APIError(400, "tool_choice asks for a tool call, but there are no tools",
                            param="tool_choice")
+    names = ToolNames(req.tools or [])
     if not req.tools or choice == "none":
-        return None
-    tools = req.tools
+        return None, names
+    tools = names.functions
     if isinstance(choice, FunctionChoice):
-        tools = [t for t in tools if t.name == choice.name]
+        tools = [t for t in tools if t["function"]["name"] == choice.name]
         if not tools:
             raise APIError(400, f"tool_choice.name: no function tool named '{choice.name}' in "
                            "tools", param="tool_choice.name")
-    return [{"type": "function", "function": t.model_dump(include={"name", "description",
-                                                                    "parameters"},
-                                                           exclude_none=True)}
-            for t in tools]
+    return tools, names
 
 
 def _arguments(text: str, where: str) -> dict:
@@ -266,12 +353,16 @@ def chat_messages(req: ResponsesRequest) -> list[dict]:
     items = ([MessageItem(role="user", content=req.input)] if isinstance(req.input, str)
              else req.input)
     for i, item in enumerate(items):
+        if item.type == "reasoning":
+            continue
         if item.type == "message":
             out.append({"role": "system" if item.role == "developer" else item.role,
                         "content": content_text(item.content)})
-        elif item.type == "function_call":
+        elif item.type in ("function_call", "custom_tool_call"):
+            args = (_arguments(item.arguments, f"input.{i}.arguments")
+                    if item.type == "function_call" else {"input": item.input})
             call = {"id": item.call_id, "type": "function", "function": {
-                "name": item.name, "arguments": _arguments(item.arguments, f"input.{i}.arguments")}}
+                "name": flat_name(item.namespace, item.name), "arguments": args}}
             if out and out[-1]["role"] == "assistant":
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
@@ -293,7 +384,8 @@ class Output:
     returned as the stream events that describe it (without `sequence_number`), so a streamed
     and a plain response hold the same items."""
 
-    def __init__(self):
+    def __init__(self, names: ToolNames | None = None):
+        self.names = names or ToolNames([])
         self.items: list[dict] = []
         self._message: dict | None = None          # the message item being written
         self._parts: list[str] = []
@@ -309,18 +401,31 @@ class Output:
                 continue
             events += self._close_message("completed")
             for call in openai_tool_calls(p.calls, 0, False):
-                item = {"id": _id("fc"), "type": "function_call", "status": "in_progress",
-                        "call_id": call["id"], "name": call["function"]["name"],
-                        "arguments": ""}
-                args = call["function"]["arguments"]
-                where = {"item_id": item["id"], "output_index": len(self.items)}
-                events.append({"type": "response.output_item.added", "output_index":
-                               len(self.items), "item": dict(item)})
-                events.append({"type": "response.function_call_arguments.delta", **where,
-                               "delta": args})
-                events.append({"type": "response.function_call_arguments.done", **where,
-                               "arguments": args})
-                item.update(arguments=args, status="completed")
+                name, args = call["function"]["name"], call["function"]["arguments"]
+                ns, name, kind = self.names.origin.get(name, (None, name, "function"))
+                where = {"output_index": len(self.items)}
+                if kind == "custom":
+                    item = {"id": _id("ctc"), "type": "custom_tool_call", "status": "in_progress",
+                            "call_id": call["id"], "name": name, "input": ""}
+                    text = _custom_input(args)
+                    events.append({"type": "response.output_item.added", **where,
+                                   "item": dict(item)})
+                    events.append({"type": "response.custom_tool_call_input.delta", **where,
+                                   "item_id": item["id"], "delta": text})
+                    events.append({"type": "response.custom_tool_call_input.done", **where,
+                                   "item_id": item["id"], "input": text})
+                    item.update(input=text, status="completed")
+                else:
+                    item = {"id": _id("fc"), "type": "function_call", "status": "in_progress",
+                            "call_id": call["id"], "name": name,
+                            **({"namespace": ns} if ns else {}), "arguments": ""}
+                    events.append({"type": "response.output_item.added", **where,
+                                   "item": dict(item)})
+                    events.append({"type": "response.function_call_arguments.delta", **where,
+                                   "item_id": item["id"], "delta": args})
+                    events.append({"type": "response.function_call_arguments.done", **where,
+                                   "item_id": item["id"], "arguments": args})
+                    item.update(arguments=args, status="completed")
                 events.append({"type": "response.output_item.done", "output_index":
                                len(self.items), "item": item})
                 self.items.append(item)
@@ -358,6 +463,17 @@ class Output:
                 {"type": "response.content_part.done", **where, "part": _outputcontent_text(text)},
                 {"type": "response.output_item.done", "output_index": where["output_index"],
                  "item": item}]
+
+
+def _custom_input(arguments: str) -> str:
+    """A custom tool's text from the function call the model made (`{"input": ...}`)."""
+    try:
+        args = json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+    if isinstance(args, dict) and isinstance(args.get("input"), str):
+        return args["input"]
+    return arguments
 
 
 def _outputcontent_text(text: str) -> dict:
@@ -414,31 +530,47 @@ async def create_response(body: Annotated[dict[str, Any], Body()], request: Requ
                           service: ServiceDep):
     """The body comes as a JSON object: `parse_request` checks it (so that it can name the
     field with a hint)."""
+    hosted = hosted_tools(body)
     req = parse_request(body)
     service.check_model(req.model)
     sampling = Sampling(1.0 if req.temperature is None else req.temperature,
                         1.0 if req.top_p is None else req.top_p, req.top_k)
-    tools = chat_tools(req)
+    tools, names = chat_tools(req)
     prompt = service.render_chat(chat_messages(req), tools, param="input")
-    limit = service.max_tokens(req.max_output_tokens, len(prompt), "max_output_tokens",
-                               prompt_param="input")
+    head = _head(req, service.config.model_id)
+    try:
+        limit = service.max_tokens(req.max_output_tokens, len(prompt), "max_output_tokens",
+                                   prompt_param="input")
+    except APIError as e:
+        if not req.stream or e.code != "context_length_exceeded":
+            raise
+        # a stream reports it as Codex reads it: response.failed with the error's code
+        return event_stream(_failed(head, e))
     job = service.submit(GenerationRequest(prompt, limit, sampling, req.seed))
     text = service.tool_stream([], tools)
-    head = _head(req, service.config.model_id)
+    headers = service.headers(limit, hosted)
     if req.stream:
-        return event_stream(_events(service, job, text, head))
-    out, final = Output(), None
+        return event_stream(_events(service, job, text, head, names), headers)
+    out, final = Output(names), None
     async for pieces, final in service.run(job, text, request):
         out.feed(pieces)
     if final is None:
         return JSONResponse({}, 499)      # the client left; nobody reads this
     status = _status(final, text)
     out.finish(status)
-    return _response(head, status, out.items, final)
+    return JSONResponse(_response(head, status, out.items, final), headers=headers)
 
 
-async def _events(service: Service, job: Job, text: TextStream,
-                  head: dict) -> AsyncIterator[str]:
+async def _failed(head: dict, e: APIError) -> AsyncIterator[str]:
+    """A stream that fails before it starts: response.created, then response.failed."""
+    yield sse({"type": "response.created", "sequence_number": 0,
+               "response": _response(head, "in_progress", [])}, "response.created")
+    yield sse({"type": "response.failed", "sequence_number": 1, "response": _response(
+        head, "failed", [], error={"code": e.code, "message": e.message})}, "response.failed")
+
+
+async def _events(service: Service, job: Job, text: TextStream, head: dict,
+                  names: ToolNames) -> AsyncIterator[str]:
     """The typed event stream: response.created, response.in_progress, the events of each
     output item, then response.completed (or .incomplete; an error: error, response.failed)."""
     numbers = itertools.count()
@@ -449,7 +581,7 @@ async def _events(service: Service, job: Job, text: TextStream,
     yield typed({"type": "response.created", "response": _response(head, "in_progress", [])})
     yield typed({"type": "response.in_progress",
                  "response": _response(head, "in_progress", [])})
-    out = Output()
+    out = Output(names)
     try:
         async for pieces, final in service.run(job, text):
             if not pieces and final is None:

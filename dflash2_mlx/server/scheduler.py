@@ -25,6 +25,8 @@ from ..sampling import Sampling
 log = logs.get(__name__)
 
 BATCH, SINGLE = "batch", "single"
+# the longest a step's prefill should take: a departed client's prompt holds the model no longer
+PREFILL_SECONDS = 1.0
 
 
 @dataclass
@@ -46,6 +48,7 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     why: str | None = None       # "client" (it left), "stop" (a stop string), "done", "shutdown"
+    cached_tokens: int | None = None     # prompt tokens from the prefix cache, once started
 
     def cancel(self, why: str = "client") -> None:
         """Stop at the next cycle; the first reason given is kept."""
@@ -77,8 +80,9 @@ class Scheduler:
     while fewer than `max_batch` run, and steps it (`prefill_chunk` prompt tokens per step
     while others decode); single mode: one job at a time, as before batching.
 
-    The HTTP layer only calls `submit` and reads `Job.events` (dicts: {"text", "tokens"} per
-    step, then {"done": finish_reason, "stats", "prompt_tokens", "cached_tokens"} or
+    The HTTP layer only calls `submit` and reads `Job.events` (dicts: {"started",
+    "cached_tokens"} when the job reaches the model, {"text", "tokens"} per step, then
+    {"done": finish_reason, "stats", "prompt_tokens", "cached_tokens", "max_tokens"} or
     {"error": message, "status"}: 503 for a generation cancelled by the shutdown, 500 for a
     failure). `/health` reads `cache_figures` and `batch_figures`, which the worker publishes
     (after every job, after every step): the prompt cache and the engine are only ever touched
@@ -210,7 +214,8 @@ class Scheduler:
             job.emit({"error": f"{SHUTDOWN}: the generation was cancelled", "status": 503})
             return
         job.emit({"done": finish, "stats": stats, "prompt_tokens": len(job.request.prompt),
-                  "cached_tokens": stats.get("cached_tokens", 0)})
+                  "cached_tokens": stats.get("cached_tokens", 0),
+                  "max_tokens": job.request.max_tokens})
 
     @staticmethod
     def _failed(job: Job, e: Exception) -> None:
@@ -268,10 +273,12 @@ class Scheduler:
                     engine.cancel(rid)              # its rows are freed now
                     self._leave(engine, rid, running.pop(rid)[0], "cancelled")
             if not running:
+                self.batch_figures = self._figures(0, engine.waiting, [])
                 if closing:
                     return
                 continue
-            budget = self.prefill_budget(engine.running, engine.waiting, pipe.prefill_step_size)
+            budget = self.prefill_budget(engine.running, engine.waiting, pipe.prefill_step_size,
+                                         engine.last_prefill)
             try:
                 events = engine.step(prefill_budget=budget, started=emit)
             except Exception as e:  # noqa: BLE001 - reported to the batch; the next one runs
@@ -292,25 +299,35 @@ class Scheduler:
                                                [engine.stats[rid] for rid in running], last)
         # (unreachable: the loop returns once closing with nothing running)
 
-    def prefill_budget(self, running: int, waiting: int, step_size: int) -> int:
+    def prefill_budget(self, running: int, waiting: int, step_size: int,
+                       last: tuple[int, float] = (0, 0.0)) -> int:
         """Prompt tokens one step prefills: a lone prompt in the pipeline's chunks
         (`step_size`), as alone; beside running streams `prefill_chunk` per request that can
         join this step, so that the streams keep flowing and a burst of joiners (agents
         coming back with short new turns) joins in as few steps as one joiner would, as
-        mlx-lm prefills its joiners together (at most `step_size`, one chunk's worth)."""
+        mlx-lm prefills its joiners together (at most `step_size`, one chunk's worth).
+        Either way at most what `PREFILL_SECONDS` holds at the rate of the last step's
+        prefill (`last`: tokens, seconds), so that a client that leaves during a long prompt
+        frees the model within a step."""
         if not running:
-            return step_size
-        joining = max(1, min(waiting, self.max_batch - running))
-        return max(self.prefill_chunk, min(self.prefill_chunk * joining, step_size))
+            budget = step_size
+        else:
+            joining = max(1, min(waiting, self.max_batch - running))
+            budget = max(self.prefill_chunk, min(self.prefill_chunk * joining, step_size))
+        tokens, seconds = last
+        if tokens and seconds > 0:
+            budget = min(budget, max(self.prefill_chunk, int(PREFILL_SECONDS * tokens / seconds)))
+        return budget
 
     def _admit(self, engine: BatchEngine, job: Job, b, shared, stop_ids, running) -> None:
         """Start a job's sequence, from the prefix cache's state when it has one."""
         r = job.request
         self._register(job)
         try:
-            state = None
+            state, cached = None, 0
             if self.prompt_cache is not None:
-                state, _ = self.prompt_cache.fetch(r.prompt)
+                state, cached = self.prompt_cache.fetch(r.prompt)
+            job.emit({"started": True, "cached_tokens": cached})
             rid = self.pipe.add_to_batch(engine, r.prompt, r.max_tokens, r.sampling, b,
                                          shared, lookup=self.pipe.lookup,
                                          stop_ids=stop_ids, seed=r.seed, state=state,
@@ -354,11 +371,12 @@ class Scheduler:
         r = job.request
         s = r.sampling
         cache = self.prompt_cache
-        state = None
+        state, cached = None, 0
         if cache is not None:
-            state, _ = cache.fetch(r.prompt)
+            state, cached = cache.fetch(r.prompt)
             if state is None:
                 state = DecodeState.new(self.pipe.adapter, self.pipe.drafter)
+        job.emit({"started": True, "cached_tokens": cached})
         chunk = None
         steps = self.pipe.stream(r.prompt, max_tokens=r.max_tokens, temperature=s.temperature,
                                  top_p=s.top_p, top_k=s.top_k, seed=r.seed,

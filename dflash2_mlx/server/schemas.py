@@ -120,8 +120,9 @@ class CompletionRequest(_OpenAISampling):
 
 
 class AnthropicBlock(_Strict):
-    """text, tool_use (assistant turns) and tool_result (user turns) content blocks."""
-    type: Literal["text", "tool_use", "tool_result"]
+    """text, tool_use (assistant turns) and tool_result (user turns) content blocks; thinking
+    blocks are taken and left out of the prompt (this server makes none)."""
+    type: Literal["text", "tool_use", "tool_result", "thinking", "redacted_thinking"]
     text: Optional[str] = None
     id: Optional[str] = None
     name: Optional[str] = None
@@ -131,11 +132,14 @@ class AnthropicBlock(_Strict):
 
 
 class AnthropicMessage(_Strict):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]       # system: Claude Code sends it mid-turns
     content: Union[str, list[AnthropicBlock]]
 
 
 class AnthropicTool(_Strict):
+    """A client tool (`type` absent or "custom"); Anthropic's own tool types (web_search_...,
+    bash_..., ...) are left out of the prompt by the route."""
+    type: Optional[str] = None
     name: str
     description: Optional[str] = None
     input_schema: dict = Field(default_factory=dict)
@@ -148,16 +152,21 @@ class AnthropicToolChoice(_Strict):
     disable_parallel_tool_use: Optional[bool] = None
 
 
-class MessagesRequest(_Strict):
+class CountTokensRequest(_Strict):
+    """POST /v1/messages/count_tokens: the prompt part of a Messages request. Fields such as
+    thinking, context_management, output_config, metadata and cache_control are ignored."""
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
-    max_tokens: MaxTokens
     system: Union[str, list[TextPart], None] = None
+    tools: Optional[list[AnthropicTool]] = None
+    tool_choice: Optional[AnthropicToolChoice] = None
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: MaxTokens                              # clamped to what the server can give
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
     top_k: TopK = 0
     stop_sequences: Optional[list[str]] = None
     stream: bool = False
-    tools: Optional[list[AnthropicTool]] = None
-    tool_choice: Optional[AnthropicToolChoice] = None
     metadata: Optional[dict] = None

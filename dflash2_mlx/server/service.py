@@ -13,6 +13,8 @@ from fastapi import Request
 
 from .. import log as logs
 from ..pipeline import Pipeline
+from .chat_prompt import (TOOL_MARKERS, TemplateTraits, fold_system, parse_tool_call,
+                          tools_in_text)
 from .config import ServerConfig
 from .errors import APIError
 from .scheduler import SHUTDOWN, GenerationRequest, Job, QueueFull, Scheduler, ShuttingDown
@@ -34,8 +36,14 @@ class Service:
         self.pipe, self.config, self.scheduler = pipe, config, scheduler
         tok = pipe.tokenizer
         self.has_template = bool(getattr(tok, "has_chat_template", tok.chat_template))
-        self.tool_markers = ((tok.tool_call_start, tok.tool_call_end)
-                             if getattr(tok, "has_tool_calling", False) else None)
+        self.traits = TemplateTraits(self._template if self.has_template else None)
+        if self.traits.tools and getattr(tok, "has_tool_calling", False):
+            self.tool_markers, self.tool_parser = ((tok.tool_call_start, tok.tool_call_end),
+                                                   tok.tool_parser)
+        elif self.traits.tools:          # the template renders tools but has no known markers
+            self.tool_markers, self.tool_parser = None, None
+        else:                            # tools go in the prompt, in the Hermes format
+            self.tool_markers, self.tool_parser = TOOL_MARKERS, parse_tool_call
 
     # ---- checks shared by the routes
     def check_model(self, name: str) -> None:
@@ -45,25 +53,36 @@ class Service:
                            code="model_not_found")
 
     def max_tokens(self, asked: int | None, prompt_len: int, param: str = "max_tokens", *,
-                   prompt_param: str = "messages") -> int:
-        """The tokens to generate: `asked` (the field `param`), checked against the server's
-        limit and the room the prompt (the field `prompt_param`) leaves in the context."""
+                   prompt_param: str = "messages", anthropic: bool = False) -> int:
+        """The tokens to generate: `asked` (the field `param`; None: as many as allowed)
+        clamped to the server's `--max-tokens` and to the room the prompt leaves in the
+        context, as hosted APIs' compatible servers do (agents ask for 32k whatever the model).
+        A prompt that fills the context is a 400 worded as the called API words it, which is
+        what agents match on to compact their conversation."""
         c = self.config
-        if prompt_len >= c.context_length:
-            raise APIError(400, f"the prompt has {prompt_len} tokens; this model's context is "
-                           f"{c.context_length} tokens", param=prompt_param,
-                           code="context_length_exceeded")
         room = c.context_length - prompt_len
-        if asked is None:
-            return min(c.max_tokens, room)
-        if asked > c.max_tokens:
-            raise APIError(400, f"{param} = {asked} is above this server's limit of "
-                           f"{c.max_tokens}", param=param)
-        if asked > room:
-            raise APIError(400, f"this model's context is {c.context_length} tokens; the "
-                           f"prompt has {prompt_len} and {param} asks for {asked} more "
-                           f"(at most {room})", param=param, code="context_length_exceeded")
-        return asked
+        if room < 1:
+            message = (f"prompt is too long: {prompt_len} tokens > {c.context_length - 1} "
+                       "maximum" if anthropic else
+                       f"This model's maximum context length is {c.context_length} tokens. "
+                       f"However, your messages resulted in {prompt_len} tokens. Please reduce "
+                       "the length of the messages.")
+            raise APIError(400, message, param=prompt_param, code="context_length_exceeded")
+        given = min(c.max_tokens, room, asked or c.max_tokens)
+        if asked is not None and given < asked:
+            log.info(f"{param} = {asked} clamped to {given} (--max-tokens {c.max_tokens}, "
+                     f"{room} tokens of context left after the prompt)")
+        return given
+
+    @staticmethod
+    def headers(max_tokens: int, left_out: list[str] = ()) -> dict[str, str]:
+        """What the server made of the request, for the client to see: the tokens it may
+        generate (after clamping) and the hosted tools it left out of the prompt."""
+        if left_out:
+            log.info(f"tools left out of the prompt (this server cannot run them): "
+                     f"{', '.join(left_out)}")
+        return {"x-dflash2-max-tokens": str(max_tokens),
+                **({"x-dflash2-ignored-tools": ",".join(left_out)} if left_out else {})}
 
     def stops(self, stop: str | list[str] | None) -> list[str]:
         stops = [stop] if isinstance(stop, str) else list(stop or [])
@@ -79,22 +98,35 @@ class Service:
         chat template exactly as `Pipeline.encode` renders one user message. param: the
         request's field that holds the messages (named by a refusal)."""
         tok = self.pipe.tokenizer
+        if not self.traits.system_anywhere:
+            messages = fold_system(messages)
+        if not self.traits.tools:
+            messages, tools = tools_in_text(messages, tools), None
         if not self.has_template:
             text = "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages)
             return tok.encode(text + "assistant:")
         try:
-            text = tok.apply_chat_template(messages, tools=tools, tokenize=False,
-                                           add_generation_prompt=True)
+            text = self._template(messages, tools=tools)
         except Exception as e:  # noqa: BLE001 - a template's own refusal (jinja raise_exception)
             raise APIError(400, f"the chat template refused these messages: {e}",
                            param=param) from None
         return tok.encode(text, add_special_tokens=False)
 
+    def _template(self, messages: list[dict], tools: list[dict] | None) -> str:
+        return self.pipe.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                       add_generation_prompt=True)
+
     def tool_stream(self, stops: list[str], tools: list[dict] | None) -> TextStream:
-        if tools and self.tool_markers:
-            parser = self.pipe.tokenizer.tool_parser
-            return TextStream(stops, self.tool_markers, lambda text: parser(text, tools))
-        return TextStream(stops)
+        """The response's text: stop strings cut, tool calls parsed (when tools were offered
+        and the template's calls can be found)."""
+        if not tools:
+            return TextStream(stops)
+        if self.tool_markers is None:
+            raise APIError(400, "this model's chat template renders tools but mlx-lm knows no "
+                           "parser for its tool calls: a request with tools cannot be served",
+                           param="tools")
+        parser = self.tool_parser
+        return TextStream(stops, self.tool_markers, lambda text: parser(text, tools))
 
     # ---- running
     def submit(self, req: GenerationRequest) -> Job:
@@ -110,6 +142,7 @@ class Service:
     async def run(self, job: Job, text: TextStream, request: Request | None = None
                   ) -> AsyncIterator[tuple[list[Piece], dict | None]]:
         """(pieces, None) per cycle, then ([], final event); an error event raises APIError.
+        ([], None) when the job reaches the model (`job.cached_tokens` is then set).
 
         Streaming (no `request`): also ([], None) after every `ping_interval` seconds without
         an event, for the stream to send a keep-alive ping. Non-streaming (`request`): the
@@ -130,6 +163,10 @@ class Service:
                 if event is None:
                     if request is None:
                         yield [], None
+                    continue
+                if "started" in event:
+                    job.cached_tokens = event["cached_tokens"]
+                    yield [], None
                     continue
                 if "error" in event:
                     raise APIError(event.get("status", 500), event["error"], kind="server_error")
@@ -163,7 +200,8 @@ def usage(event: dict) -> dict:
     return {"prompt_tokens": event["prompt_tokens"], "completion_tokens": completion,
             "total_tokens": event["prompt_tokens"] + completion,
             "prompt_tokens_details": {"cached_tokens": event["cached_tokens"]},
-            "dflash2": {k: stats.get(k) for k in USAGE_STATS if k in stats}}
+            "dflash2": {"max_tokens": event.get("max_tokens"),
+                        **{k: stats.get(k) for k in USAGE_STATS if k in stats}}}
 
 
 def openai_tool_calls(calls: list[dict], start: int, streaming: bool) -> list[dict]:
