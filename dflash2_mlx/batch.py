@@ -46,7 +46,6 @@ from .sampling import Sampling, greedy_accept, rejection_accept
 from .target import Target
 
 STOP, LENGTH, CANCELLED = "stop", "length", "cancelled"
-BATCH = "batch"                 # the batch governor's key (`costs.Governor`)
 
 
 class BatchAwareWidth:
@@ -106,37 +105,15 @@ class BatchAwareWidth:
             self.shared, n, T, context)
 
     def observe(self, n: int, T: int, context: int | None, seconds: float,
-                drafts: float = 0.0, tokens: int | None = None) -> None:
+                drafts: float = 0.0) -> None:
         """A batched step of n sequences x T rows over `context` slots, after a drafter pass
         of `drafts` seconds by the calibration (`costs.drafter_pass` of its sequences'
         passes alone), took `seconds`. The stall guard caps it at twice the price the
         policies saw (a seeded shape's too: else it learnt its first steps at twice the
-        calibration's ratio only). tokens: what the step committed (the governor's)."""
+        calibration's ratio only)."""
         self.shared.observe(step_keys(n, T, context), seconds,
                             self.inner.cost.verify(n * T, context) + drafts,
                             step_ratio(self.shared, n, T, context))
-        if tokens is not None:
-            self._govern(n, T, context, seconds, tokens)
-
-    def _govern(self, n: int, T: int, context: int | None, seconds: float,
-                tokens: int) -> None:
-        """The batch's governor (`costs.Governor`, the shared correction's): each drafting
-        step of two or more sequences that no probe drafted in (`update` marks those; sent at
-        the next step) against their plain step's timed price; alone, its AdaptiveWidth
-        governs."""
-        gov = self.shared.governor
-        if gov.pending is not None:
-            made, took, m, slots, probe = gov.pending
-            if not probe:
-                r = self.shared.trusted(step_keys(m, 1, slots))
-                plain = self.inner.cost.verify(m, slots) * (r or 1.0)
-                gov.drafted(BATCH, made, took, None if r is None else plain / m, plain,
-                            (m.bit_length(), context_bucket(slots)))
-            gov.pending = None
-        if T == 1:
-            gov.plain_step()
-        elif n > 1:
-            gov.pending = [tokens, seconds, n, context, False]
 
     def _options(self, available: dict, match_n: int, context: int | None):
         """(source, w, E(w), draft seconds) of every choice on offer, plain first."""
@@ -163,10 +140,6 @@ class BatchAwareWidth:
             self.last = options.get(best, (1.0, 0.0))
             return best
         n = len(self.planned) + self.after.count + 1
-        if self.shared.governor.held(BATCH):        # drafting delivered less than plain
-            self.outlook, self.rate, self.last = PLAIN_OUTLOOK, None, (1.0, 0.0)
-            self.probing, self.plain_next = False, True
-            return PLAIN, 1
         widest = max((w for w, _, _ in self.planned), default=1)
         tokens = sum(e for _, e, _ in self.planned)
         draft = sum(d for _, _, d in self.planned)
@@ -237,9 +210,6 @@ class BatchAwareWidth:
         return choice[1] == 1 and self.plain_next
 
     def update(self, source: str, width: int, accepted: int, *args, **kwargs) -> None:
-        pending = self.shared.governor.pending
-        if pending is not None and self.probing and source == DRAFTER:
-            pending[4] = True                      # a probe's step keeps to the probe budget
         if self.probing and source == DRAFTER:
             self.probe_again, self.probing = accepted > 0, False
         self.inner.update(source, width, accepted, *args, **kwargs)
@@ -795,8 +765,7 @@ class BatchEngine:
         timed = {id(s.policy.shared): s.policy for s in self.rows
                  if isinstance(s.policy, BatchAwareWidth)}
         for policy in timed.values():                 # once per shared correction
-            policy.observe(len(plans), T, slots, seconds, draft_s,
-                           sum(accepted) + len(plans))
+            policy.observe(len(plans), T, slots, seconds, draft_s)
         events, leaving = [], []
         for i, (p, a, (_, bonus)) in enumerate(zip(plans, accepted, results)):
             seq = p.seq
