@@ -506,10 +506,13 @@ class BatchEngine:
         return rid
 
     def cancel(self, rid: int) -> bool:
-        """Drop a sequence now (queued or running); False when it is not here."""
+        """Drop a sequence now (queued or running); False when it is not here. One cancelled
+        during its prefill keeps what it prefilled (`keep_state`): a retry resumes there."""
         for seq in self.queue:
             if seq.id == rid:
                 self.queue.remove(seq)
+                if seq.req.keep_state and len(seq.state.tokens) > seq.stats.cached_tokens:
+                    self._keep(seq)
                 return True
         for i, seq in enumerate(self.rows):
             if seq.id == rid:

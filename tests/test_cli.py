@@ -230,8 +230,12 @@ def test_bad_settings_and_values_one_line_nonzero(llama_dir, dflash2_dir, tmp_pa
     ]
     cases += [((*base, *args), {"stdin": stdin}) for args, stdin, _ in others]
     cases += [(("generate", "--model", tmp_path / "no-model"), {})]
+    # a context beyond the target's 4096 positions is refused, with the reason and the flag
+    cases += [(("serve", "--model", llama_dir, "--draft", dflash2_dir, "--port", 0,
+                "--context-length", 8192), {})]
     procs = run_many(cases)
-    words = [*expect.values(), *(w for *_, w in others), ["target model", "no-model", "no such"]]
+    words = [*expect.values(), *(w for *_, w in others), ["target model", "no-model", "no such"],
+             ["--context-length 8192", "4096 positions", "--allow-context-beyond-model"]]
     for (args, _), want, proc in zip(cases, words, procs, strict=True):
         err = [line for line in lines(proc.stderr) if "error" in line]
         assert proc.returncode == 1 and len(err) == 1, (args, proc.stderr)

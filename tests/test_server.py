@@ -91,7 +91,39 @@ def test_completions_and_models(pipe, oa):
     streamed = "".join(c.choices[0].text for c in oa.completions.create(
         model="llama", prompt="def add(a, b):", max_tokens=12, temperature=0, stream=True))
     assert streamed == want.text
-    assert [m.id for m in oa.models.list()] == ["llama"]
+    (card,) = oa.models.list().data
+    assert card.id == "llama"
+    # the context under the names vLLM and LM Studio use (aider reads them)
+    assert {k: card.model_extra[k] for k in ("context_length", "max_model_len",
+                                            "max_context_length")} == dict.fromkeys(
+        ("context_length", "max_model_len", "max_context_length"), CONTEXT)
+
+
+def test_tools_reach_a_template_that_ignores_them(server, pipe, oa):
+    """The tiny llama's template drops `tools`: they go into the system prompt in the Hermes
+    format (the same prompt on every route), and earlier calls and results as text."""
+    from dflash2_mlx.server.chat_prompt import tools_block
+
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    with_tools = oa.chat.completions.create(model="llama", messages=msgs, tools=[WEATHER],
+                                            max_tokens=1, temperature=0)
+    plain = oa.chat.completions.create(model="llama", messages=msgs, max_tokens=1,
+                                       temperature=0)
+    want = chat_ids(pipe, [{"role": "system", "content": tools_block([WEATHER])}] + msgs)
+    assert with_tools.usage.prompt_tokens == len(want) > plain.usage.prompt_tokens + 50
+    tool = {"name": "get_weather", "description": WEATHER["function"]["description"],
+            "input_schema": WEATHER["function"]["parameters"]}
+    count = httpx.post(server.url + "/v1/messages/count_tokens", headers={
+        "x-api-key": KEY}, json={"model": "llama", "messages": msgs, "tools": [tool]},
+        timeout=30).json()
+    assert count == {"input_tokens": len(want)}
+    # a round trip: the call and its result are in the next prompt, as text
+    turn = oa.chat.completions.create(model="llama", tools=[WEATHER], max_tokens=1,
+                                      temperature=0, messages=msgs + [
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}])
+    assert turn.usage.prompt_tokens > with_tools.usage.prompt_tokens + 20
 
 
 def test_stop_strings_across_token_boundaries(pipe, oa):
@@ -404,6 +436,12 @@ def test_bad_inputs_get_clear_errors_in_each_apis_shape(server, pipe):
     r = _post(server, CHAT, OK_CHAT, headers={"x-api-key": ""})
     assert r.status_code == 200, r.text
     assert httpx.get(server.url + "/v1/nothing", timeout=10).json()["error"]["message"]
+    # every refusal is one log line: route, status, reason; never the body
+    time.sleep(0.2)
+    refusals = [line for line in server.log if " 400: " in line or " 413: " in line]
+    assert any("POST /v1/chat/completions 400: temperature" in x for x in refusals), refusals
+    assert any("POST /v1/messages 413:" in x for x in refusals), refusals
+    assert not any("quick brown fox" in x for x in server.log)
     # still serving, and correctly
     r = _post(server, CHAT, {**OK_CHAT, "temperature": 0, "max_tokens": 8})
     assert r.status_code == 200
@@ -672,11 +710,16 @@ def test_a_non_streaming_client_that_leaves_cancels_its_generation(pipe):
         gone.set()                                 # the client closed its connection
         await asyncio.wait_for(call, 30)
         await _until(lambda: not scheduler.busy)
-        return scheduler.served, scheduler.cancelled
+        health = (await http.get("/health")).json()
+        return scheduler.served, scheduler.cancelled, health["batch"]
 
     tic = time.time()
-    assert in_process(pipe, clients, max_tokens=LIMIT, context_length=2 * LIMIT) == (1, 1)
+    served, cancelled, batch = in_process(pipe, clients, max_tokens=LIMIT,
+                                          context_length=2 * LIMIT)
+    assert (served, cancelled) == (1, 1)
     assert time.time() - tic < 30
+    # /health shows the batch as it is: the departed sequence is gone
+    assert batch["running"] == 0 and batch["sequences"] == [], batch
 
 
 def test_shutdown_answers_the_running_and_the_queued_requests_with_503(pipe):

@@ -457,3 +457,47 @@ def test_health_is_read_on_no_other_thread_than_the_workers(pipe):
     health = in_process(pipe, clients)
     assert health["batch"]["mode"] == "batch" and health["served"] == 1
     assert threads == {threading.main_thread().name}, threads
+
+
+def test_a_steps_prefill_is_bounded_by_its_measured_seconds(pipe):
+    """A client that leaves during a long prompt frees the model within a step: the budget
+    holds what `PREFILL_SECONDS` prefill at the last step's rate (never below a chunk)."""
+    from dflash2_mlx.server.scheduler import PREFILL_SECONDS
+
+    s = Scheduler(pipe, max_batch=4, prefill_chunk=100)
+    assert s.prefill_budget(0, 1, 2048) == 2048                         # nothing measured yet
+    slow = (1000, 4.0 * PREFILL_SECONDS)                                # 250 tokens a second
+    assert s.prefill_budget(0, 1, 2048, slow) == 250
+    assert s.prefill_budget(2, 3, 2048, slow) == 200                    # two rows free, 100 each
+    assert s.prefill_budget(0, 1, 2048, (1000, 0.01 * PREFILL_SECONDS)) == 2048    # fast
+    assert s.prefill_budget(0, 1, 2048, (10, 10.0)) == 100              # at least a chunk
+
+
+def test_a_prompt_cancelled_mid_prefill_is_resumed_by_its_retry_exactly(pipe):
+    """An agent whose request timed out during a long prefill sends it again: what was
+    prefilled went to the prefix cache, the retry resumes there, and its text is the text."""
+    from dflash2_mlx.prompt_cache import PromptCache
+    from dflash2_mlx.sampling import Sampling
+
+    prompt = pipe.encode(ENDLESS[:1500], chat_template=False)
+    want = pipe.generate(prompt, max_tokens=12).tokens
+    engine, cache = pipe.batch_engine(2), PromptCache(4)
+    greedy = Sampling(0.0, 1.0, 0)
+
+    def add(state=None) -> int:
+        return pipe.add_to_batch(engine, prompt, 12, greedy, BLOCK, pipe.batch_correction(),
+                                 lookup=False, stop_ids=pipe.stop_ids(), seed=0, state=state,
+                                 keep_state=True)
+
+    rid = add()
+    engine.step(prefill_budget=len(prompt) // 3)            # a third of the prompt, then gone
+    assert engine.waiting == 1 and engine.cancel(rid)
+    cache.insert(engine.pop_state(rid))
+    state, cached = cache.fetch(prompt)
+    assert cached == len(prompt) // 3
+    rid = add(state)
+    tokens = []
+    while engine.running or engine.waiting:
+        tokens += [t for ev in engine.step() for t in ev.tokens]
+    assert tokens == want
+    assert engine.stats[rid].cached_tokens == cached

@@ -162,7 +162,8 @@ def _anthropic_usage(final: dict) -> dict:
 async def _anthropic_events(service: Service, job: Job, text: TextStream, head: dict,
                             prompt_tokens: int) -> AsyncIterator[str]:
     """message_start goes out when the job reaches the model, with the prompt tokens read from
-    the prefix cache (until then, keep-alive comments)."""
+    the prefix cache (until then, keep-alive comments; after it, ping events, as Anthropic
+    sends them through a long wait)."""
     index, open_text, started = 0, False, False
     try:
         async for pieces, final in service.run(job, text):
@@ -173,7 +174,8 @@ async def _anthropic_events(service: Service, job: Job, text: TextStream, head: 
                     "usage": _prompt_usage(prompt_tokens, job.cached_tokens)}},
                     "message_start")
             elif not pieces and final is None:
-                yield PING
+                # Anthropic's own keep-alive event: Claude Code's watchdog counts events
+                yield sse({"type": "ping"}, "ping") if started else PING
             for p in pieces:
                 if p.kind == "text":
                     if not open_text:
