@@ -35,13 +35,17 @@ import copy
 import hashlib
 import json
 import platform
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from datetime import datetime, timezone
 from pathlib import Path
 
 import mlx.core as mx
 
 from . import log
-from .costs import (CostModel, Correction, context_bucket, measure_costs, measure_slopes,
-                    probe_steps)
+from .costs import (SPREAD, CostModel, Correction, context_bucket, measure_costs,
+                    measure_slopes, monotone, probe_steps)
 from .files import atomic_write
 
 _log = log.get(__name__)
@@ -131,8 +135,11 @@ class AdaptiveWidth:
 
     def __init__(self, cost: CostModel, widths: dict[str, int] | None = None,
                  prior: float = 0.8, strength: float = 2.0, decay: float = 0.95,
-                 far: float = 0.9, budget: tuple[float, float] = (0.01, 0.05)):
+                 far: float = 0.9, budget: tuple[float, float] = (0.01, 0.05),
+                 store: Callable[[CostModel], None] | None = None):
         self.cost, self.decay, self.far, self.budget = cost, decay, far, budget
+        # writes prices corrected by the timed cycles back to the stored calibration
+        self.store = store
         self.widths = widths or {DRAFTER: cost.max_width}
         # acceptance counts per source; the lookup's per length of its recurring suffix (a
         # long match copies on for many tokens, a two-token one is often a common phrase)
@@ -143,8 +150,10 @@ class AdaptiveWidth:
         # the last cycle chosen was a probe; one that was accepted asks for another at once
         # (the content may have changed: a few cheap probes confirm it within cycles)
         self.probing = self.probe_again = False
-        # the timed cycles against the model (`cycle_keys`)
+        # the timed cycles against the model (`cycle_keys`), and its governor: a source whose
+        # drafting cycles delivered less than plain decoding is held plain for a while
         self.correction = Correction(decay)
+        self.correction.governor.budget = budget[0]
         # this sequence's own lookup counts at long context (`_evidence`), fresh per sequence
         self.own: dict[str, PositionCounts] = {}
 
@@ -326,6 +335,8 @@ class AdaptiveWidth:
         """Expected tokens per second of each (source, width) on offer, plain included."""
         rate = {(PLAIN, 1): 1.0 / self.cycle_cost(1, PLAIN, context)}
         for source, most in available.items():
+            if self.correction.governor.held(source):
+                continue
             tokens, p = 1.0, 1.0               # E(w), accumulated over the widths in turn
             for w, alpha in zip(range(2, min(most, self.widths[source]) + 1),
                                 self.alphas(source, match_n, context)):
@@ -343,12 +354,63 @@ class AdaptiveWidth:
             self.counts_for(source, match_n, context).update(width, accepted, first)
             if source == LOOKUP and context_bucket(context) >= LONG_BUCKET:
                 self._counts(self.own, source, match_n, context).update(width, accepted, first)
-        if self.probing and source == DRAFTER:        # (shadows score the lookup only)
+        probe = self.probing and source == DRAFTER
+        if probe:                                     # (shadows score the lookup only)
             self.probe_again, self.probing = accepted > 0, False
         if seconds is not None:
             source = PLAIN if width == 1 else source
             self.correction.observe(cycle_keys(source, width, context), seconds,
                                     self.cost.cycle(width, source, context))
+        if width == 1:
+            self.correction.governor.plain_step()
+        elif seconds is not None and not probe:       # probes keep to their own budget
+            self._govern(source, accepted + 1, seconds, context)
+
+    def _govern(self, source: str, tokens: int, seconds: float, context: int | None) -> None:
+        """Tell the governor (`costs.Governor`) what a drafting cycle delivered, against plain
+        decoding's timed price here; when its window shows the prices wrong, write them back
+        corrected (`corrected`) for the next process."""
+        r = self.correction.trusted(price_keys(PLAIN, 1, context))
+        plain_step = self.cycle_cost(1, PLAIN, context)
+        tripped = self.correction.governor.drafted(
+            source, tokens, seconds, None if r is None else plain_step, plain_step,
+            context_bucket(context))
+        if tripped and self.store is not None:
+            fixed = self.corrected()
+            if fixed is not None:
+                self.store(fixed)
+
+    def corrected(self) -> CostModel | None:
+        """The cost model with each width's prices scaled by what its timed cycles took over
+        what the model said, relative to plain steps' own ratio at the same context size (load
+        that slows every forward alike cancels out), at the shortest context size where both
+        were timed; None where nothing is off by more than `costs.SPREAD`. The drafter's
+        cycles scale its pass and the verify alike unless lookup cycles timed the verify."""
+        c, cost = self.correction, self.cost
+        verify, draft = list(cost.verify_table), list(cost.draft_table)
+        done_v, done_d, changed = set(), set(), False
+        for b in range(16):
+            plain = c.trusted([(PLAIN, 1, b)])
+            if plain is None:
+                continue
+            for w in range(2, cost.max_width + 1):
+                lookup, drafter = c.trusted([(LOOKUP, w, b)]), c.trusted([(DRAFTER, w, b)])
+                if lookup is not None and w not in done_v:
+                    done_v.add(w)
+                    verify[w - 1] = cost.verify_table[w - 1] * lookup / plain
+                    changed |= abs(lookup / plain - 1) > SPREAD
+                if drafter is not None and w not in done_d and w <= len(draft):
+                    done_d.add(w)
+                    was = cost.draft_table[w - 1] + cost.verify_table[w - 1]
+                    if w not in done_v:
+                        done_v.add(w)
+                        verify[w - 1] = cost.verify_table[w - 1] * drafter / plain
+                    draft[w - 1] = max(was * drafter / plain - verify[w - 1], 0.0)
+                    changed |= abs(drafter / plain - 1) > SPREAD
+        if not changed:
+            return None
+        return replace(cost, verify_table=tuple(monotone(verify)),
+                       draft_table=tuple([0.0] + monotone(draft[1:])))
 
 
 def cycle_keys(source: str, width: int, context: int | None) -> tuple:
@@ -370,8 +432,8 @@ def cycle_keys(source: str, width: int, context: int | None) -> tuple:
     8k with a calibration blind to the context.)"""
     bucket = context_bucket(context)
     keys = ((source, width, bucket), (source, width, None))
-    if source == DRAFTER:
-        keys += ((DRAFTER, bucket), (DRAFTER, None))
+    if source in (DRAFTER, LOOKUP):
+        keys += ((source, bucket), (source, None))
     return keys + (("all", bucket), ("all", None))
 
 
@@ -433,7 +495,9 @@ class Shadow:
 
 # --------------------------------------------------------------------------- calibration
 
-CALIBRATION_VERSION = "5"     # bump when measure_costs changes: old entries are re-measured
+# Bump when measure_costs changes; an entry of another version, of another package version or
+# made with another BLAS is timed again (`stale`)
+CALIBRATION_VERSION = "6"
 
 
 def cache_file() -> Path:
@@ -444,18 +508,47 @@ def cache_file() -> Path:
 
 
 def calibration_key(pipeline) -> str:
+    """The entry of this machine, MLX backend and BLAS, model pair and how it was loaded."""
     d = pipeline.describe() if hasattr(pipeline, "describe") else {}
     drafter = pipeline.drafter
     vocab = drafter.draft_vocab if drafter is not None else None
     from . import blas
 
-    parts = [CALIBRATION_VERSION, platform.machine(), platform.processor(),
+    parts = [platform.machine(), platform.processor(),
              str(mx.default_device()), mx.__version__, blas.active().name,
              repr(sorted((k, str(v)) for k, v in d.items() if k != "block_size")),
              str(pipeline.adapter.num_layers), str(pipeline.adapter.hidden_size),
              str(drafter.args if drafter is not None else None),
              str(None if vocab is None else vocab.ids.size)]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
+
+
+def calibration_meta(pipeline, seconds: float) -> dict:
+    """What `doctor` shows of an entry and `stale` checks: when and how long, the package,
+    calibration and BLAS it was made with, and the pair as `load` was given it."""
+    from . import __version__, blas
+
+    d = pipeline.describe() if hasattr(pipeline, "describe") else {}
+    return {"when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "seconds": round(seconds, 1), "version": __version__,
+            "calibration": CALIBRATION_VERSION, "blas": blas.active().name,
+            "backend": str(mx.default_device()), "model": d.get("model"),
+            "draft": d.get("draft")}
+
+
+def stale(entry) -> str | None:
+    """Why a stored entry is timed again though well formed (None: it is not): made by
+    another calibration or package version, or with another BLAS."""
+    from . import __version__, blas
+
+    meta = entry.get("meta") if isinstance(entry, dict) else None
+    if not isinstance(meta, dict) or meta.get("calibration") != CALIBRATION_VERSION:
+        return "made by an older calibration"
+    if meta.get("version") != __version__:
+        return f"made by dflash2-mlx {meta.get('version')}"
+    if meta.get("blas") != blas.active().name:
+        return f"made with BLAS {meta.get('blas')}"
+    return None
 
 
 def _read_table(path: Path) -> dict:
@@ -466,29 +559,79 @@ def _read_table(path: Path) -> dict:
     return table if isinstance(table, dict) else {}
 
 
-def load_or_measure_costs(pipeline, max_width: int) -> CostModel:
-    """Costs from the per-machine cache, measured (a few seconds) on first use; verify costs
-    up to `max_width` rows (or the drafter's block size, if wider).
+def load_or_measure_costs(pipeline, max_width: int, fresh: bool = False) -> CostModel:
+    """Costs from the per-machine cache, measured on first use (a few seconds; up to
+    `costs.CALIBRATION_BUDGET` on a busy machine); verify costs up to `max_width` rows (or the
+    drafter's block size, if wider). fresh: measure whatever is stored (`calibrate`).
 
-    The cache is keyed on the machine, MLX, the model pair and how it was loaded (dtypes,
-    quantization, settings file and entry, verify mode, max_ctx). Concurrent processes each
-    replace the cache atomically (`files.atomic_write`) after re-reading it, so neither
-    truncates the other's file (the last writer's other entries win).
+    The cache is keyed on the machine, MLX, its BLAS, the model pair and how it was loaded
+    (dtypes, quantization, settings file and entry, verify mode, max_ctx). An entry that is
+    not `settled` (its rounds disagreed, its slopes fit nothing: taken beside other work) or is
+    `stale` is timed again at each load until one is; the better of the two (the narrower
+    spread) serves the process and is stored. Concurrent processes each replace the cache
+    atomically (`files.atomic_write`) after re-reading it, so neither truncates the other's
+    file (the last writer's other entries win).
     """
     path, key = cache_file(), calibration_key(pipeline)
     block = pipeline.drafter.args.block_size if pipeline.drafter is not None else 1
-    cost = CostModel.from_dict(_read_table(path).get(key), block, max(max_width, block))
-    if cost is not None and cost.fitted:
+    entry = _read_table(path).get(key)
+    cost = CostModel.from_dict(entry, block, max(max_width, block))
+    why = stale(entry) if cost is not None else None
+    if cost is not None and cost.settled and why is None and not fresh:
         return cost
-    if cost is None:
-        _log.info("measuring draft and verify cost per block width and context length (once "
-                  "per machine, model pair and settings) ...")
-        cost = measure_costs(pipeline, max_width)
+    tic = time.perf_counter()
+    if cost is None or why is not None or fresh or cost.spread > SPREAD:
+        _log.info("measuring draft and verify cost per block width and context length ("
+                  + (f"the stored calibration was {why}" if why and cost is not None else
+                     "asked for" if fresh else "its rounds disagreed last time: a busy "
+                     "machine?" if cost is not None else "once per machine, model pair and "
+                     "settings") + ") ...")
+        new = measure_costs(pipeline, max_width)
+        if cost is not None and why is None and not fresh and cost.spread < new.spread:
+            new = replace(cost, spread=cost.spread)      # the stored one agreed better
     else:
         _log.info("timing the cost of a long context again (the last calibration could not) ...")
-        cost = measure_slopes(pipeline, cost)
+        new = measure_slopes(pipeline, cost)
+        new = replace(new, spread=max(new.spread, cost.spread))
+    seconds = time.perf_counter() - tic
+    _log.info(f"calibration: {seconds:.0f} s, rounds within {100 * new.spread:.0f}%"
+              + ("" if new.settled else f" (over {100 * SPREAD:.0f}%, or no context slope: "
+                 "used for this run, timed again at the next load)"))
+    _store(path, key, new, calibration_meta(pipeline, seconds))
+    return new
+
+
+def store_correction(key: str, cost: CostModel) -> None:
+    """Replace the stored prices of entry `key` (`calibration_key`) with `cost`
+    (`AdaptiveWidth.corrected`), its calibration's record kept, the correction noted."""
+    path = cache_file()
+    meta = dict((_read_table(path).get(key) or {}).get("meta") or {})
+    if not meta:
+        return                                  # removed meanwhile: the next load times it
+    meta["corrected"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    _log.info("the timed cycles showed the calibration's prices wrong: corrected in "
+              f"{path}")
+    _store(path, key, cost, meta)
+
+
+def _store(path: Path, key: str, cost: CostModel, meta: dict) -> None:
     table = _read_table(path)                       # others may have written meanwhile
-    table[key] = cost.to_dict()
+    table[key] = {**cost.to_dict(), "meta": meta}
     with atomic_write(path) as f:
         json.dump(table, f, indent=1)
-    return cost
+
+
+def stored_calibrations() -> dict:
+    """The entries of `cache_file()`, by key (`doctor`, `calibrate`)."""
+    return {k: v for k, v in _read_table(cache_file()).items() if isinstance(v, dict)}
+
+
+def forget_calibrations(keys) -> None:
+    """Remove these entries (their pairs are timed again at their next load)."""
+    path = cache_file()
+    table = _read_table(path)
+    if any(k in table for k in keys):
+        for k in keys:
+            table.pop(k, None)
+        with atomic_write(path) as f:
+            json.dump(table, f, indent=1)

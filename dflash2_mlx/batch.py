@@ -46,6 +46,10 @@ from .sampling import Sampling, greedy_accept, rejection_accept
 from .target import Target
 
 STOP, LENGTH, CANCELLED = "stop", "length", "cancelled"
+BATCH = "batch"                 # the batch governor's key (`costs.Governor`)
+# a batch's first drafting step at a context size, timed where drafting is priced at this
+# share of plain's rate or more (`BatchAwareWidth._reference`)
+REFERENCE_WORTH = 0.5
 
 
 class BatchAwareWidth:
@@ -105,15 +109,37 @@ class BatchAwareWidth:
             self.shared, n, T, context)
 
     def observe(self, n: int, T: int, context: int | None, seconds: float,
-                drafts: float = 0.0) -> None:
+                drafts: float = 0.0, tokens: int | None = None) -> None:
         """A batched step of n sequences x T rows over `context` slots, after a drafter pass
         of `drafts` seconds by the calibration (`costs.drafter_pass` of its sequences'
         passes alone), took `seconds`. The stall guard caps it at twice the price the
         policies saw (a seeded shape's too: else it learnt its first steps at twice the
-        calibration's ratio only)."""
+        calibration's ratio only). tokens: what the step committed (the governor's)."""
         self.shared.observe(step_keys(n, T, context), seconds,
                             self.inner.cost.verify(n * T, context) + drafts,
                             step_ratio(self.shared, n, T, context))
+        if tokens is not None:
+            self._govern(n, T, context, seconds, tokens)
+
+    def _govern(self, n: int, T: int, context: int | None, seconds: float,
+                tokens: int) -> None:
+        """The batch's governor (`costs.Governor`, the shared correction's): each drafting
+        step of two or more sequences that no probe drafted in (`update` marks those; sent at
+        the next step) against their plain step's timed price; alone, its AdaptiveWidth
+        governs."""
+        gov = self.shared.governor
+        if gov.pending is not None:
+            made, took, m, slots, probe = gov.pending
+            if not probe:
+                r = self.shared.trusted(step_keys(m, 1, slots))
+                plain = self.inner.cost.verify(m, slots) * (r or 1.0)
+                gov.drafted(BATCH, made, took, None if r is None else plain / m, plain,
+                            (m.bit_length(), context_bucket(slots)))
+            gov.pending = None
+        if T == 1:
+            gov.plain_step()
+        elif n > 1:
+            gov.pending = [tokens, seconds, n, context, False]
 
     def _options(self, available: dict, match_n: int, context: int | None):
         """(source, w, E(w), draft seconds) of every choice on offer, plain first."""
@@ -140,6 +166,10 @@ class BatchAwareWidth:
             self.last = options.get(best, (1.0, 0.0))
             return best
         n = len(self.planned) + self.after.count + 1
+        if self.shared.governor.held(BATCH):        # drafting delivered less than plain
+            self.outlook, self.rate, self.last = PLAIN_OUTLOOK, None, (1.0, 0.0)
+            self.probing, self.plain_next = False, True
+            return PLAIN, 1
         widest = max((w for w, _, _ in self.planned), default=1)
         tokens = sum(e for _, e, _ in self.planned)
         draft = sum(d for _, _, d in self.planned)
@@ -175,11 +205,29 @@ class BatchAwareWidth:
         if not launched and (self.probe_again and near and gap < math.inf
                              or self.plain_run >= gap):
             self.plain_run, best, self.probing, self.probe_again = 0, (DRAFTER, 2), True, False
+        elif best[1] == 1 and not launched and len(rates) > 1 and self._reference(
+                slots, max(r for c, r in rates.items() if c[1] > 1) / rates[best]):
+            best = max((c for c in rates if c[1] > 1), key=rates.get)
+            self.plain_run, self.probing = 0, True
         # plain again next step unless the batch changes: no probe due or asked for then
         self.plain_next = best[1] == 1 and not (self.probe_again and near) \
             and self.plain_run + 1 < gap
         self.last = options[best]
         return best
+
+    def _reference(self, slots: int | None, worth: float) -> bool:
+        """Whether to draft once, at this context size, where no batched drafting step has
+        been timed and drafting's best is priced at `REFERENCE_WORTH` of plain's rate or more
+        (`worth`): from plain steps alone, the step's ratio prices the drafter's pass too
+        (`step_ratio`), so where the calibration's verify is off the pass is priced off the
+        other way, and drafting might never run to show it."""
+        bucket = context_bucket(slots)
+        gov, key = self.shared.governor, ("draft", bucket)
+        if worth < REFERENCE_WORTH or key in gov.referenced or any(
+                k[0] == bucket and k[1] == 0 for k in self.shared.table):
+            return False
+        gov.referenced.add(key)
+        return True
 
     def _probe_gap(self, n: int, slots: int | None, context: int | None, near: bool) -> float:
         """Plain steps between this sequence's probes: a probe's extra seconds (its n more
@@ -210,6 +258,9 @@ class BatchAwareWidth:
         return choice[1] == 1 and self.plain_next
 
     def update(self, source: str, width: int, accepted: int, *args, **kwargs) -> None:
+        pending = self.shared.governor.pending
+        if pending is not None and self.probing and source == DRAFTER:
+            pending[4] = True                      # a probe's step keeps to the probe budget
         if self.probing and source == DRAFTER:
             self.probe_again, self.probing = accepted > 0, False
         self.inner.update(source, width, accepted, *args, **kwargs)
@@ -768,7 +819,8 @@ class BatchEngine:
         timed = {id(s.policy.shared): s.policy for s in self.rows
                  if isinstance(s.policy, BatchAwareWidth)}
         for policy in timed.values():                 # once per shared correction
-            policy.observe(len(plans), T, slots, seconds, draft_s)
+            policy.observe(len(plans), T, slots, seconds, draft_s,
+                           sum(accepted) + len(plans))
         events, leaving = [], []
         for i, (p, a, (_, bonus)) in enumerate(zip(plans, accepted, results)):
             seq = p.seq

@@ -29,6 +29,7 @@ drafter's with random features, so no quadratic prefill runs.
 from __future__ import annotations
 
 import copy
+import math
 import time
 from dataclasses import dataclass, replace
 
@@ -45,6 +46,15 @@ LONG_CONTEXTS = (2048,)
 SLOPE_WIDTHS = (1, 4, 16)
 CHAIN_STEPS = 16         # plain steps per timed chain (its unhidden first build amortised)
 SLOPE_TRIES = 3          # long-context timings taken again while they fit no slope at all
+# A calibration is settled when its rounds agree within this (`round_spread`): one whose
+# rounds disagree more was taken beside other work, and is timed again at the next load.
+SPREAD = 0.10
+CALIBRATION_BUDGET = 40.0    # seconds of rounds a calibration may spend trying to settle
+MAX_ROUNDS = 12
+# The governor (`Governor`): drafting cycles per window; plain steps that time plain decoding
+# where it never ran (a chain long enough for `engine.TRUSTED_CHAIN`, and three timed steps)
+GOVERNOR_WINDOW = 16
+REFERENCE_STEPS = 12
 
 
 @dataclass(frozen=True)
@@ -68,6 +78,13 @@ class CostModel:
     # False: the slopes could have been measured but every try timed the long contexts no
     # slower (a busy machine); `adaptive.load_or_measure_costs` times them again next time
     fitted: bool = True
+    # how far the calibration's rounds disagreed (`round_spread`; 0.0: not measured)
+    spread: float = 0.0
+
+    @property
+    def settled(self) -> bool:
+        """Whether to keep it for later processes: slopes fitted, rounds within `SPREAD`."""
+        return self.fitted and self.spread <= SPREAD
 
     def verify(self, rows: int, context: int | None = None) -> float:
         """Seconds of a target forward of `rows` rows reading `context` keys (None: base)."""
@@ -114,7 +131,7 @@ class CostModel:
         return {"draft": list(self.draft_table), "verify": list(self.verify_table),
                 "base": self.base, "verify_slope": list(self.verify_slope),
                 "draft_slope": list(self.draft_slope), "plain_step": self.plain_step,
-                "fitted": self.fitted}
+                "fitted": self.fitted, "spread": self.spread}
 
     @classmethod
     def from_dict(cls, entry, draft_widths: int, verify_widths: int) -> "CostModel | None":
@@ -129,13 +146,15 @@ class CostModel:
                  for xs, n in ((entry.get(k), n) for k, n in fields.items()))
         base, plain = entry.get("base"), entry.get("plain_step")
         fitted = entry.get("fitted", any(entry["verify_slope"]) if ok else True)
+        spread = entry.get("spread", 0.0)
         if not ok or not (_number(base) and base == int(base)) or not (
-                plain is None or _number(plain) and plain > 0) or not isinstance(fitted, bool):
+                plain is None or _number(plain) and plain > 0) or not isinstance(
+                fitted, bool) or not _number(spread):
             return None
         return cls(tuple(map(float, entry["draft"])), tuple(map(float, entry["verify"])),
                    int(base), tuple(map(float, entry["verify_slope"])),
                    tuple(map(float, entry["draft_slope"])),
-                   None if plain is None else float(plain), fitted)
+                   None if plain is None else float(plain), fitted, float(spread))
 
 
 class Correction:
@@ -151,6 +170,8 @@ class Correction:
         # what callers derive from the table (a batch step's seeded ratio per shape, asked by
         # every sequence of a step), kept until the table next changes
         self.memo: dict = {}
+        # what the timed cycles say drafting delivers against plain decoding (shared alike)
+        self.governor = Governor()
 
     def ratio(self, keys) -> float:
         """Timed over modelled seconds of the first trusted key (1.0: none is)."""
@@ -191,6 +212,61 @@ class Correction:
         for key in keys:
             count, total, model_total = self.table.get(key, (0.0, 0.0, 0.0))
             self.table[key] = (count * d + 1, total * d + seconds, model_total * d + modelled)
+
+
+class Governor:
+    """Holds drafting to what it delivers, whatever the prices say: per key (a source, the
+    batch's steps), the tokens and seconds of its latest `window` drafting cycles against what
+    plain decoding, timed in this process, would have taken for those tokens. A window that
+    delivered less holds the key for as many plain steps as make the seconds it lost
+    `budget` of theirs; then it may draft again, and a window that loses again holds it
+    again: what re-trying costs stays within `budget` of the time. `reference`: plain
+    steps, once per context size, where plain decoding has not been timed (a calibration
+    that priced it dear would otherwise never let it run to be timed)."""
+
+    def __init__(self, window: int = GOVERNOR_WINDOW, budget: float = 0.01):
+        self.window, self.budget = window, budget
+        self.recent: dict = {}          # key -> [(tokens, seconds, plain seconds per token)]
+        self.hold: dict = {}            # key -> plain steps left before it drafts again
+        self.referenced: set = set()    # context sizes whose plain steps were asked for
+        self.trips = 0
+        self.pending: list | None = None    # a batched step's [tokens, seconds, plain, probe]
+
+    def held(self, key) -> bool:
+        return self.hold.get(key, 0) > 0 or self.hold.get(None, 0) > 0
+
+    def plain_step(self) -> None:
+        """A plain step ran: every hold is a step shorter."""
+        for key in list(self.hold):
+            self.hold[key] -= 1
+            if self.hold[key] <= 0:
+                del self.hold[key]
+
+    def drafted(self, key, tokens: float, seconds: float, plain: float | None,
+                plain_step: float, bucket: int = 0) -> bool:
+        """A drafting cycle of `key` committed `tokens` in `seconds`; plain: plain decoding's
+        timed seconds per token at its context (None: not timed yet); plain_step: a plain
+        step's seconds, to size holds -> whether the window shows the prices wrong (a hold
+        begins)."""
+        if plain is None:
+            if bucket not in self.referenced and len(self.recent.get(key, ())) >= self.window:
+                self.referenced.add(bucket)
+                self.hold[None] = REFERENCE_STEPS
+            window = self.recent.setdefault(key, [])
+            window[:] = (window + [(tokens, seconds, None)])[-self.window:]
+            return False
+        window = self.recent.setdefault(key, [])
+        window[:] = [(t, s, plain if p is None else p)
+                     for t, s, p in window + [(tokens, seconds, plain)]][-self.window:]
+        if len(window) < self.window:
+            return False
+        lost = sum(s - t * p for t, s, p in window)
+        if lost <= 0:
+            return False
+        self.hold[key] = math.ceil(lost / self.budget / plain_step)
+        self.trips += 1
+        window.clear()
+        return True
 
 
 # One drafter pass drafts for every drafting sequence of a batched step
@@ -304,51 +380,65 @@ def grow_cache(cache: list, n: int) -> bool:
 
 
 def measure_costs(pipeline, max_width: int, context: int = BASE_CONTEXT,
-            long: tuple[int, ...] = LONG_CONTEXTS, reps: int = 3) -> CostModel:
-    """Time the drafter (widths up to its block size; none without a drafter) and the verify
-    forward at every width up to `max_width` after a `context`-token prompt, then
-    `SLOPE_WIDTHS` at each of the `long` contexts and at `context` again, round-robin (load
-    that comes and goes hits them alike), to fit the context slopes. The fastest of the
-    rounds (other work on the machine only ever adds time: a median still carried a stall
-    that priced 2 rows at 3x one on a busy machine); the tables are fitted nondecreasing in
-    the width."""
+                  long: tuple[int, ...] = LONG_CONTEXTS, reps: int = 3,
+                  budget: float = CALIBRATION_BUDGET) -> CostModel:
+    """Time a chain of plain steps, the drafter (widths up to its block size; none without a
+    drafter) and the verify forward at every width up to `max_width` after a `context`-token
+    prompt, all in each round (load that comes and goes shifts them alike), then
+    `SLOPE_WIDTHS` at each of the `long` contexts and at `context` again, to fit the context
+    slopes (`measure_slopes`). Rounds repeat, at least `reps`, until they agree within
+    `SPREAD` or `budget` seconds have passed (`_rounds`); the model keeps the wider spread of
+    the two. The fastest of the rounds (other work on the machine only ever adds time); the
+    tables are fitted nondecreasing in the width."""
+    tic = time.perf_counter()
     target, drafter = pipeline.adapter, pipeline.drafter
     ids = _context_ids(target, context)
     cache = target.make_cache()
     _, feats = target.forward(ids, cache)
     mx.eval(feats, [c.state for c in cache])
-    anchor, greedy = ids[:, -1:], Sampling()
+    anchor = ids[:, -1:]
     block = drafter.args.block_size if drafter is not None else 1
     dcache = drafter.make_cache() if drafter is not None else None
     if drafter is not None:
-        drafter.propose(target, anchor, feats, dcache, 2, greedy, mx.random.key(0))
+        drafter.propose(target, anchor, feats, dcache, 2, Sampling(), mx.random.key(0))
     widths = list(range(1, max(max_width, block) + 1))
-    d_times, v_times = _time_widths(target, drafter, cache, dcache, anchor, feats, widths,
-                                    block, reps, copy_cache=True)
-    draft = [0.0] + monotone([min(d_times[w]) for w in range(2, block + 1)])
-    verify = monotone([min(v_times[w]) for w in widths])
+    jobs = {("plain", 1): lambda: _time_chain(target, cache, anchor)}
+    for w in widths:
+        jobs.update(_width_jobs(target, drafter, cache, dcache, anchor, feats, w, block,
+                                copy_cache=True))
+    best, spread = _rounds(jobs, reps, budget / 2, "calibration")
+    draft = [0.0] + monotone([best[("draft", w)] for w in range(2, block + 1)])
+    verify = monotone([best[("verify", w)] for w in widths])
     # never dearer than the synchronous step (a chain only hides work)
-    plain = min(_time_chain(target, cache, anchor, reps), verify[0])
-    return measure_slopes(pipeline, CostModel(tuple(draft), tuple(verify), context,
-                                              plain_step=plain), long, reps)
+    plain = min(best[("plain", 1)], verify[0])
+    cost = CostModel(tuple(draft), tuple(verify), context, plain_step=plain, spread=spread)
+    cost = measure_slopes(pipeline, cost, long, reps, budget - (time.perf_counter() - tic))
+    return replace(cost, spread=max(cost.spread, spread))
 
 
 def measure_slopes(pipeline, cost: CostModel, long: tuple[int, ...] = LONG_CONTEXTS,
-                   reps: int = 3) -> CostModel:
+                   reps: int = 3, budget: float = CALIBRATION_BUDGET / 2) -> CostModel:
     """`cost` with its context slopes timed (`SLOPE_WIDTHS` at each of the `long` contexts
-    against its base), up to `SLOPE_TRIES` times while they fit no slope at all: then
-    `fitted` is False, and the next load times them again (a calibration beside two other
-    servers loading fitted 0, 0 once, the file kept it, and at long context the policy was
-    priced by its timed cycles alone for good)."""
+    against its base, interleaved in rounds as `measure_costs`'s), up to `SLOPE_TRIES` times
+    while they fit no slope at all: then `fitted` is False, and the next load times them
+    again (a calibration beside two other servers loading fitted 0, 0 once, the file kept
+    it, and at long context the policy was priced by its timed cycles alone for good). The
+    model's spread: the rounds' (`_rounds`)."""
     target, context = pipeline.adapter, cost.base
     block = pipeline.drafter.args.block_size if pipeline.drafter is not None else 1
     ids = _context_ids(target, context)
     widths = [w for w in SLOPE_WIDTHS if w <= cost.max_width]
+    deadline = time.perf_counter() + max(budget, 0.0)
     for attempt in range(SLOPE_TRIES):
-        v_slope, d_slope, measured = _measure_slopes(pipeline, widths, context, long, ids,
-                                                     block, max(reps - 1, 1))
-        if not measured or sum(v_slope) > 0:
+        left = deadline - time.perf_counter()
+        v_slope, d_slope, measured, spread = _measure_slopes(
+            pipeline, widths, context, long, ids, block, max(reps - 1, 1),
+            left / (SLOPE_TRIES - attempt))
+        if not measured:
             return replace(cost, verify_slope=v_slope, draft_slope=d_slope, fitted=True)
+        if sum(v_slope) > 0:
+            return replace(cost, verify_slope=v_slope, draft_slope=d_slope, fitted=True,
+                           spread=spread)
         # a longer context always costs more: timings that say otherwise had other work in them
         again = attempt + 1 < SLOPE_TRIES
         log.get(__name__).warning(
@@ -356,7 +446,76 @@ def measure_slopes(pipeline, cost: CostModel, long: tuple[int, ...] = LONG_CONTE
             "busy machine?); " + ("timing them again" if again else
                                   "their cost is left to the timed cycles, and timed again "
                                   "next time"))
-    return replace(cost, verify_slope=v_slope, draft_slope=d_slope, fitted=False)
+    return replace(cost, verify_slope=v_slope, draft_slope=d_slope, fitted=False,
+                   spread=spread)
+
+
+def _rounds(jobs: dict, reps: int, budget: float, desc: str) -> tuple[dict, float]:
+    """Run every job (a callable returning the seconds it timed) once per round, after a
+    warm-up round, until at least `reps` rounds agree within `SPREAD` (`round_spread`) or
+    `budget` seconds have passed (at least two rounds, at most `MAX_ROUNDS`) -> ({job: its fastest
+    round}, the rounds' spread)."""
+    times: dict = {k: [] for k in jobs}
+    for job in jobs.values():                          # warm-up: first-use compilation
+        job()
+    deadline = time.perf_counter() + budget
+    bar = log.progress(None, desc, total=max(reps, 2), unit="round")
+    spread = float("inf")
+    try:
+        for r in range(MAX_ROUNDS):
+            for k, job in jobs.items():
+                times[k].append(job())
+            bar.total = max(bar.total, r + 1)
+            bar.update(1)
+            if r + 1 >= 2:
+                spread = round_spread(times)
+                bar.set_postfix_str(f"spread {100 * spread:.0f}%", refresh=False)
+            if r + 1 >= 2 and (time.perf_counter() > deadline
+                               or r + 1 >= reps and spread <= SPREAD):
+                break
+    finally:
+        bar.close()
+    return {k: min(v) for k, v in times.items()}, spread
+
+
+def round_spread(times: dict) -> float:
+    """How far the rounds disagree: per job, its second-fastest round over its fastest, less 1,
+    and of those the median (a calibration prices by the fastest round, which one more round
+    that agrees confirms; a stall in one job's rounds does not decide alone). Interleaved,
+    load that holds through a whole round shows in every job's round alike."""
+    gaps = sorted(sorted(v)[1] / sorted(v)[0] - 1.0 for v in times.values()
+                  if len(v) >= 2 and min(v) > 0)
+    return gaps[len(gaps) // 2] if gaps else 0.0
+
+
+def _width_jobs(target, drafter, cache, dcache, anchor, feats, width: int, block: int,
+                copy_cache: bool) -> dict:
+    """{("draft", width): time the drafter's pass (widths 2 .. block, with a drafter),
+    ("verify", width): time the verify}: each a callable returning the seconds of one forward
+    from `cache`: a deep copy of it (copy_cache: a one-row step rotates a sliding window in
+    place, which no rollback can undo), else rolled back (a long context is too big to copy
+    each time)."""
+    greedy = Sampling()
+
+    def draft():
+        t0 = time.perf_counter()
+        p = drafter.propose(target, anchor, feats[:, :0], dcache, width, greedy,
+                            mx.random.key(0))
+        mx.eval(p.tokens)
+        return time.perf_counter() - t0
+
+    def verify():
+        run = copy.deepcopy(cache) if copy_cache else cache
+        snapshot = None if copy_cache else target.snapshot(run)
+        t0 = time.perf_counter()
+        mx.eval(target.forward(mx.repeat(anchor, width, axis=1), run))
+        seconds = time.perf_counter() - t0
+        if snapshot is not None:
+            snapshot.rollback(0, width)
+        return seconds
+
+    jobs = {("draft", width): draft} if drafter is not None and 1 < width <= block else {}
+    return {**jobs, ("verify", width): verify}
 
 
 def _context_ids(target, context: int) -> mx.array:
@@ -364,92 +523,58 @@ def _context_ids(target, context: int) -> mx.array:
     return mx.array([[(17 * i) % target.vocab_size for i in range(context)]], dtype=mx.uint32)
 
 
-def _time_chain(target, cache, anchor, reps: int, steps: int = CHAIN_STEPS) -> float:
+def _time_chain(target, cache, anchor, steps: int = CHAIN_STEPS) -> float:
     """Seconds per plain step of a greedy chain of `steps` launched ahead, as
     `engine._plain_step` runs them (the next step's graph built and launched before the
-    token before it is read; its first build unhidden, as a chain's is): the fastest of
-    `reps` rounds after a warm-up, each from a copy of `cache`."""
-    best = float("inf")
-    for rep in range(reps + 1):
-        run = copy.deepcopy(cache)
-        mx.eval([c.state for c in run])
-        t0 = time.perf_counter()
-        y = mx.argmax(target.forward(anchor, run)[0][:, -1], axis=-1)
-        mx.async_eval(y)
-        for _ in range(steps - 1):
-            nxt = mx.argmax(target.forward(y.reshape(1, 1).astype(mx.uint32), run)[0][:, -1],
-                            axis=-1)
-            mx.async_eval(nxt)
-            y.item()
-            y = nxt
+    token before it is read; its first build unhidden, as a chain's is), from a copy of
+    `cache`."""
+    run = copy.deepcopy(cache)
+    mx.eval([c.state for c in run])
+    t0 = time.perf_counter()
+    y = mx.argmax(target.forward(anchor, run)[0][:, -1], axis=-1)
+    mx.async_eval(y)
+    for _ in range(steps - 1):
+        nxt = mx.argmax(target.forward(y.reshape(1, 1).astype(mx.uint32), run)[0][:, -1],
+                        axis=-1)
+        mx.async_eval(nxt)
         y.item()
-        if rep:
-            best = min(best, (time.perf_counter() - t0) / steps)
-    return best
+        y = nxt
+    y.item()
+    return (time.perf_counter() - t0) / steps
 
 
-def _time_widths(target, drafter, cache, dcache, anchor, feats, widths, block, reps,
-                 copy_cache: bool):
-    """Seconds per width (a list per width, one per round after a warm-up round) of the
-    drafter's pass and the verify, the forward from `cache` each time: a deep copy of it
-    (copy_cache: a one-row step rotates a sliding window in place, which no rollback can
-    undo), else rolled back (a long context is too big to copy each time)."""
-    greedy = Sampling()
-    d_times: dict[int, list[float]] = {w: [] for w in widths}
-    v_times: dict[int, list[float]] = {w: [] for w in widths}
-    for rep in log.progress(range(reps + 1), "calibration", unit="round"):   # 0 warms up
-        for width in widths:
-            t0 = time.perf_counter()
-            if drafter is not None and 1 < width <= block:
-                p = drafter.propose(target, anchor, feats[:, :0], dcache, width, greedy,
-                                    mx.random.key(0))
-                mx.eval(p.tokens)
-            run = copy.deepcopy(cache) if copy_cache else cache
-            snapshot = None if copy_cache else target.snapshot(run)
-            t1 = time.perf_counter()
-            mx.eval(target.forward(mx.repeat(anchor, width, axis=1), run))
-            t2 = time.perf_counter()
-            if snapshot is not None:
-                snapshot.rollback(0, width)
-            if rep:
-                d_times[width].append(t1 - t0)
-                v_times[width].append(t2 - t1)
-    return d_times, v_times
-
-
-def _measure_slopes(pipeline, widths, context, long, ids, block, reps):
-    """(verify_slope, draft_slope, measured) from the widths timed at each long context against
-    the same widths at `context`, measured alongside; zeros and measured False where the
-    target's caches cannot be grown
+def _measure_slopes(pipeline, widths, context, long, ids, block, reps, budget):
+    """(verify_slope, draft_slope, measured, spread) from the widths timed at each long
+    context against the same widths at `context`, every context in each round (`_rounds`);
+    zeros, measured False and spread 0 where the target's caches cannot be grown
     (`grow_cache`), the target is pipeline-sharded (the other ranks' caches cannot be grown
     from here: they would fall out of step) or no long context is asked for."""
     target, drafter = pipeline.adapter, pipeline.drafter
-    v_points, d_points, base_v, base_d = [], [], {}, {}
     if not long or getattr(pipeline, "stage", None) is not None:
-        return (0.0, 0.0), (0.0, 0.0), False
+        return (0.0, 0.0), (0.0, 0.0), False, 0.0
+    jobs = {}
     for n in (context, *long):
         cache = target.make_cache()
         _, feats = target.forward(ids, cache)
         if not grow_cache(cache, n - context):
             log.get(__name__).info("the target's cache is not a plain key/value store: its "
                                    "context cost is learnt from timed cycles only")
-            return (0.0, 0.0), (0.0, 0.0), False
+            return (0.0, 0.0), (0.0, 0.0), False, 0.0
         dcache = drafter.make_cache() if drafter is not None else None
         if drafter is not None:              # its context: n rows of (random) target features
             ctx = mx.concatenate([feats, mx.random.normal(
                 (1, n - context, feats.shape[-1])).astype(feats.dtype)], axis=1)
             mx.eval(drafter.propose(target, ids[:, -1:], ctx, dcache, 2, Sampling(),
                                     mx.random.key(0)).tokens)
-        d_times, v_times = _time_widths(target, drafter, cache, dcache, ids[:, -1:], feats,
-                                        widths, block, reps, copy_cache=False)
         for w in widths:
-            v, d = min(v_times[w]), min(d_times[w])
-            if n == context:
-                base_v[w], base_d[w] = v, d
-            else:
-                v_points.append((w, n - context, v - base_v[w]))
-                if 1 < w <= block:
-                    d_points.append((w, n - context, d - base_d[w]))
-        del cache, dcache
-        mx.clear_cache()
-    return fit_slope(v_points), fit_slope(d_points), True
+            jobs.update({(n, *k): job for k, job in _width_jobs(
+                target, drafter, cache, dcache, ids[:, -1:], feats, w, block,
+                copy_cache=False).items()})
+    best, spread = _rounds(jobs, reps, budget, "calibration at long context")
+    v_points = [(w, n - context, best[(n, "verify", w)] - best[(context, "verify", w)])
+                for n in long for w in widths]
+    d_points = [(w, n - context, best[(n, "draft", w)] - best[(context, "draft", w)])
+                for n in long for w in widths if (n, "draft", w) in best]
+    del jobs
+    mx.clear_cache()
+    return fit_slope(v_points), fit_slope(d_points), True, spread

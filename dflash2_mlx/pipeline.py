@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import warnings
 from dataclasses import dataclass
@@ -16,7 +17,8 @@ from . import blas, log, runtime, settings as check
 from .drafter import Drafter
 from .batch import BatchAwareWidth, BatchEngine, Request
 from .costs import Correction
-from .adaptive import DRAFTER, LOOKUP, AdaptiveWidth, FixedWidth, load_or_measure_costs
+from .adaptive import (DRAFTER, LOOKUP, AdaptiveWidth, FixedWidth, calibration_key,
+                       load_or_measure_costs, store_correction)
 from .engine import DecodeState, GenerationStats, common_prefix, generate_tokens
 from .kernels import resolve_kernel_path
 from .lookup import LookupConfig
@@ -159,7 +161,9 @@ class Pipeline:
             if self.drafter is not None:
                 widths[DRAFTER] = self.drafter.args.block_size
             cost = load_or_measure_costs(self, self.max_width(True))
-            self._policy = AdaptiveWidth(cost, widths)
+            self._policy = AdaptiveWidth(cost, widths,
+                                         store=functools.partial(store_correction,
+                                                                 calibration_key(self)))
         return self._policy
 
     def describe(self) -> dict:
