@@ -99,31 +99,36 @@ def test_completions_and_models(pipe, oa):
         ("context_length", "max_model_len", "max_context_length"), CONTEXT)
 
 
-def test_tools_reach_a_template_that_ignores_them(server, pipe, oa):
+def test_tools_reach_a_template_that_ignores_them(pipe):
     """The tiny llama's template drops `tools`: they go into the system prompt in the Hermes
     format (the same prompt on every route), and earlier calls and results as text."""
     from dflash2_mlx.server.chat_prompt import tools_block
 
     msgs = [{"role": "user", "content": "Weather in Paris?"}]
-    with_tools = oa.chat.completions.create(model="llama", messages=msgs, tools=[WEATHER],
-                                            max_tokens=1, temperature=0)
-    plain = oa.chat.completions.create(model="llama", messages=msgs, max_tokens=1,
-                                       temperature=0)
-    want = chat_ids(pipe, [{"role": "system", "content": tools_block([WEATHER])}] + msgs)
-    assert with_tools.usage.prompt_tokens == len(want) > plain.usage.prompt_tokens + 50
     tool = {"name": "get_weather", "description": WEATHER["function"]["description"],
             "input_schema": WEATHER["function"]["parameters"]}
-    count = httpx.post(server.url + "/v1/messages/count_tokens", headers={
-        "x-api-key": KEY}, json={"model": "llama", "messages": msgs, "tools": [tool]},
-        timeout=30).json()
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    chat = {"model": "llama", "max_tokens": 1, "temperature": 0}
+
+    async def clients(app, http, go):
+        go.set()
+        return [(await http.post(path, json=body)).json() for path, body in (
+            ("/v1/chat/completions", {**chat, "messages": msgs, "tools": [WEATHER]}),
+            ("/v1/chat/completions", {**chat, "messages": msgs}),
+            ("/v1/messages/count_tokens", {"model": "llama", "messages": msgs,
+                                            "tools": [tool]}),
+            ("/v1/chat/completions", {**chat, "tools": [WEATHER], "messages": msgs + [
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]}))]
+
+    with_tools, plain, count, turn = in_process(pipe, clients, context_length=4096)
+    want = chat_ids(pipe, [{"role": "system", "content": tools_block([WEATHER])}] + msgs)
+    assert with_tools["usage"]["prompt_tokens"] == len(want) > \
+        plain["usage"]["prompt_tokens"] + 50
     assert count == {"input_tokens": len(want)}
     # a round trip: the call and its result are in the next prompt, as text
-    turn = oa.chat.completions.create(model="llama", tools=[WEATHER], max_tokens=1,
-                                      temperature=0, messages=msgs + [
-        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",
-            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}])
-    assert turn.usage.prompt_tokens > with_tools.usage.prompt_tokens + 20
+    assert turn["usage"]["prompt_tokens"] > with_tools["usage"]["prompt_tokens"] + 20
 
 
 def test_stop_strings_across_token_boundaries(pipe, oa):

@@ -461,8 +461,8 @@ def test_health_is_read_on_no_other_thread_than_the_workers(pipe):
 
 def test_a_steps_prefill_is_bounded_by_its_measured_seconds(pipe):
     """A client that leaves during a long prompt frees the model within a step: the budget
-    holds what `PREFILL_SECONDS` prefill at the last step's rate (never below a chunk)."""
-    from dflash2_mlx.server.scheduler import PREFILL_SECONDS
+    holds what `PREFILL_SECONDS` prefill at the last step's rate (never below MIN_PREFILL)."""
+    from dflash2_mlx.server.scheduler import MIN_PREFILL, PREFILL_SECONDS
 
     s = Scheduler(pipe, max_batch=4, prefill_chunk=100)
     assert s.prefill_budget(0, 1, 2048) == 2048                         # nothing measured yet
@@ -470,7 +470,7 @@ def test_a_steps_prefill_is_bounded_by_its_measured_seconds(pipe):
     assert s.prefill_budget(0, 1, 2048, slow) == 250
     assert s.prefill_budget(2, 3, 2048, slow) == 200                    # two rows free, 100 each
     assert s.prefill_budget(0, 1, 2048, (1000, 0.01 * PREFILL_SECONDS)) == 2048    # fast
-    assert s.prefill_budget(0, 1, 2048, (10, 10.0)) == 100              # at least a chunk
+    assert s.prefill_budget(0, 1, 2048, (10, 10.0)) == MIN_PREFILL      # at least a few
 
 
 def test_a_prompt_cancelled_mid_prefill_is_resumed_by_its_retry_exactly(pipe):
