@@ -532,7 +532,7 @@ def calibration_meta(pipeline, seconds: float) -> dict:
     return {"when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "seconds": round(seconds, 1), "version": __version__,
             "calibration": CALIBRATION_VERSION, "blas": blas.active().name,
-            "backend": str(mx.default_device()), "model": d.get("model"),
+            "backend": d.get("backend") or str(mx.default_device()), "model": d.get("model"),
             "draft": d.get("draft")}
 
 

@@ -1,5 +1,5 @@
-"""The `dflash2-mlx` command: `generate`, `serve`, `doctor`, `bench`, and `train` when the
-training package is installed.
+"""The `dflash2-mlx` command: `generate`, `serve`, `doctor`, `calibrate`, `bench`, and `train`
+when the training package is installed.
 
 A thin layer over the Python API (`dflash2_mlx.load`, `Pipeline.stream`): parse flags, load,
 stream, print. MLX and mlx-lm are imported inside the commands, so `--help`, flag errors and
@@ -390,6 +390,78 @@ def doctor(verbose: bool = typer.Option(False, "--verbose", help="Tracebacks")):
         row("cache", f"{cache} ({_folder_size(cache)}; set $DFLASH2_CACHE to move it)")
         row("hub cache", f"{hf} ({_folder_size(Path(hf))})")
         row("omlx settings", f"{omlx} ({'present' if omlx.is_file() else 'absent'})")
+        for line in _calibration_rows():
+            row("calibration", line)
+
+
+def _calibration_rows() -> list[str]:
+    """One line per stored cost calibration (`adaptive.cache_file()`): the pair, backend and
+    BLAS it was taken with, when, how long, how far its rounds disagreed, and whether the next
+    load uses it or times it again."""
+    from .adaptive import cache_file, stale, stored_calibrations
+    from .costs import SPREAD
+
+    entries = stored_calibrations()
+    if not entries:
+        return [f"none stored ({cache_file()}; the first `auto` run takes one)"]
+    out = []
+    for key, entry in entries.items():
+        meta = entry.get("meta") if isinstance(entry.get("meta"), dict) else {}
+        spread = entry.get("spread")
+        why = stale(entry)
+        state = (f"timed again at the next load: {why}" if why else
+                 "timed again at the next load: its rounds disagreed (a busy machine?)"
+                 if isinstance(spread, (int, float)) and spread > SPREAD else
+                 "timed again at the next load: no context slope fitted"
+                 if entry.get("fitted") is False else "settled")
+        pair = " + ".join(Path(str(p)).name for p in (meta.get("model"), meta.get("draft"))
+                          if p) or "pair unknown"
+        spread_text = f"{100 * spread:.0f}%" if isinstance(spread, (int, float)) else "?"
+        corrected = f", prices corrected {meta['corrected']}" if meta.get("corrected") else ""
+        out.append(f"{pair} ({meta.get('backend', '?')}, BLAS {meta.get('blas', '?')}, key "
+                   f"{key}): taken {meta.get('when', '?')} in {meta.get('seconds', '?')} s, "
+                   f"rounds within {spread_text}{corrected}; {state}")
+    return out
+
+
+@app.command()
+def calibrate(
+    model: Optional[str] = typer.Option(None, "--model", help="Target, as `generate` takes it "
+                                        "(default: every stored pair)"),
+    draft: Optional[str] = typer.Option(None, "--draft", "--draft-model",
+                                        help="Drafter, as `generate` takes it"),
+    verbose: bool = typer.Option(False, "--verbose", help="Tracebacks"),
+):
+    """Time the draft and verify costs that `auto` prices its choices by again: of the pair
+    given, or of every stored pair (`doctor` lists them)."""
+    with _errors(verbose):
+        from . import adaptive
+        from .pipeline import load
+
+        stored = adaptive.stored_calibrations()
+        if model is not None or draft is not None or not stored:
+            pairs = [(model, draft)]
+        else:
+            pairs = list(dict.fromkeys(
+                (m.get("model"), m.get("draft")) for m in (
+                    e.get("meta") for e in stored.values()) if isinstance(m, dict)))
+        done = set()
+        for i, (m, d) in enumerate(pairs, 1):
+            _log.info(f"calibration {i} of {len(pairs)}: {m or 'the embedded default'}"
+                      + (f" with {d}" if d else ""))
+            try:
+                pipe = load(m, d)
+            except (OSError, ValueError) as e:
+                _log.warning(f"{m}: not loaded ({e}); its calibration is removed")
+                continue
+            adaptive.load_or_measure_costs(pipe, pipe.max_width(True), fresh=True)
+            done.add(adaptive.calibration_key(pipe))
+        if model is None and draft is None:
+            # entries of other load settings (dtype, oMLX entry) or of an older format: the
+            # next load with those settings times them again
+            adaptive.forget_calibrations([k for k in stored if k not in done])
+        for line in _calibration_rows():
+            _log.info(line)
 
 
 @app.command()

@@ -331,3 +331,31 @@ def test_main_restores_the_warning_hook(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     assert warnings.showwarning is before
+
+
+def test_calibrate_redoes_each_stored_pair_and_doctor_shows_them(llama_dir, dflash2_dir,
+                                                                 tmp_path):
+    """`calibrate --model --draft` times one pair, `calibrate` every stored pair again (an
+    entry it cannot load again is removed: the next load times it); `doctor` lists each with
+    when, how long, its spread and whether the next load uses it; progress goes to stderr
+    as plain lines (not a terminal)."""
+    env = {"DFLASH2_CACHE": str(tmp_path / "cache")}
+    none = run("doctor", env=env, check_rc=0)
+    assert "calibration   none stored" in none.stdout, none.stdout
+    one = run("calibrate", "--model", llama_dir, "--draft", dflash2_dir, env=env, check_rc=0)
+    assert "calibration 1 of 1" in one.stderr and "rounds within" in one.stderr, one.stderr
+    assert "\r" not in one.stderr and one.stdout == ""
+    path = tmp_path / "cache" / "calibration.json"
+    table = json.loads(path.read_text())
+    (key, entry), = table.items()
+    assert entry["meta"]["model"] == str(llama_dir) and entry["meta"]["seconds"] >= 0
+    table["old-format-entry"] = {"draft": [0.0], "verify": [0.1]}
+    path.write_text(json.dumps(table))
+    again = run("calibrate", env=env, check_rc=0)
+    assert "calibration 1 of 1" in again.stderr, again.stderr
+    table = json.loads(path.read_text())
+    assert list(table) == [key] and table[key]["meta"]["when"] >= entry["meta"]["when"]
+    doctor = run("doctor", env=env, check_rc=0)
+    row = next(line for line in doctor.stdout.splitlines() if line.startswith("calibration"))
+    assert f"{llama_dir.name} + {dflash2_dir.name}" in row and key in row, row
+    assert "rounds within" in row and ("settled" in row or "timed again" in row), row
