@@ -1,20 +1,23 @@
 """Real agent clients against a real `dflash2-mlx serve` on loopback: Claude Code (`claude -p`),
-Codex (`codex exec`) and opencode (`opencode run`), each as a user sets it up (base URL, key,
-model and, for Codex and opencode, a provider; nothing else), in a scratch home of its own.
+Codex (`codex exec`), opencode (`opencode run`), aider (`aider --message`), `llm` and an OpenAI
+Agents SDK agent, each as a user sets it up (base URL, key, model and, where the client needs
+one, a provider; nothing else), in a scratch home of its own.
 
-Installs nothing: a client that is not on PATH (or under --prefix/node_modules/.bin) is
-skipped with a line saying how to install it, e.g.
+Installs nothing: a client that is not on PATH (or under --prefix/node_modules/.bin, or in
+--py-prefix/bin for the Python ones) is skipped with a line saying how to install it, e.g.
 
     npm install --prefix /work/agents @anthropic-ai/claude-code @openai/codex opencode-ai
+    python -m venv /work/agents/py && /work/agents/py/bin/pip install aider-chat llm openai-agents
 
 Two scenarios per client:
-    turn   "say hello" on the embedded default (or --model / --draft): one plain turn; Claude
-           Code runs a second session after the first, whose prompt should come from the
-           prefix cache (`cache_read_input_tokens`)
+    turn   "say hello" on the embedded default (or --model / --draft): one plain turn, then the
+           same command again, a second session, whose prompt should come from the prefix
+           cache (`cache_read_input_tokens`)
     tools  the same ask on a tiny tool-calling target (`dflash2_mlx.testing.write_tool_target`,
            one layer and head, so its long prompts prefill in seconds) that calls the client's
-           own shell tool (Claude Code `Bash`, Codex `exec_command`, opencode `bash`) and,
-           after the tool's result, answers "Done.": a tool round trip
+           own tool (Claude Code `Bash`, Codex `exec_command`, opencode `bash`, `llm` and the
+           Agents SDK a `get_weather` function) and, after the tool's result, answers "Done.":
+           a tool round trip (aider has no tools)
 
 Between client and server runs a recording proxy: every request (method, path, headers, body),
 its status, time to first byte and total time, and the usage the response reports. Writes
@@ -49,14 +52,33 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ASK = "say hello"
+CONTEXT = 32768           # the server's --context-length for the embedded model (8k positions)
 REPLY = "Done."
 CALLS = {   # the tool each client runs, as its own tools name it
     "claude": {"name": "Bash", "arguments": {"command": "echo hi", "description": "say hi"}},
     "codex": {"name": "exec_command", "arguments": {"cmd": "echo hi"}},
     "opencode": {"name": "bash", "arguments": {"command": "echo hi"}},
+    "llm": {"name": "get_weather", "arguments": {"city": "Paris"}},
+    "agents-sdk": {"name": "get_weather", "arguments": {"city": "Paris"}},
 }
-INSTALL = {"claude": "@anthropic-ai/claude-code", "codex": "@openai/codex",
-           "opencode": "opencode-ai"}
+INSTALL = {"claude": "npm install @anthropic-ai/claude-code", "codex": "npm install @openai/codex",
+           "opencode": "npm install opencode-ai", "aider": "pip install aider-chat",
+           "llm": "pip install llm", "agents-sdk": "pip install openai-agents"}
+WEATHER = (
+    'def get_weather(city: str) -> str:\n    "The weather in a city."\n'
+    '    return f"Sunny in {city}"\n')
+AGENT = f"""import sys
+from openai import AsyncOpenAI
+from agents import (Agent, Runner, function_tool, set_default_openai_client,
+                    set_tracing_disabled)
+{WEATHER}
+set_tracing_disabled(True)
+set_default_openai_client(AsyncOpenAI(base_url=sys.argv[1], api_key="none"),
+                          use_for_tracing=False)
+agent = Agent(name="Assistant", instructions="You are a helpful assistant.",
+              model=sys.argv[2], tools=[function_tool(get_weather)])
+print(Runner.run_sync(agent, sys.argv[3]).final_output)
+"""
 FIXTURE_HEADERS = ("anthropic-beta", "anthropic-version", "user-agent", "x-app", "originator",
                    "accept", "x-codex-beta-features")
 
@@ -159,9 +181,10 @@ def error_of(status: int, body: bytes) -> str | None:
 
 # --------------------------------------------------------------------------- servers
 
-def start_server(args, model: str | None, draft: str | None, log: Path) -> tuple:
+def start_server(args, model: str | None, draft: str | None, log: Path,
+                 context: int) -> tuple:
     cmd = [sys.executable, "-m", "dflash2_mlx.cli", "serve", "--port", "0",
-           "--context-length", str(args.context_length), "--allow-context-beyond-model",
+           "--context-length", str(context), "--allow-context-beyond-model",
            "--max-tokens", str(args.max_tokens)]
     cmd += ["--model", model] if model else []
     cmd += ["--draft", draft] if draft else []
@@ -217,7 +240,24 @@ def client_command(client: str, exe: str, url: str, model: str, home: Path) -> t
                                  "options": {"baseURL": f"{url}/v1", "apiKey": "none"},
                                  "models": {model: {"name": model}}}},
         "model": f"dflash2/{model}"}, indent=1))
-    return [exe, "run", ASK], env, work
+    if client == "opencode":
+        return [exe, "run", ASK], env, work
+    if client == "aider":
+        (work / ".aider.model.metadata.json").write_text(json.dumps({f"openai/{model}": {
+            "max_input_tokens": CONTEXT, "max_output_tokens": 4096, "max_tokens": 4096,
+            "input_cost_per_token": 0, "output_cost_per_token": 0,
+            "litellm_provider": "openai", "mode": "chat"}}))
+        env.update(OPENAI_API_BASE=f"{url}/v1", OPENAI_API_KEY="none")
+        return [exe, "--model", f"openai/{model}", "--message", ASK, "--yes-always", "--no-git",
+                "--no-check-update", "--no-analytics", "--no-show-release-notes"], env, work
+    if client == "llm":
+        (home / "llm").mkdir(exist_ok=True)
+        (home / "llm" / "extra-openai-models.yaml").write_text(
+            f"- model_id: {model}\n  model_name: {model}\n  api_base: {url}/v1\n"
+            "  supports_tools: true\n")
+        env.update(LLM_USER_PATH=str(home / "llm"))
+        return [exe, "-m", model, "--functions", WEATHER, "--td", ASK], env, work
+    return [exe, "-c", AGENT, f"{url}/v1", model, ASK], env, work           # Agents SDK
 
 
 def run_client(client, exe, url, model, home, timeout) -> dict:
@@ -235,24 +275,42 @@ def run_client(client, exe, url, model, home, timeout) -> dict:
             "stdout": out[-2000:], "stderr": err[-2000:]}
 
 
-def find(client: str, prefix: str | None) -> str | None:
+def find(client: str, prefix: str | None, py_prefix: str | None) -> str | None:
+    """The client's executable (the Agents SDK: a Python that imports `agents`)."""
     path = os.environ["PATH"]
     if prefix:
         path = f"{Path(prefix) / 'node_modules' / '.bin'}{os.pathsep}{path}"
-    return shutil.which(client, path=path)
+    if py_prefix:
+        path = f"{Path(py_prefix) / 'bin'}{os.pathsep}{path}"
+    if client != "agents-sdk":
+        return shutil.which(client, path=path)
+    python = shutil.which("python", path=path) or sys.executable
+    found = subprocess.run([python, "-c", "import agents"], capture_output=True).returncode
+    return python if found == 0 else None
+
+
+def version(client: str, exe: str) -> str:
+    if client == "agents-sdk":
+        code = "import importlib.metadata as m; print(m.version('openai-agents'))"
+        return subprocess.run([exe, "-c", code], capture_output=True, text=True).stdout.strip()
+    out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60)
+    return (out.stdout.strip() or out.stderr.strip()).split()[-1] if out.returncode == 0 else "?"
 
 
 # --------------------------------------------------------------------------- the runs
 
 def scenario(args, client, exe, name, model, draft, out: Path) -> list[dict]:
     """One server, the client's run(s) through the proxy; Claude Code twice (two sessions)."""
-    proc, model_id, url = start_server(args, model, draft, out / f"{client}-{name}.serve.log")
+    context = args.context_length if name == "turn" else 4 * args.context_length
+    proc, model_id, url = start_server(args, model, draft, out / f"{client}-{name}.serve.log",
+                                       context)
     runs = []
     try:
-        sessions = 2 if client == "claude" else 1
+        sessions = 2 if name == "turn" else 1
         for session in range(1, sessions + 1):
             proxy = Recorder(url)
-            home = Path(tempfile.mkdtemp(prefix=f"{client}-home-"))
+            home = out / "homes" / f"{client}-{name}-{session}"
+            shutil.rmtree(home, ignore_errors=True)
             result = run_client(client, exe, proxy.url, model_id, home, args.timeout)
             proxy.close()
             runs.append({"client": client, "scenario": name, "session": session,
@@ -299,12 +357,15 @@ def save_fixtures(runs: list[dict], folder: Path, versions: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--clients", default="claude,codex,opencode")
+    ap.add_argument("--clients", default="claude,codex,opencode,aider,llm,agents-sdk")
     ap.add_argument("--scenarios", default="turn,tools")
     ap.add_argument("--prefix", help="an npm prefix holding the clients (node_modules/.bin)")
+    ap.add_argument("--py-prefix", help="a virtual environment holding aider, llm, agents")
     ap.add_argument("--model", help="the target of the `turn` runs (default: embedded)")
     ap.add_argument("--draft")
-    ap.add_argument("--context-length", type=int, default=32768)
+    ap.add_argument("--context-length", type=int, default=CONTEXT,
+                    help="the `turn` server's (the `tools` server: 4x, for the byte-level "
+                    "tokenizer of the tiny target)")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out", type=Path, default=Path("agent-clients"))
@@ -314,14 +375,14 @@ def main() -> None:
     runs, versions = [], {}
     fixtures = Path(tempfile.mkdtemp(prefix="agent-targets-"))
     for client in args.clients.split(","):
-        exe = find(client, args.prefix)
+        exe = find(client, args.prefix, args.py_prefix)
         if exe is None:
-            print(f"{client}: not installed, skipped (npm install {INSTALL[client]})",
-                  file=sys.stderr)
+            print(f"{client}: not installed, skipped ({INSTALL[client]})", file=sys.stderr)
             continue
-        versions[client] = subprocess.run([exe, "--version"], capture_output=True, text=True,
-                                          timeout=60).stdout.strip().split()[-1]
+        versions[client] = version(client, exe)
         for name in args.scenarios.split(","):
+            if name == "tools" and client not in CALLS:
+                continue
             model, draft = ((args.model, args.draft) if name == "turn"
                             else tool_target(fixtures, client))
             runs += scenario(args, client, exe, name, model, draft, args.out)

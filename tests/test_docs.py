@@ -49,7 +49,7 @@ def commands() -> dict:
     return found
 
 
-@pytest.mark.parametrize("name", ["generate", "doctor", "bench", "train"])
+@pytest.mark.parametrize("name", ["generate", "doctor", "bench", "train", "serve"])
 def test_cli_flag_tables_match_the_commands(name):
     text = (DOCS / "cli.md").read_text()
     documented = {f for cell in table_cells(text, name) for f in FLAG.findall(cell)}
