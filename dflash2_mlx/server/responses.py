@@ -379,6 +379,12 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:24]}"
 
 
+# (item type, id prefix, the field the call's input is in, its stream events' prefix): a
+# function call, and a custom tool's call (its input is text)
+CALL_ITEMS = (("function_call", "fc", "arguments", "response.function_call_arguments"),
+              ("custom_tool_call", "ctc", "input", "response.custom_tool_call_input"))
+
+
 class Output:
     """The output items of one response, built from `TextStream` pieces. Every change is also
     returned as the stream events that describe it (without `sequence_number`), so a streamed
@@ -403,29 +409,17 @@ class Output:
             for call in openai_tool_calls(p.calls, 0, False):
                 name, args = call["function"]["name"], call["function"]["arguments"]
                 ns, name, kind = self.names.origin.get(name, (None, name, "function"))
-                where = {"output_index": len(self.items)}
-                if kind == "custom":
-                    item = {"id": _id("ctc"), "type": "custom_tool_call", "status": "in_progress",
-                            "call_id": call["id"], "name": name, "input": ""}
-                    text = _custom_input(args)
-                    events.append({"type": "response.output_item.added", **where,
-                                   "item": dict(item)})
-                    events.append({"type": "response.custom_tool_call_input.delta", **where,
-                                   "item_id": item["id"], "delta": text})
-                    events.append({"type": "response.custom_tool_call_input.done", **where,
-                                   "item_id": item["id"], "input": text})
-                    item.update(input=text, status="completed")
-                else:
-                    item = {"id": _id("fc"), "type": "function_call", "status": "in_progress",
-                            "call_id": call["id"], "name": name,
-                            **({"namespace": ns} if ns else {}), "arguments": ""}
-                    events.append({"type": "response.output_item.added", **where,
-                                   "item": dict(item)})
-                    events.append({"type": "response.function_call_arguments.delta", **where,
-                                   "item_id": item["id"], "delta": args})
-                    events.append({"type": "response.function_call_arguments.done", **where,
-                                   "item_id": item["id"], "arguments": args})
-                    item.update(arguments=args, status="completed")
+                kind, prefix, field, event = CALL_ITEMS[kind == "custom"]
+                value = _custom_input(args) if kind == "custom_tool_call" else args
+                item = {"id": _id(prefix), "type": kind, "status": "in_progress",
+                        "call_id": call["id"], "name": name,
+                        **({"namespace": ns} if ns else {}), field: ""}
+                where = {"output_index": len(self.items), "item_id": item["id"]}
+                events.append({"type": "response.output_item.added",
+                               "output_index": len(self.items), "item": dict(item)})
+                events.append({"type": f"{event}.delta", **where, "delta": value})
+                events.append({"type": f"{event}.done", **where, field: value})
+                item.update({field: value, "status": "completed"})
                 events.append({"type": "response.output_item.done", "output_index":
                                len(self.items), "item": item})
                 self.items.append(item)
