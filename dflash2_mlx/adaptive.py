@@ -26,7 +26,9 @@ what they cost over plain steps stays under 1% of the time where drafting is far
 (5% where it nearly pays, where probes are worth more), at every context length. A plain step
 launches the next one before its token is read (`launch_next`), so a chain of them hides each
 step's graph build; a draft wanted on a launched step breaks the chain only when it is worth
-the restart.
+the restart. Whatever the prices say, a governor (`costs.Governor`) holds a source plain while
+its latest drafting cycles delivered less than plain decoding timed in this process, and the
+prices they showed wrong are written back to the stored calibration (`corrected`).
 """
 
 from __future__ import annotations

@@ -21,9 +21,12 @@ measured table extrapolate its last step. `Correction` is the online correction 
 timed seconds over the model's, per key.
 
 Timings come from `measure_costs` (a few seconds, once per machine and model pair; cached by
-`adaptive.load_or_measure_costs`). The long contexts are made cheaply: the target's caches
-are filled with random keys and values (the cost of attention does not depend on them), the
-drafter's with random features, so no quadratic prefill runs.
+`adaptive.load_or_measure_costs`): plain steps and every width timed in each round, rounds
+repeated until they agree (`SPREAD`); one whose rounds do not is timed again at the next load.
+The long contexts are made cheaply: the target's caches are filled with random keys and values
+(the cost of attention does not depend on them), the drafter's with random features, so no
+quadratic prefill runs. `Governor` keeps a policy's drafting to what it delivers against plain
+decoding, whatever the prices say.
 """
 
 from __future__ import annotations
