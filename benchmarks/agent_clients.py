@@ -307,20 +307,20 @@ def scenario(args, client, exe, name, model, draft, out: Path) -> list[dict]:
     runs = []
     try:
         sessions = 2 if name == "turn" else 1
+        home = out / "homes" / f"{client}-{name}"        # one project, two sessions in it
+        shutil.rmtree(home, ignore_errors=True)
         for session in range(1, sessions + 1):
             proxy = Recorder(url)
-            home = out / "homes" / f"{client}-{name}-{session}"
-            shutil.rmtree(home, ignore_errors=True)
             result = run_client(client, exe, proxy.url, model_id, home, args.timeout)
             proxy.close()
             runs.append({"client": client, "scenario": name, "session": session,
                          "model": model_id, **result, "requests": proxy.exchanges})
-            shutil.rmtree(home, ignore_errors=True)
             print(f"{client} {name} session {session}: rc {result['rc']}, "
                   f"{result['wall_s']} s, {len(proxy.exchanges)} requests", file=sys.stderr)
     finally:
         proc.terminate()
         proc.wait(60)
+        shutil.rmtree(home, ignore_errors=True)
     return runs
 
 

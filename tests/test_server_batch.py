@@ -473,13 +473,17 @@ def test_a_steps_prefill_is_bounded_by_its_measured_seconds(pipe):
     assert s.prefill_budget(0, 1, 2048, (10, 10.0)) == MIN_PREFILL      # at least a few
 
 
+LONG_TEXT = "the quick brown fox jumps over the lazy dog, and then it runs away. " * 40
+
+
 def test_a_prompt_cancelled_mid_prefill_is_resumed_by_its_retry_exactly(pipe):
     """An agent whose request timed out during a long prefill sends it again: what was
     prefilled went to the prefix cache, the retry resumes there, and its text is the text."""
     from dflash2_mlx.prompt_cache import PromptCache
     from dflash2_mlx.sampling import Sampling
 
-    prompt = pipe.encode(ENDLESS[:1500], chat_template=False)
+    prompt = pipe.encode(LONG_TEXT, chat_template=False)
+    assert len(prompt) > 300
     want = pipe.generate(prompt, max_tokens=12).tokens
     engine, cache = pipe.batch_engine(2), PromptCache(4)
     greedy = Sampling(0.0, 1.0, 0)
@@ -501,3 +505,32 @@ def test_a_prompt_cancelled_mid_prefill_is_resumed_by_its_retry_exactly(pipe):
         tokens += [t for ev in engine.step() for t in ev.tokens]
     assert tokens == want
     assert engine.stats[rid].cached_tokens == cached
+
+
+def test_a_client_that_leaves_mid_prefill_and_retries_resumes_from_the_cache(pipe):
+    """An agent times out during a long prefill and sends the same request at once: the
+    scheduler leaves the departed sequence (its prefill to the prefix cache) before it admits
+    the retry, which then starts where the prefill stopped."""
+    prompt = LONG_TEXT
+    body = {"model": "llama", "prompt": prompt, "max_tokens": 4, "temperature": 0}
+    step = pipe.prefill_step_size
+
+    async def clients(app, http, go):
+        scheduler, gone, sent = app.state.scheduler, asyncio.Event(), []
+        go.set()
+        call = asgi_completion(app, {**body, "stream": True}, gone, sent)
+        await _until(lambda: scheduler.batch_figures["prefilling"] == 1)
+        await asyncio.sleep(0.3)                   # a few steps of the prefill
+        gone.set()
+        await asyncio.wait_for(call, 30)
+        return await http.post("/v1/completions", json=body)
+
+    pipe.prefill_step_size = 128                   # many steps: the client leaves among them
+    try:
+        retry = in_process(pipe, clients, context_length=8192)
+    finally:
+        pipe.prefill_step_size = step
+    usage = retry.json()["usage"]
+    assert 0 < usage["prompt_tokens_details"]["cached_tokens"] < usage["prompt_tokens"] - 1
+    assert retry.json()["choices"][0]["text"] == pipe.generate(prompt, max_tokens=4,
+                                                               chat_template=False).text

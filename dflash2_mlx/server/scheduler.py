@@ -255,7 +255,18 @@ class Scheduler:
             job, text = running[ev.id]
             job.emit({"text": text(ev.tokens, ev.finish), "tokens": list(ev.tokens)})
 
+        def leave_cancelled() -> None:
+            for rid, (job, _) in list(running.items()):
+                if closing:
+                    job.cancel("shutdown")
+                if job.cancelled.is_set():
+                    engine.cancel(rid)              # its rows are freed now
+                    self._leave(engine, rid, running.pop(rid)[0], "cancelled")
+
         while True:
+            # before admitting: a request that left mid-prefill is in the prefix cache for its
+            # retry (an agent that timed out sends the same prompt again at once)
+            leave_cancelled()
             while not closing and len(running) < self.max_batch:
                 try:
                     job = self._queue.get(block=not running)
@@ -267,12 +278,7 @@ class Scheduler:
                     self.cancelled += 1
                 else:
                     self._admit(engine, job, b, shared, stop_ids, running)
-            for rid, (job, _) in list(running.items()):
-                if closing:
-                    job.cancel("shutdown")
-                if job.cancelled.is_set():
-                    engine.cancel(rid)              # its rows are freed now
-                    self._leave(engine, rid, running.pop(rid)[0], "cancelled")
+            leave_cancelled()
             if not running:
                 self.batch_figures = self._figures(0, engine.waiting, [])
                 if closing:
