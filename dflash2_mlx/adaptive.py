@@ -590,7 +590,9 @@ def load_or_measure_costs(pipeline, max_width: int, fresh: bool = False) -> Cost
                      "settings") + ") ...")
         new = measure_costs(pipeline, max_width)
         if cost is not None and why is None and not fresh and cost.spread < new.spread:
-            new = replace(cost, spread=cost.spread)      # the stored one agreed better
+            _log.info(f"calibration: rounds {100 * new.spread:.0f}% apart; the stored one "
+                      f"({100 * cost.spread:.0f}%) serves")
+            return cost                                   # it agreed better: kept as stored
     else:
         _log.info("timing the cost of a long context again (the last calibration could not) ...")
         new = measure_slopes(pipeline, cost)

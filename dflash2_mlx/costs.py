@@ -223,17 +223,19 @@ class Governor:
     plain decoding, timed in this process, would have taken for those tokens. A window that
     delivered less holds the key for as many plain steps as make the seconds it lost
     `budget` of theirs; then it may draft again, and a window that loses again holds it
-    again: what re-trying costs stays within `budget` of the time. `reference`: plain
-    steps, once per context size, where plain decoding has not been timed (a calibration
-    that priced it dear would otherwise never let it run to be timed)."""
+    again: what re-trying costs stays within `budget` of the time. Where plain decoding has
+    not been timed, a full window holds every key for `REFERENCE_STEPS` plain steps, once per
+    context size (`referenced`): a calibration that priced it dear would otherwise never let
+    it run to be timed."""
 
     def __init__(self, window: int = GOVERNOR_WINDOW, budget: float = 0.01):
         self.window, self.budget = window, budget
         self.recent: dict = {}          # key -> [(tokens, seconds, plain seconds per token)]
         self.hold: dict = {}            # key -> plain steps left before it drafts again
-        self.referenced: set = set()    # context sizes whose plain steps were asked for
+        self.referenced: set = set()    # context sizes whose reference was asked for
         self.trips = 0
-        self.pending: list | None = None    # a batched step's [tokens, seconds, plain, probe]
+        # a batched drafting step not yet counted: [tokens, seconds, sequences, context, probe]
+        self.pending: list | None = None
 
     def held(self, key) -> bool:
         return self.hold.get(key, 0) > 0 or self.hold.get(None, 0) > 0
