@@ -1,6 +1,7 @@
 """Adaptive block size: the policy's choices, its estimates, and exactness with "auto"."""
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -864,19 +865,31 @@ def test_plain_decoding_never_timed_is_timed_once_per_context_size():
     assert policy.correction.governor.referenced == {0}
 
 
-def test_a_calibration_taken_beside_two_busy_loops_is_not_settled(pipe):
-    """Two processes spinning on the two cores while the calibration runs: its rounds do not
-    agree within `costs.SPREAD`, so it is not kept as settled (`CostModel.settled`)."""
-    from dflash2_mlx.costs import measure_costs
+THREADS = ("MKL_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+CALIBRATE = ("import sys, dflash2_mlx\nfrom dflash2_mlx.costs import measure_costs\n"
+             "pipe = dflash2_mlx.load(sys.argv[1], sys.argv[2])\n"
+             "m = measure_costs(pipe, 16, context=32, long=(1024,), budget=4.0)\n"
+             "print(m.spread, m.settled)")
 
+
+def test_a_calibration_taken_beside_two_busy_loops_is_not_settled(llama_dir, dflash2_dir,
+                                                                   tmp_path):
+    """Two processes spinning on the two cores while a calibration runs as the CLI runs it
+    (its BLAS on every core: the tests' workers keep one thread each): its rounds do not
+    agree within `costs.SPREAD`, so it is not kept as settled (`CostModel.settled`)."""
+    env = {k: v for k, v in os.environ.items() if k not in THREADS}
+    env["DFLASH2_CACHE"] = str(tmp_path / "cache")
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
-        model = measure_costs(pipe, 16, context=32, long=(1024,), budget=4.0)
+        out = subprocess.run([sys.executable, "-c", CALIBRATE, str(llama_dir), str(dflash2_dir)],
+                             env=env, capture_output=True, text=True, timeout=300)
     finally:
         for p in busy:
             p.kill()
             p.wait()
-    assert not model.settled, model.spread
+    assert out.returncode == 0, out.stderr
+    spread, settled = out.stdout.split()[-2:]
+    assert settled == "False", spread
 
 
 def test_an_unsettled_stale_or_other_blas_calibration_is_timed_again(pipe, monkeypatch):

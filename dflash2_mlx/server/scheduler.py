@@ -256,12 +256,18 @@ class Scheduler:
             job.emit({"text": text(ev.tokens, ev.finish), "tokens": list(ev.tokens)})
 
         def leave_cancelled() -> None:
+            gone = []
             for rid, (job, _) in list(running.items()):
                 if closing:
                     job.cancel("shutdown")
                 if job.cancelled.is_set():
                     engine.cancel(rid)              # its rows are freed now
-                    self._leave(engine, rid, running.pop(rid)[0], "cancelled")
+                    gone.append((rid, running.pop(rid)[0]))
+            if gone:         # /health shows the batch without them before `busy` reads False
+                self.batch_figures = self._figures(engine.running, engine.waiting,
+                                                   [engine.stats[rid] for rid in running])
+            for rid, job in gone:
+                self._leave(engine, rid, job, "cancelled")
 
         while True:
             # before admitting: a request that left mid-prefill is in the prefix cache for its
