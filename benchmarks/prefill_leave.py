@@ -8,7 +8,7 @@ seconds from the close to `busy: false` and to `batch.running: 0`, and the step 
 server logged. With --retry, then sends the same request again and prints how many prompt
 tokens came from the prefix cache (the prefill done before the leave is kept for a retry).
 
-    python benchmarks/prefill_leave.py --tokens 6000 --leave 20 --retry
+    python benchmarks/prefill_leave.py --tokens 6000 --leave 20 [--retry]
 """
 
 from __future__ import annotations

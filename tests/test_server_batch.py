@@ -462,10 +462,11 @@ def test_health_is_read_on_no_other_thread_than_the_workers(pipe):
 def test_a_steps_prefill_is_bounded_by_its_measured_seconds(pipe):
     """A client that leaves during a long prompt frees the model within a step: the budget
     holds what `PREFILL_SECONDS` prefill at the last step's rate (never below MIN_PREFILL)."""
-    from dflash2_mlx.server.scheduler import MIN_PREFILL, PREFILL_SECONDS
+    from dflash2_mlx.server.scheduler import FIRST_PREFILL, MIN_PREFILL, PREFILL_SECONDS
 
     s = Scheduler(pipe, max_batch=4, prefill_chunk=100)
-    assert s.prefill_budget(0, 1, 2048) == 2048                         # nothing measured yet
+    assert s.prefill_budget(0, 1, 2048) == 2048                         # no timing given
+    assert s.prefill_budget(0, 1, 2048, (0, 0.0)) == FIRST_PREFILL      # none measured yet
     slow = (1000, 4.0 * PREFILL_SECONDS)                                # 250 tokens a second
     assert s.prefill_budget(0, 1, 2048, slow) == 250
     assert s.prefill_budget(2, 3, 2048, slow) == 200                    # two rows free, 100 each

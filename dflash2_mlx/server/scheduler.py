@@ -28,6 +28,7 @@ BATCH, SINGLE = "batch", "single"
 # the longest a step's prefill should take: a departed client's prompt holds the model no longer
 PREFILL_SECONDS = 1.0
 MIN_PREFILL = 16        # prompt tokens a step prefills at least (~1.7 s after 20k on this CPU)
+FIRST_PREFILL = 256     # prompt tokens of the first step, before any rate is known (~1 s here)
 
 
 @dataclass
@@ -313,22 +314,27 @@ class Scheduler:
         # (unreachable: the loop returns once closing with nothing running)
 
     def prefill_budget(self, running: int, waiting: int, step_size: int,
-                       last: tuple[int, float] = (0, 0.0)) -> int:
+                       last: tuple[int, float] | None = None) -> int:
         """Prompt tokens one step prefills: a lone prompt in the pipeline's chunks
         (`step_size`), as alone; beside running streams `prefill_chunk` per request that can
         join this step, so that the streams keep flowing and a burst of joiners (agents
         coming back with short new turns) joins in as few steps as one joiner would, as
         mlx-lm prefills its joiners together (at most `step_size`, one chunk's worth).
         Either way at most what `PREFILL_SECONDS` holds at the rate of the last step's
-        prefill (`last`: tokens, seconds), so that a client that leaves during a long prompt
-        frees the model within a step."""
+        prefill (`last`: tokens, seconds; (0, 0.0) before the first, which prefills at most
+        `FIRST_PREFILL`), so that a client that leaves during a long prompt frees the model
+        within a step."""
         if not running:
             budget = step_size
         else:
             joining = max(1, min(waiting, self.max_batch - running))
             budget = max(self.prefill_chunk, min(self.prefill_chunk * joining, step_size))
+        if last is None:
+            return budget
         tokens, seconds = last
-        if tokens and seconds > 0:
+        if not tokens:
+            return min(budget, FIRST_PREFILL)
+        if seconds > 0:
             budget = min(budget, max(MIN_PREFILL, int(PREFILL_SECONDS * tokens / seconds)))
         return budget
 
