@@ -562,8 +562,8 @@ def _read_table(path: Path) -> dict:
 
 
 def load_or_measure_costs(pipeline, max_width: int, fresh: bool = False) -> CostModel:
-    """Costs from the per-machine cache, measured on first use (a few seconds; up to
-    `costs.CALIBRATION_BUDGET` on a busy machine); verify costs up to `max_width` rows (or the
+    """Costs from the per-machine cache, measured on first use (at most
+    `costs.CALIBRATION_BUDGET` seconds of rounds); verify costs up to `max_width` rows (or the
     drafter's block size, if wider). fresh: measure whatever is stored (`calibrate`).
 
     The cache is keyed on the machine, MLX, its BLAS, the model pair and how it was loaded
@@ -621,6 +621,10 @@ def store_correction(key: str, cost: CostModel) -> None:
 def _store(path: Path, key: str, cost: CostModel, meta: dict) -> None:
     table = _read_table(path)                       # others may have written meanwhile
     table[key] = {**cost.to_dict(), "meta": meta}
+    _write_table(path, table)
+
+
+def _write_table(path: Path, table: dict) -> None:
     with atomic_write(path) as f:
         json.dump(table, f, indent=1)
 
@@ -637,5 +641,4 @@ def forget_calibrations(keys) -> None:
     if any(k in table for k in keys):
         for k in keys:
             table.pop(k, None)
-        with atomic_write(path) as f:
-            json.dump(table, f, indent=1)
+        _write_table(path, table)

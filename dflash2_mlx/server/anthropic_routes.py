@@ -174,7 +174,7 @@ async def _anthropic_events(service: Service, job: Job, text: TextStream, head: 
                     "usage": _prompt_usage(prompt_tokens, job.cached_tokens)}},
                     "message_start")
             elif not pieces and final is None:
-                # Anthropic's own keep-alive event: Claude Code's watchdog counts events
+                # Anthropic's own keep-alive event, as its API sends it through a long wait
                 yield sse({"type": "ping"}, "ping") if started else PING
             for p in pieces:
                 if p.kind == "text":

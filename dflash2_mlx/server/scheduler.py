@@ -256,6 +256,10 @@ class Scheduler:
             job, text = running[ev.id]
             job.emit({"text": text(ev.tokens, ev.finish), "tokens": list(ev.tokens)})
 
+        def publish(last=None) -> None:     # /health's view of the batch
+            self.batch_figures = self._figures(engine.running, engine.waiting,
+                                               [engine.stats[rid] for rid in running], last)
+
         def leave_cancelled() -> None:
             gone = []
             for rid, (job, _) in list(running.items()):
@@ -265,8 +269,7 @@ class Scheduler:
                     engine.cancel(rid)              # its rows are freed now
                     gone.append((rid, running.pop(rid)[0]))
             if gone:         # /health shows the batch without them before `busy` reads False
-                self.batch_figures = self._figures(engine.running, engine.waiting,
-                                                   [engine.stats[rid] for rid in running])
+                publish()
             for rid, job in gone:
                 self._leave(engine, rid, job, "cancelled")
 
@@ -287,7 +290,7 @@ class Scheduler:
                     self._admit(engine, job, b, shared, stop_ids, running)
             leave_cancelled()
             if not running:
-                self.batch_figures = self._figures(0, engine.waiting, [])
+                publish()
                 if closing:
                     return
                 continue
@@ -309,8 +312,7 @@ class Scheduler:
                     self._leave(engine, ev.id, running.pop(ev.id)[0], ev.finish)
             last = engine.history[-1] if engine.history else None
             engine.history.clear()        # a server's engine runs for good: keep the last
-            self.batch_figures = self._figures(engine.running, engine.waiting,
-                                               [engine.stats[rid] for rid in running], last)
+            publish(last)
         # (unreachable: the loop returns once closing with nothing running)
 
     def prefill_budget(self, running: int, waiting: int, step_size: int,
