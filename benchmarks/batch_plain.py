@@ -13,7 +13,7 @@ which prefills 8 prompts per batched forward. The two run interleaved, 6 steps o
 turn (then a synchronize, timed as its own), so that the machine's load falls on both alike;
 both warm up on two prompts first.
 kind: `code` (HumanEval prompts, ~150 tokens) or `agent` (benchmarks/batch_policy.py's
-agent first turns, ~1k tokens). Our breakdown is `BatchEngine.timings` (seconds per section
+agent first turns, ~1k tokens). Our breakdown is `Engine.timings` (seconds per section
 over the decode steps). Only ratios in one run mean anything on a shared machine.
 """
 
@@ -29,7 +29,7 @@ from pathlib import Path
 import dflash2_mlx  # first: it picks the BLAS before MLX loads
 import mlx.core as mx
 from dflash2_mlx.adaptive import FixedWidth
-from dflash2_mlx.batch import Request
+from dflash2_mlx.engine import Request
 from dflash2_mlx.sampling import Sampling
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -39,14 +39,14 @@ from batch_policy import load_baseline, prompts  # noqa: E402
 def ours(pipe, ids: list[list[int]], max_tokens: int, out: dict, module=None,
          launch: bool = True):
     """Our engine (or another version's batch.py, `module`), one `step()` per next(): yields
-    (seconds, prefilled, tokens) per step. launch: `BatchEngine`'s."""
+    (seconds, prefilled, tokens) per step. launch: `Engine`'s."""
     if module is None:
         engine, request = pipe.batch_engine(), Request
         engine.launch = launch
         engine.timings = out["timings"] = {}
     else:
-        engine = module.BatchEngine(pipe.adapter, pipe.drafter, lookup=pipe.lookup_config,
-                                    prefill_step_size=pipe.prefill_step_size)
+        engine = module.Engine(pipe.adapter, pipe.drafter, lookup=pipe.lookup_config,
+                               prefill_step_size=pipe.prefill_step_size)
         request = module.Request
     for p in ids:
         engine.add(request(list(p), max_tokens, Sampling(), FixedWidth(1)))

@@ -1,4 +1,4 @@
-"""The batch-aware policy against all-plain on the same `BatchEngine`, in process: tok/s, cycles
+"""The batch-aware policy against all-plain on the same `Engine`, in process: tok/s, cycles
 per source, and a per-step log of what each sequence chose and what the step cost against its
 price.
 
@@ -104,8 +104,8 @@ def run(pipe, ids, max_tokens: int, system: str, log, time_drafts: bool,
         pipe._policy, shared = carried[system]
     policies = {}
     if system == "baseline":
-        engine = baseline.BatchEngine(pipe.adapter, pipe.drafter, lookup=pipe.lookup_config,
-                                      prefill_step_size=pipe.prefill_step_size)
+        engine = baseline.Engine(pipe.adapter, pipe.drafter, lookup=pipe.lookup_config,
+                                 prefill_step_size=pipe.prefill_step_size)
     else:
         engine = pipe.batch_engine()
     if time_drafts and system != "plain":

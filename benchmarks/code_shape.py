@@ -1,7 +1,11 @@
-"""Print the shape of the package's code: the largest modules, the longest functions and the
-import cycles between its modules (module-level and function-level imports alike).
+"""Print the shape of the package's code: the largest modules, the longest functions, the
+width policy's lines against the decoding core's, the share of docstring and comment lines
+per module, and the import cycles between its modules (module-level and function-level
+imports alike).
 
-    python benchmarks/code_shape.py [--top 10]
+    python benchmarks/code_shape.py [--top 10] [--root DIR]
+
+--root: another checkout (a commit to compare: `git worktree add DIR REV`).
 
 tests/test_import_graph.py loads this file for `import_graph` and `cycles` (one copy).
 """
@@ -14,12 +18,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "dflash2_mlx"
+# what decides how wide to draft, and what decodes (modules named as in any version)
+POLICY = ("adaptive", "costs", "batch", "policy")
+CORE = ("engine", "sequence", "state", "stats", "batch_cache", "views", "drafter", "sampling",
+        "lookup", "target", "kernels")
 
 
-def modules() -> dict[str, Path]:
+def modules(root: Path = ROOT) -> dict[str, Path]:
     out = {}
-    for path in sorted((ROOT / PACKAGE).rglob("*.py")):
-        parts = path.relative_to(ROOT).with_suffix("").parts
+    for path in sorted((root / PACKAGE).rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         out[name] = path
     return out
@@ -97,11 +105,34 @@ def functions(path: Path) -> list[tuple[int, str]]:
     return out
 
 
+def prose_lines(path: Path) -> int:
+    """Lines of docstrings and comments."""
+    text = path.read_text()
+    tree = ast.parse(text)
+    lines = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and \
+                isinstance(getattr(body[0], "value", None), ast.Constant) and \
+                isinstance(body[0].value.value, str):
+            lines.update(range(body[0].lineno, body[0].end_lineno + 1))
+    for i, line in enumerate(text.splitlines(), 1):
+        if line.lstrip().startswith("#") or "  # " in line:
+            lines.add(i)
+    return len(lines)
+
+
+def part(name: str) -> str | None:
+    top = name.split(".")[1] if "." in name else ""
+    return "policy" if top in POLICY else "core" if top in CORE else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--top", type=int, default=10)
+    ap.add_argument("--root", type=Path, default=ROOT)
     args = ap.parse_args()
-    mods = modules()
+    mods = modules(args.root)
     sizes = sorted(((len(p.read_text().splitlines()), n) for n, p in mods.items()), reverse=True)
     print(f"largest modules ({len(mods)} modules, {sum(s for s, _ in sizes)} lines):")
     for lines, name in sizes[: args.top]:
@@ -111,6 +142,15 @@ def main() -> None:
     print("longest functions:")
     for lines, name in funcs[: args.top]:
         print(f"  {lines:5d}  {name}")
+    lines = {n: len(p.read_text().splitlines()) for n, p in mods.items()}
+    for what in ("policy", "core"):
+        names = [n for n in mods if part(n) == what]
+        print(f"{what}: {sum(lines[n] for n in names)} lines in {len(names)} modules")
+    share = sorted(((prose_lines(p) / max(lines[n], 1), n) for n, p in mods.items()
+                    if lines[n] >= 100), reverse=True)
+    print("docstring and comment share (modules of 100 lines or more):")
+    for r, name in share[: args.top]:
+        print(f"  {100 * r:4.0f}%  {name}")
     found = cycles(import_graph(mods))
     print(f"import cycles: {len(found) or 'none'}")
     for comp in found:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import dflash2_mlx
 from dflash2_mlx.disk_cache import DiskCache
-from dflash2_mlx.engine import DecodeState
+from dflash2_mlx.state import DecodeState
 from dflash2_mlx.prompt_cache import PromptCache
 
 ROOT = Path(__file__).resolve().parent.parent

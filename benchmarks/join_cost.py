@@ -1,5 +1,5 @@
 """What a join costs the decode steps after it: B HumanEval prompts start in one step, then the
-seconds of each of the next steps (a plain batch, launched ahead), as `BatchEngine.history`
+seconds of each of the next steps (a plain batch, launched ahead), as `Engine.history`
 times them for the policies.
 
     python benchmarks/join_cost.py --clients 16 --steps 5 --repeats 2
@@ -18,7 +18,7 @@ import time
 
 import dflash2_mlx  # first: it picks the BLAS before MLX loads
 from dflash2_mlx.adaptive import FixedWidth
-from dflash2_mlx.batch import Request
+from dflash2_mlx.engine import Request
 from dflash2_mlx.prompt_sets import humaneval_prompts
 from dflash2_mlx.sampling import Sampling
 

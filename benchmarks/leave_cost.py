@@ -1,6 +1,6 @@
 """What leaving costs a batch: B agent prompts decode plainly together and leave one by one (the
 i-th after 10 + 3 i tokens), so a sequence leaves every third step; prints each decode step's
-seconds as `BatchEngine.history` times them for the policies (the leave itself is not in
+seconds as `Engine.history` times them for the policies (the leave itself is not in
 them), and the decode loop's wall time.
 
     python benchmarks/leave_cost.py --clients 16 --repeats 2
@@ -17,7 +17,7 @@ import time
 
 import dflash2_mlx  # first: it picks the BLAS before MLX loads
 from dflash2_mlx.adaptive import FixedWidth
-from dflash2_mlx.batch import Request
+from dflash2_mlx.engine import Request
 from dflash2_mlx.prompt_sets import agent_prompts
 from dflash2_mlx.sampling import Sampling
 

@@ -37,7 +37,7 @@ import os
 import dflash2_mlx
 from dflash2_mlx.adaptive import LOOKUP, PLAIN, AdaptiveWidth, Shadow, load_or_measure_costs
 from dflash2_mlx.costs import CostModel, measure_costs
-from dflash2_mlx.engine import PlainClock
+from dflash2_mlx.sequence import PlainStepTimer
 from dflash2_mlx.lookup import LookupConfig, LookupIndex
 from dflash2_mlx.prompt_sets import LONG_SIZES, PROMPT_SETS, _last_function, long_edit_prompts
 
@@ -70,14 +70,14 @@ def _copy_answer(pipe, prompt: str) -> tuple[list[int], list[int]]:
 
 def replay(prompt, output, index, policy, cost):
     """The lookup-or-plain policy over `output` -> (tokens, seconds, cycles, accepted). Plain
-    steps run in launch chains as in the engine (`engine.generate_tokens`): a plain step
+    steps run in launch chains as in the engine (`engine.stream_tokens`): a plain step
     launches the next one when the policy says so (`launch_next`), a launched step is plain
     whatever the policy chooses, and a step not launched pays the graph build a chain hides
     (`CostModel.relaunch`)."""
     policy = policy.for_sequence()          # a request of its own (shared estimates)
     shadow = Shadow(policy, LOOKUP)
     n, seconds, cycles, accepted, launched = 1, 0.0, 0, 0, False
-    clock = PlainClock()
+    clock = PlainStepTimer()
     while n < len(output):
         context = len(prompt) + n
         room = len(output) - n + 1

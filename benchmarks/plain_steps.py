@@ -23,7 +23,7 @@ import time
 
 import dflash2_mlx
 from dflash2_mlx.adaptive import DRAFTER, PLAIN
-from dflash2_mlx.engine import DecodeState
+from dflash2_mlx.state import DecodeState
 
 
 def main() -> None:

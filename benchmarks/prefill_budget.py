@@ -1,5 +1,5 @@
 """The scheduler's one-second prefill bound against fixed 2,048-token chunks, side by side in one
-process: a lone 4,000-token prompt of the embedded model prefilled by `BatchEngine.step` with
+process: a lone 4,000-token prompt of the embedded model prefilled by `Engine.step` with
 each budget, alternating for two rounds.
 
     python benchmarks/prefill_budget.py

@@ -8,7 +8,7 @@ each, so every piece is timed alone:
   verify    target forward over the block (logits + features)
   accept    greedy acceptance (argmax, prefix match) -> a and the bonus on the host
   rollback  cache trim and bookkeeping
-then times the real engine (`generate_tokens`, one sync per cycle) on the same prompts, so the
+then times the real engine (`stream_tokens`, one sync per cycle) on the same prompts, so the
 sum of the pieces can be compared with the pipelined cycle. Without --drafter, a random DFlash 2
 drafter shaped for SmolLM2 is used (acceptance ~0: one cycle per token).
 """
@@ -26,7 +26,9 @@ import mlx.core as mx
 
 from dflash2_mlx.assets import smollm2_gguf
 from dflash2_mlx.adaptive import FixedWidth
-from dflash2_mlx.engine import DecodeState, GenerationStats, generate_tokens, prefill
+from dflash2_mlx.state import DecodeState, prefill
+from dflash2_mlx.stats import GenerationStats
+from dflash2_mlx.engine import stream_tokens
 from dflash2_mlx.sampling import Sampling, greedy_accept
 
 PROMPTS = ["Write a Python function that returns the n-th Fibonacci number.",
@@ -67,9 +69,9 @@ def pieces(pipe, ids, width, cycles):
 
 def engine_ms(pipe, ids, width, tokens):
     stats = GenerationStats()
-    for _ in generate_tokens(pipe.adapter, pipe.drafter, ids, max_tokens=tokens,
-                             sampling=Sampling(), policy=FixedWidth(width), stop_ids=set(),
-                             stats=stats):
+    for _ in stream_tokens(pipe.adapter, pipe.drafter, ids, max_tokens=tokens,
+                           sampling=Sampling(), policy=FixedWidth(width), stop_ids=set(),
+                           stats=stats):
         pass
     return 1000 * stats.decode_s / stats.cycles, stats.tau
 

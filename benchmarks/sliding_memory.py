@@ -20,7 +20,8 @@ import mlx.core as mx
 
 from dflash2_mlx.assets import smollm2_gguf
 from dflash2_mlx.adaptive import FixedWidth
-from dflash2_mlx.engine import GenerationStats, generate_tokens
+from dflash2_mlx.stats import GenerationStats
+from dflash2_mlx.engine import stream_tokens
 from dflash2_mlx.loading import load_drafter, save_drafter
 from dflash2_mlx.pipeline import Pipeline
 from dflash2_mlx.sampling import Sampling
@@ -50,8 +51,8 @@ def main() -> None:
         mx.clear_cache()
         mx.reset_peak_memory()
         stats = GenerationStats()
-        steps = generate_tokens(p.adapter, drafter, ids, max_tokens=16, sampling=Sampling(),
-                                policy=FixedWidth(8), stop_ids=set(), stats=stats)
+        steps = stream_tokens(p.adapter, drafter, ids, max_tokens=16, sampling=Sampling(),
+                              policy=FixedWidth(8), stop_ids=set(), stats=stats)
         while stats.generated_tokens < 16:     # stop at the last yield: its state is alive
             next(steps)
         mx.eval(drafter.parameters())

@@ -282,7 +282,7 @@ class AdaptiveWidth:
 
     def launch_next(self, choice: tuple[str, int], available: dict[str, int],
                     match_n: int = 0, context: int | None = None) -> bool:
-        """Whether a plain step launches the next one (`engine._plain_step`; that cycle is then
+        """Whether a plain step launches the next one (`engine.Engine._launch_next`; that cycle is then
         plain whatever it chooses). choice: this cycle's (source, width) from `choose`; a
         draft on a launched step, which could not be made: the chain breaks for it, the next
         cycle free to draft, only when that draft is worth the chain's restart

@@ -144,7 +144,7 @@ class RaggedKVCache(BatchKVCache):
     # ---- rows joining and leaving
     def filter(self, batch_indices) -> None:
         """Keep the given rows, in that order. When at most half the kept rows change place
-        (rows that leave, their places filled from the end: `BatchEngine._leave`), only those
+        (rows that leave, their places filled from the end: `Engine._leave`), only those
         are copied, in place; the buffer keeps the rows past the batch until it grows, up to
         a quarter of the batch (`SPARE_ROWS`: past that, one gather of the rows it keeps; a
         gather of every row, as mlx-lm's filter does, took ~95 ms, about 0.3 of a plain
@@ -341,11 +341,90 @@ def batch_cache(single: list) -> list:
             for c in single]
 
 
-def check_batchable(single: list) -> None:
-    """ValueError when some layer's cache cannot join a batch (the caller can then generate
-    that request alone)."""
+def batch_refusal(single: list) -> str | None:
+    """Why some layer's cache cannot join a batch (its requests then decode one at a time),
+    or None."""
     bad = sorted({type(c).__name__ for c in single if not (_attention(c) or _recurrent(c))})
     if bad:
-        raise ValueError(f"the batch engine serves attention and GatedDeltaNet (ArraysCache) "
-                         f"layers; this target has {', '.join(bad)} layers (quantized or "
-                         "other caches): generate its requests one at a time")
+        return (f"the batch engine serves attention and GatedDeltaNet (ArraysCache) layers; "
+                f"this target has {', '.join(bad)} layers (quantized or other caches): its "
+                "requests decode one at a time")
+    return None
+
+
+def check_batchable(single: list) -> None:
+    """ValueError with `batch_refusal`'s reason when there is one."""
+    why = batch_refusal(single)
+    if why is not None:
+        raise ValueError(why)
+
+
+class RaggedRows:
+    """The engine's caches for a batch: one `RaggedKVCache` or `RecurrentRows` per layer,
+    a row per sequence, in the order of the engine's rows."""
+
+    def __init__(self):
+        self.cache: list | None = None
+
+    def join(self, states: list) -> None:
+        """The sequences' own caches (`DecodeState.cache`) join as rows at the end, in one copy
+        of the batch per layer, evaluated now; their states hold no cache meanwhile."""
+        rows = [batch_cache(s.cache) for s in states]
+        for s in states:
+            s.cache = None
+        if self.cache is None:
+            self.cache, rows = rows[0], rows[1:]
+        if rows:
+            for c, *joined in zip(self.cache, *rows):
+                c.extend(*joined)
+        mx.eval([c.state for c in self.cache])
+
+    def slots(self) -> int:
+        """The keys every row's attention reads."""
+        return max(c.size() for c in self.cache)
+
+    def kept(self, keep: list[int], total: int, snapshot=None) -> None:
+        """After a forward of `total` rows per row, row b keeps its first keep[b]."""
+        for c in self.cache:
+            if isinstance(c, RaggedKVCache):
+                c.commit(keep)
+        if snapshot is not None:
+            snapshot.rollback_rows(keep, total)
+
+    def release(self, row: int, state) -> None:
+        """Row `row`'s caches back to its sequence's state, as a single sequence's."""
+        state.cache = [c.to_single(row) for c in self.cache]
+
+    def filter(self, stay: list[int]) -> None:
+        """Keep these rows, in this order (none: the batch is empty)."""
+        if not stay:
+            self.cache = None
+            return
+        for c in self.cache:
+            c.filter(stay)
+
+
+class SoloRows:
+    """The engine's caches for one sequence at a time: the sequence's own, of any kind
+    (quantized, sliding-window, a pipeline-sharded target's); a snapshot rolls them back."""
+
+    def __init__(self):
+        self.cache: list | None = None
+        self.state = None
+
+    def join(self, states: list) -> None:
+        (self.state,) = states
+        self.cache = self.state.cache
+
+    def slots(self) -> int:
+        return len(self.state.tokens)
+
+    def kept(self, keep: list[int], total: int, snapshot=None) -> None:
+        if snapshot is not None:
+            snapshot.rollback(keep[0], total)
+
+    def release(self, row: int, state) -> None:
+        pass                              # the state's caches are the ones decoded in
+
+    def filter(self, stay: list[int]) -> None:
+        self.cache = self.state = None

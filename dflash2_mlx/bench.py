@@ -24,7 +24,8 @@ import numpy as np
 
 from . import log
 from .adaptive import DRAFTER, LOOKUP
-from .engine import Cycle, DecodeState, GenerationStats
+from .stats import Cycle, GenerationStats
+from .state import DecodeState
 from .files import atomic_path, atomic_write
 
 _log = log.get(__name__)

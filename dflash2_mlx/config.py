@@ -79,11 +79,7 @@ class DrafterArgs:
         dcfg = cfg.get("dflash_config") or {}
         if not isinstance(dcfg, dict):
             raise CheckpointError(f"{source}: 'dflash_config' must be an object")
-        archs = cfg.get("architectures") or [DFLASH]
-        arch = DFLASH2 if DFLASH2 in archs else DFLASH if DFLASH in archs else None
-        if arch is None:
-            raise CheckpointError(
-                f"{source}: 'architectures' is {archs}; expected {DFLASH} or {DFLASH2}")
+        arch = _architecture(cfg, source)
 
         def get(key, default=_REQUIRED, drafting=False):
             if drafting and key in dcfg:
@@ -95,10 +91,7 @@ class DrafterArgs:
                 raise CheckpointError(f"{source}: missing key '{key}' (looked in {where})")
             return default
 
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or None
-        rope_theta = cfg.get("rope_theta", (rope or {}).get("rope_theta", 1e6))
-        if rope is not None and rope.get("rope_type", rope.get("type")) in (None, "default"):
-            rope = None  # only carries rope_theta: plain RoPE
+        rope, rope_theta = _rope(cfg)
         n_layers = int(get("num_hidden_layers"))
         layer_types = tuple(cfg.get("layer_types") or ("full_attention",) * n_layers)
         hidden = int(get("hidden_size"))
@@ -219,3 +212,20 @@ class DrafterArgs:
             d.pop("rope_scaling")
         return {"architectures": [arch], "model_type": "qwen3", **d, "dflash_config": dcfg}
 
+
+def _architecture(cfg: dict, source: str) -> str:
+    archs = cfg.get("architectures") or [DFLASH]
+    arch = DFLASH2 if DFLASH2 in archs else DFLASH if DFLASH in archs else None
+    if arch is None:
+        raise CheckpointError(
+            f"{source}: 'architectures' is {archs}; expected {DFLASH} or {DFLASH2}")
+    return arch
+
+
+def _rope(cfg: dict) -> tuple[dict | None, float]:
+    """(rope scaling, or None for plain RoPE; rope theta) from a config."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or None
+    rope_theta = cfg.get("rope_theta", (rope or {}).get("rope_theta", 1e6))
+    if rope is not None and rope.get("rope_type", rope.get("type")) in (None, "default"):
+        rope = None  # only carries rope_theta: plain RoPE
+    return rope, rope_theta

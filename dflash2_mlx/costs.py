@@ -530,7 +530,7 @@ def _context_ids(target, context: int) -> mx.array:
 
 def _time_chain(target, cache, anchor, steps: int = CHAIN_STEPS) -> float:
     """Seconds per plain step of a greedy chain of `steps` launched ahead, as
-    `engine._plain_step` runs them (the next step's graph built and launched before the
+    `engine.Engine._launch_next` runs them (the next step's graph built and launched before the
     token before it is read; its first build unhidden, as a chain's is), from a copy of
     `cache`."""
     run = copy.deepcopy(cache)

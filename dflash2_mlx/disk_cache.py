@@ -1,4 +1,4 @@
-"""The prefix cache's second tier, on disk: `engine.DecodeState`s as safetensors files in one
+"""The prefix cache's second tier, on disk: `state.DecodeState`s as safetensors files in one
 folder, found again by token prefix once they left RAM, or after a restart.
 
 A file is `<sha256 of its token ids, 32 hex>.safetensors`; its `__metadata__` holds "dflash2",
@@ -31,7 +31,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 
 from . import __version__
 from .drafter import Drafter
-from .engine import DecodeState
+from .state import DecodeState
 from .files import atomic_path
 from .log import get
 from .settings import PROMPT_CACHE_DISK_BYTES

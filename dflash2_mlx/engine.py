@@ -1,463 +1,525 @@
-"""The draft-verify loop, as a generator of committed token lists.
+"""The draft-verify loop: one step advances every running sequence, each with its own source
+(plain, drafter, lookup) and width, in ONE target forward over all their rows. One sequence
+is a batch of one.
 
-One cycle, with committed tokens x_1..x_n and the anchor x_n not yet seen by the target:
-  choose    the width policy picks the source of the drafts and the width w (w = 1: a plain
-            decoding step, no drafts)
-  draft     drafter: [x_n, M, ..., M] (w rows) -> d_1..d_{w-1} in one parallel pass;
-            lookup: the w-1 tokens that followed the latest earlier occurrence of the
-            context's longest recurring suffix
-  verify    the target runs [x_n, d_1, ..., d_{w-1}] and gives w rows of logits and features
-  accept    greedy prefix match or rejection sampling (q: the drafter's distribution, or a
-            point mass on each lookup token) -> a accepted drafts and one bonus token
-  rollback  the snapshot taken before the verify drops the w-1-a rejected rows; rows 0..a of
-            the features join the drafter's context
-Everything but one host sync per cycle (reading a and the tokens) stays on the device; the
-drafts are computed asynchronously while the verify graph is being built.
+A step, for the running sequences s_1..s_B:
+  plan     each sequence's policy picks its source and width w_b; drafts come from the
+           lookup, or from ONE drafter pass for every sequence drafting from it
+  verify   the target runs [B, T = max w_b]: row b is [anchor_b, drafts_b, padding]
+  accept   per sequence, greedy prefix match or rejection sampling on its own rows -> a_b
+           accepted drafts and a bonus token
+  commit   the caches keep each row's a_b + 1 rows (`batch_cache.RaggedRows` for a batch,
+           `SoloRows` for a sequence alone); the sequences take their tokens
+A step whose sequences are all plain may launch the next one before its tokens are read
+(mlx-lm's double buffering). Greedy output equals the target's own greedy decoding token for
+token; seeded sampling draws the same sample alone or batched. docs/batching.md.
 """
 
 from __future__ import annotations
 
-import copy
+import math
 import os
 import time
-from dataclasses import dataclass, field, replace
-from typing import Callable, Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
 
 import mlx.core as mx
-import numpy as np
 
-from .adaptive import DRAFTER, LOOKUP, PLAIN, PositionCounts, Shadow
-from .drafter import Drafter, Proposal
+from .adaptive import LOOKUP, PLAIN
+from .batch import BatchAwareWidth, later_sums, plain_beats
+from .batch_cache import RaggedRows, SoloRows
+from .costs import drafter_pass
+from .drafter import Drafter
 from .lookup import LookupConfig, LookupIndex
 from .sampling import Sampling, greedy_accept, rejection_accept
+from .sequence import (CANCELLED, LENGTH, PLAIN_WANT, STOP, Event, LaunchedStep, Plan,
+                       PlainStepTimer, Request, Sequence, commit, plan)
+from .state import DecodeState, prefill, reuse
+from .stats import Cycle, GenerationStats
 from .target import Target
 
+__all__ = ["Engine", "Request", "Event", "stream_tokens", "STOP", "LENGTH", "CANCELLED"]
 
-@dataclass(frozen=True)
-class Cycle:
-    source: str          # DRAFTER | LOOKUP | PLAIN
-    width: int           # rows verified
-    accepted: int        # drafts accepted (0 for a plain step)
+CLEAR_EVERY = 256        # tokens of a sequence between frees of MLX's buffer cache
 
 
-@dataclass
-class GenerationStats:
-    """Figures of one generation. Times in seconds; tau counts the bonus token. A drafting
-    cycle is one whose drafts came from the drafter or the lookup; plain steps are the rest."""
+class Engine:
+    """The decoding engine over one target (and drafter). Drive it from one thread:
+    `add(request) -> id`, `step(prefill_budget) -> [Event]`, `cancel(id)`; or `run(request)`
+    for one request to its end. `running` and `waiting` count the sequences decoding and
+    those still prefilling or queued.
 
-    block_size: int | str = 0            # the width setting of this generation, or "auto"
-    prompt_tokens: int = 0
-    cached_tokens: int = 0               # prompt tokens whose caches were reused, not prefilled
-    generated_tokens: int = 0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    steps: list[Cycle] = field(default_factory=list)     # every step after prefill
+    lookup: the lookup's settings for requests with `lookup=True`. max_batch: the most
+    sequences decoding at once (the others wait); a target whose caches cannot hold ragged
+    rows decodes one at a time (`solo_why` says why: `solo_reason`). prefill_step_size: the prefill's chunk.
+    launch: launch all-plain steps ahead (False: every step synchronous; same tokens)."""
 
-    def drafting(self, source: str | None = None) -> list[Cycle]:
-        return [c for c in self.steps if c.source != PLAIN and source in (None, c.source)]
+    def __init__(self, target: Target, drafter: Drafter | None = None, *,
+                 lookup: LookupConfig | None = None, max_batch: int | None = None,
+                 prefill_step_size: int = 2048, launch: bool = True):
+        self.target, self.drafter = target, drafter
+        self.solo_why = self.solo_reason(target, max_batch)
+        self.solo = self.solo_why is not None
+        max_batch = 1 if self.solo else max_batch
+        self.caches = SoloRows() if self.solo else RaggedRows()
+        self.lookup = lookup or LookupConfig()
+        self.max_batch, self.prefill_step_size = max_batch, prefill_step_size
+        self.launch = launch
+        self.keep = drafter.context_window if drafter is not None else None
+        self.rows: list[Sequence] = []                # decoding, in the caches' row order
+        self.queue: deque[Sequence] = deque()         # prefilling (the first) or waiting
+        self.states: dict[int, DecodeState] = {}
+        self.stats: dict[int, GenerationStats] = {}
+        self.history: list[tuple[int, int, float]] = []   # per decode step: sequences,
+        self._next = 0                                    # rows verified (B x T), seconds
+        self.timings: dict[str, float] | None = None      # a dict: seconds per step section
+        self._ahead: LaunchedStep | None = None           # the plain step launched last step
+        self.launches = 0                                 # plain steps launched ahead
+        self.last_prefill = (0, 0.0)                      # the last step's prompt tokens, s
+        self._timer = PlainStepTimer()
+        self._decoded = False           # this step's decode ran before its prefill
+        self.vetoed = 0                     # steps whose drafting plain beat (run or launched)
+
+    @staticmethod
+    def solo_reason(target: Target, max_batch: int | None) -> str | None:
+        """Why an engine of `max_batch` on `target` decodes one sequence at a time, or None
+        (it batches)."""
+        return "max_batch is 1" if max_batch == 1 else target.batch_refusal()
+
+    # ---- the scheduler's interface
+    @property
+    def running(self) -> int:
+        return len(self.rows)
 
     @property
-    def cycles(self) -> int:
-        return len(self.drafting())
+    def waiting(self) -> int:
+        return len(self.queue)
 
-    @property
-    def accepted(self) -> list[int]:
-        return [c.accepted for c in self.drafting()]
+    def add(self, request: Request) -> int:
+        if not request.prompt:
+            raise ValueError("the prompt is empty: give at least one token")
+        if request.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {request.max_tokens}")
+        state = reuse(request.state, list(request.prompt), self.target, self.drafter)
+        if self.solo and (self.drafter is not None or request.lookup):
+            self.target.check_rollback(state.cache)
+        rid, self._next = self._next, self._next + 1
+        seed = request.seed if request.seed is not None else \
+            int.from_bytes(os.urandom(4), "little")
+        seq = Sequence(rid, request, state, mx.random.key(seed),
+                       self.lookup if request.lookup else None)
+        self.stats[rid] = seq.stats
+        self.queue.append(seq)
+        return rid
 
-    @property
-    def widths(self) -> list[int]:
-        return [c.width for c in self.drafting()]
+    def cancel(self, rid: int) -> bool:
+        """Drop a sequence now (queued or running); False when it is not here. One cancelled
+        during its prefill keeps what it prefilled (`keep_state`): a retry resumes there."""
+        for seq in self.queue:
+            if seq.id == rid:
+                self.queue.remove(seq)
+                if seq.req.keep_state and len(seq.state.tokens) > seq.stats.cached_tokens:
+                    self._keep(seq)
+                return True
+        for i, seq in enumerate(self.rows):
+            if seq.id == rid:
+                self._leave([i])
+                return True
+        return False
 
-    def source_tau(self, source: str | None = None) -> float | None:
-        """Mean accepted drafts + 1 per drafting cycle of `source` (None: any); None if none."""
-        cycles = self.drafting(source)
-        return sum(c.accepted + 1 for c in cycles) / len(cycles) if cycles else None
+    def pop_state(self, rid: int) -> DecodeState | None:
+        """The single-sequence state of a sequence that left with `keep_state`."""
+        return self.states.pop(rid, None)
 
-    @property
-    def tau(self) -> float:
-        """Mean acceptance length over all drafting cycles (1.0: nothing was drafted)."""
-        tau = self.source_tau()
-        return 1.0 if tau is None else tau
-
-    @property
-    def mean_width(self) -> float:
-        """Mean rows verified per step, plain steps included."""
-        return sum(c.width for c in self.steps) / len(self.steps) if self.steps else 1.0
-
-    @property
-    def decode_tps(self) -> float:
-        """Tokens per second after the first token (which prefill produces)."""
-        return (self.generated_tokens - 1) / self.decode_s if self.decode_s > 0 else 0.0
-
-    def position_acceptance(self, source: str | None = None) -> list[float | None]:
-        """P(draft k accepted | drafts < k accepted), k = 1..widest - 1; None where untried."""
-        cycles = self.drafting(source)
-        counts = PositionCounts(max((c.width for c in cycles), default=1) - 1)
-        for c in cycles:
-            counts.update(c.width, c.accepted)
-        return counts.rates()
-
-    def copy(self) -> "GenerationStats":
-        return replace(self, steps=list(self.steps))
-
-    def to_dict(self) -> dict:
-        cycles = self.drafting()
-        return {
-            "block_size": self.block_size, "prompt_tokens": self.prompt_tokens,
-            "cached_tokens": self.cached_tokens, "generated_tokens": self.generated_tokens,
-            "prefill_s": self.prefill_s, "decode_s": self.decode_s,
-            "decode_tps": self.decode_tps, "steps": len(self.steps),
-            "plain_steps": len(self.steps) - len(cycles), "cycles": len(cycles),
-            "cycles_drafter": len(self.drafting(DRAFTER)),
-            "cycles_lookup": len(self.drafting(LOOKUP)),
-            "tau": self.tau, "tau_drafter": self.source_tau(DRAFTER),
-            "tau_lookup": self.source_tau(LOOKUP), "mean_width": self.mean_width,
-            "sources": [c.source for c in cycles], "widths": [c.width for c in cycles],
-            "accepted_per_cycle": [c.accepted for c in cycles],
-            "position_acceptance": self.position_acceptance(),
-            "position_acceptance_drafter": self.position_acceptance(DRAFTER),
-            "position_acceptance_lookup": self.position_acceptance(LOOKUP),
-        }
-
-
-@dataclass
-class DecodeState:
-    """What the target and the drafter have seen: the target's cache over `tokens`, the
-    drafter's context cache over the first rows of them, and the target features of the rest
-    (`pending`, [1, S_i, F] each), which the drafter reads at its next pass. A generation
-    advances it in place; reuse one for a prompt that starts with its tokens (prefix cache)."""
-
-    cache: list
-    dcache: list | None
-    pending: list = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-
-    @classmethod
-    def new(cls, target: Target, drafter: Drafter | None) -> "DecodeState":
-        return cls(target.make_cache(), drafter.make_cache() if drafter is not None else None)
-
-    def copy(self) -> "DecodeState":
-        """An independent copy (caches are updated in place, so entries must not share them)."""
-        return DecodeState(copy.deepcopy(self.cache), copy.deepcopy(self.dcache),
-                           list(self.pending), list(self.tokens))
-
-    @property
-    def nbytes(self) -> int:
-        arrays = [a for c in self.cache + (self.dcache or []) for a in _flat(c.state)]
-        return sum(a.nbytes for a in arrays + self.pending)
-
-    def trim(self, n: int) -> bool:
-        """Keep the first n tokens. False when some cache cannot go back that far (a recurrent
-        layer's state, a rotated sliding window, a drafter window that moved past n): the state
-        is then unusable and must be dropped."""
-        drop = len(self.tokens) - n
-        if drop <= 0:
-            return drop == 0
+    def run(self, request: Request) -> Iterator[Event]:
+        """One request to its end on this engine, its events as they come (the first token
+        before the first decode step); closing the generator cancels it (its state kept as
+        `keep_state` says)."""
+        rid = self.add(request)
         try:
-            for c in self.cache:
-                if not c.is_trimmable() or c.trim(drop) != drop:
-                    return False
-        except RuntimeError:            # a rotated sliding-window cache
-            return False
-        if self.dcache is not None:
-            read = self.dcache[0].offset           # context rows the drafter has read
-            if n >= read:
-                joined = mx.concatenate(self.pending, axis=1) if self.pending else None
-                self.pending = [joined[:, : n - read]] if n > read else []
+            while True:
+                for half in (self.admit, self.decode):
+                    for ev in half():
+                        yield ev
+                        if ev.id == rid and ev.finish is not None:
+                            return
+        finally:
+            self.cancel(rid)
+
+    def step(self, prefill_budget: int | None = None,
+             started: Callable[[Event], None] | None = None) -> list[Event]:
+        """Prefill waiting sequences for up to `prefill_budget` prompt tokens (None: no
+        limit; a sequence whose prompt is in joins the batch), then one decode step of every
+        running sequence. started: called with the first-token event of each sequence that
+        starts and goes on, at once, in place of returning it (a server sends it before the
+        join and the decode step)."""
+        return self.admit(prefill_budget, started) + self.decode()
+
+    def admit(self, prefill_budget: int | None = None,
+              started: Callable[[Event], None] | None = None) -> list[Event]:
+        """A step's first half: prefill and join (`step`). A plain step launched last step
+        runs first when a sequence may join: a joiner cannot share it."""
+        events: list[Event] = []
+        self._decoded = self._ahead is not None and self._joinable()
+        if self._decoded:
+            events.extend(self._decode())
+        joining = self._prefill_waiting(prefill_budget, events, started)
+        if joining:
+            self.caches.join([seq.state for seq in joining])
+            self.rows.extend(joining)
+        return events
+
+    def decode(self) -> list[Event]:
+        """A step's second half: one decode step of every running sequence (none when the
+        first half ran it)."""
+        decoded, self._decoded = self._decoded, False
+        return self._decode() if self.rows and not decoded else []
+
+    # ---- joining
+    def _prefill_waiting(self, prefill_budget: int | None, events: list[Event],
+                         started: Callable[[Event], None] | None) -> list[Sequence]:
+        """Prefill queued sequences in order within the budget -> those that start and go on
+        (their first tokens sent to `started`, or added to `events`)."""
+        budget = math.inf if prefill_budget is None else prefill_budget
+        joining: list[Sequence] = []
+        tic, prefilled = time.perf_counter(), 0
+        while self.queue and budget > 0 and (self.max_batch is None or
+                                             len(self.rows) + len(joining) < self.max_batch):
+            seq = self.queue[0]
+            n = self._prefill(seq, budget)
+            budget, prefilled = budget - n, prefilled + n
+            self.last_prefill = (prefilled, time.perf_counter() - tic)
+            if seq.todo:
+                break
+            self.queue.popleft()
+            first = self._start(seq)
+            if first.finish is None:
+                joining.append(seq)
+            if first.finish is None and started is not None:
+                started(first)
             else:
-                if any(n < c.start for c in self.dcache):
-                    return False
-                for c in self.dcache:
-                    c.offset = n
-                self.pending = []
-        del self.tokens[n:]
-        return True
+                events.append(first)
+        return joining
 
-    def add_features(self, feats: mx.array | None, keep: int | None) -> None:
-        """Queue target features for the drafter; with a sliding-window drafter keep only the
-        `keep` newest rows (older ones are invisible to every block)."""
-        if feats is None or self.dcache is None:
+    def _prefill(self, seq: Sequence, budget: float) -> int:
+        """Prefill up to `budget` prompt ids of `seq` -> how many it took. The last chunk is
+        `state.prefill`'s (its last row alone gives the first token's logits)."""
+        todo, state = seq.todo, seq.state
+        tic = time.perf_counter()
+        if len(todo) <= budget:
+            seq.logits = prefill(self.target, state, todo, self.prefill_step_size, self.keep,
+                                 seq.req.progress)
+            n = len(todo)
+        else:
+            n = int(budget)
+            x = mx.array(todo[:n], dtype=mx.uint32)[None]
+            for start in range(0, n, self.prefill_step_size):
+                _, feats = self.target.forward(x[:, start:start + self.prefill_step_size],
+                                               state.cache)
+                state.add_features(feats, self.keep)
+                mx.eval([c.state for c in state.cache], state.pending)
+            state.tokens.extend(todo[:n])
+        seq.todo = todo[n:]
+        seq.stats.prefill_s += time.perf_counter() - tic
+        return n
+
+    def _start(self, seq: Sequence) -> Event:
+        """The first token, from the prefill's logits."""
+        seq.key, k = mx.random.split(seq.key)
+        first = seq.req.sampling.sample(seq.logits, k).item()
+        seq.logits = None
+        seq.tokens = [first]
+        if seq.lookup is not None:
+            seq.index = LookupIndex(seq.lookup, list(seq.req.prompt) + seq.tokens)
+        seq.stats.generated_tokens = 1
+        seq.tic = time.perf_counter()
+        finish = seq.finished()
+        if finish is not None:
+            self._keep(seq)
+        return Event(seq.id, [first], finish)
+
+    # ---- one decode step
+    def _decode(self) -> list[Event]:
+        tic = time.perf_counter()
+        ahead, self._ahead = self._ahead, None
+        slots = self.caches.slots()
+        contexts = [len(seq.state.tokens) for seq in self.rows]
+        plans, plain_wins = self._plan_all(slots, contexts)
+        self._draft_all(plans)
+        t = self._tick("plan", tic)
+        T = max(p.width for p in plans)
+        if ahead is not None:          # launched last step (all plain, keys as alone): take it
+            tokens, feats = ahead.take(self.rows)
+        elif T == 1:
+            tokens, feats = self._plain(
+                mx.array([[p.seq.tokens[-1]] for p in plans], dtype=mx.uint32),
+                [p.sample_key for p in plans])
+        else:
+            results, feats, snapshot = self._verify(plans, T)
+        if T == 1:
+            self._launch_next(plans, tokens, plain_wins)
+        t = self._tick("build", t)
+        if T == 1:
+            accepted, bonuses = self._read_plain(tokens)
+        else:
+            accepted, bonuses = self._read(results)
+            self.caches.kept([a + 1 for a in accepted], T, snapshot)
+        t = self._tick("eval", t)
+        seconds = time.perf_counter() - tic + (ahead.waited if ahead is not None else 0.0)
+        alone = self._time(plans, T, slots, accepted, seconds, ahead is not None)
+        events, leaving = self._commit_all(plans, accepted, bonuses, feats, contexts, alone)
+        t = self._tick("sequences", t)
+        if leaving:
+            self._leave(leaving)
+            self._tick("leave", t)
+        return events
+
+    def _plan_all(self, slots: int, contexts: list[int]) -> tuple[list[Plan], bool]:
+        """Every sequence's plan, in row order: batch-aware policies see what those before
+        them chose and what those after them are expected to -> (plans, whether plain
+        decoding of every sequence beats what they wanted; then they decode plainly)."""
+        plans, planned = [], []
+        later = later_sums([seq.policy for seq in self.rows])    # O(B W), once per step
+        for i, seq in enumerate(self.rows):
+            if isinstance(seq.policy, BatchAwareWidth):
+                seq.policy.set_batch(planned, later[i + 1], slots)
+            plans.append(plan(seq, self.drafter))
+            planned.append(plans[-1].want if plans[-1].width > 1 else PLAIN_WANT)
+        plain_wins = plain_beats([(p.seq.policy, p.want) for p in plans], slots)
+        if plain_wins and any(p.width > 1 for p in plans):
+            self._plain_instead(plans, contexts)
+            self.vetoed += 1
+        return plans, plain_wins
+
+    @staticmethod
+    def _plain_instead(plans: list[Plan], contexts: list[int]) -> None:
+        """Every drafting plan becomes a plain step sampled with its key (a drafter plan's
+        features go back to its state, a lookup's unverified proposal to its shadow)."""
+        for i, p in enumerate(plans):
+            if p.width == 1:
+                continue
+            seq = p.seq
+            if p.draft is not None and p.draft.feats is not None:
+                seq.state.pending.insert(0, p.draft.feats)
+            if p.guess:
+                seq.shadow.offer(p.guess, p.match, contexts[i])
+            plans[i] = Plan(seq, PLAIN, 1, p.match, p.want, sample_key=p.accept_key,
+                            draft_key=p.draft_key)
+
+    def _draft_all(self, plans: list[Plan]) -> None:
+        """One drafter pass for every plan drafting from it, started at once: the device
+        computes it while Python builds the verify."""
+        drafting = [p for p in plans if p.draft is not None]
+        if not drafting:
             return
-        self.pending.append(feats)
-        rows = sum(p.shape[1] for p in self.pending)
-        if keep is not None and rows > keep:
-            self.pending = [mx.concatenate(self.pending, axis=1)[:, rows - keep:]]
-            Drafter.skip_context(self.dcache, rows - keep)
+        proposals = self.drafter.propose_batch(self.target, [p.draft for p in drafting])
+        for p, proposal in zip(drafting, proposals):
+            p.proposal, p.drafts, p.draft = proposal, proposal.tokens.astype(mx.uint32), None
+        mx.async_eval([a for p in proposals for a in (p.tokens, p.q) if a is not None])
 
-    def take_features(self) -> mx.array:
-        ctx = mx.concatenate(self.pending, axis=1) if len(self.pending) > 1 else self.pending[0]
-        self.pending = []
-        return ctx
+    def _verify(self, plans: list[Plan], T: int):
+        """The target over every row's [anchor, drafts, padding] [B, T] -> (each row's
+        (accepted, bonus) on the device, features [B, T, F] or None, the snapshot that
+        rolls the recurrent layers back)."""
+        rows = []
+        for p in plans:
+            row = [mx.array([[p.seq.tokens[-1]]], dtype=mx.uint32)]
+            if p.drafts is not None:
+                row.append(p.drafts)
+            if p.width < T:
+                row.append(mx.zeros((1, T - p.width), mx.uint32))
+            rows.append(mx.concatenate(row, axis=1) if len(row) > 1 else row[0])
+        snapshot = self.target.snapshot(self.caches.cache)
+        logits, feats = self.target.forward(mx.concatenate(rows) if len(rows) > 1 else rows[0],
+                                            self.caches.cache)            # [B, T, V]
+        greedy_ids = (mx.argmax(logits, axis=-1).astype(mx.uint32)
+                      if any(p.seq.req.sampling.greedy for p in plans) else None)
+        return [self._accept(i, p, logits, greedy_ids) for i, p in enumerate(plans)], \
+            feats, snapshot
 
+    @staticmethod
+    def _accept(i: int, p: Plan, logits: mx.array, greedy_ids: mx.array | None):
+        """Row i's (accepted drafts a, bonus token [1] or []) on the device. A lookup's drafts
+        are a point mass (q = None)."""
+        sampling = p.seq.req.sampling
+        if p.source == PLAIN:
+            if sampling.greedy:
+                return mx.array(0), greedy_ids[i, :1]
+            return mx.array(0), sampling.sample(logits[i : i + 1, 0], p.sample_key)
+        w = p.width
+        if sampling.greedy:
+            return greedy_accept(p.drafts[0], greedy_ids[i, :w])
+        q = None if p.source == LOOKUP else p.proposal.dense_q(logits.shape[-1])[0]
+        return rejection_accept(p.drafts[0], sampling.probs(logits[i, :w]), q, p.accept_key)
 
-def _flat(state):
-    for s in state if isinstance(state, (list, tuple)) else (state,):
-        if isinstance(s, (list, tuple)):
-            yield from _flat(s)
-        elif isinstance(s, mx.array):
-            yield s
+    def _plain(self, x: mx.array, keys: list) -> tuple[mx.array, mx.array | None]:
+        """One plain step of every row on x [B, 1], each row sampled with its key (unused when
+        greedy) -> (tokens [B] uint32, features [B, 1, F] or None), not evaluated; the caches
+        keep each row's one row at once."""
+        logits, feats = self.target.forward(x, self.caches.cache)          # [B, 1, V]
+        self.caches.kept([1] * len(keys), 1)
+        samplings = [seq.req.sampling for seq in self.rows]
+        if all(s.greedy for s in samplings):
+            return mx.argmax(logits[:, 0], axis=-1).astype(mx.uint32), feats
+        tokens = [s.sample(logits[i : i + 1, 0], k).astype(mx.uint32)
+                  for i, (s, k) in enumerate(zip(samplings, keys))]
+        return mx.concatenate(tokens) if len(tokens) > 1 else tokens[0], feats
 
+    def _launch_next(self, plans: list[Plan], tokens: mx.array, plain_wins: bool) -> None:
+        """mlx-lm's double buffering: when every sequence would launch its next plain step
+        alone, launch the batch's before reading this one (no joiner can share it). One that
+        ends now by its length runs one row more, discarded, so its end does not break the
+        others' chain; those that would draft next step where the batch is better plain are
+        launched plain too."""
+        if not self.launch or self._joinable():
+            return
+        last = [p.seq.last() for p in plans]
+        held = [p for p, end in zip(plans, last) if p.seq.launched is None and not end]
+        if held and plain_wins and all(p.want.width > 1 for p in held):
+            for p in held:
+                p.seq.launched = p.draft_key
+            self.vetoed += 1
+        if not all(last) and all(p.seq.launched is not None or end
+                                 for p, end in zip(plans, last)):
+            keys = [seq.key if seq.launched is None else seq.launched for seq in self.rows]
+            nxt, feats = self._plain(tokens[:, None], keys)     # (a last row's key: unused)
+            mx.async_eval(nxt)
+            self.launches += 1
+            self._ahead = LaunchedStep(list(self.rows), nxt, feats)
 
-def prefill(target: Target, state: DecodeState, ids: list[int], step: int,
-            keep: int | None, progress: Callable[[int, int], object] | None = None) -> mx.array:
-    """Run `ids` through the target like mlx-lm does: all but the last in chunks of `step`,
-    then the last alone (its logits give the next token) -> logits [1, V] of the last row.
-    `progress(done, total)` after each chunk of a prompt longer than one chunk."""
-    x = mx.array(ids, dtype=mx.uint32)[None]
-    bounds = [(s, min(s + step, len(ids) - 1)) for s in range(0, len(ids) - 1, step)]
-    for start, end in bounds + [(len(ids) - 1, len(ids))]:
-        logits, feats = target.forward(x[:, start:end], state.cache)
-        state.add_features(feats, keep)
-        if end < len(ids):
-            mx.eval([c.state for c in state.cache], state.pending)
+    @staticmethod
+    def _read_plain(tokens: mx.array) -> tuple[list[int], list[int]]:
+        """An all-plain step's tokens, read as host values: an array op would wait behind the
+        launched step."""
+        mx.eval(tokens)
+        return [0] * tokens.shape[0], tokens.tolist()
+
+    @staticmethod
+    def _read(results: list) -> tuple[list[int], list[int]]:
+        """The one host sync of a drafting step -> (accepted drafts, bonus token) per row."""
+        mx.eval(results)
+        return [int(a.item()) for a, _ in results], [int(b.item()) for _, b in results]
+
+    def _time(self, plans: list[Plan], T: int, slots: int, accepted: list[int],
+              seconds: float, was_launched: bool) -> float | None:
+        """Record the step's time; batch-aware policies learn it (once per shared correction)
+        -> the seconds a sequence alone learns from it (None: in a batch, or a short launch
+        chain's plain step)."""
+        self.history.append((len(plans), len(plans) * T, seconds))
+        alone = seconds if len(plans) == 1 else None
+        if T == 1:
+            launches = self._ahead is not None
+            seconds = self._timer.plain(seconds, was_launched, launches)
+            alone = seconds if alone is not None and self._timer.long(launches) else None
+        draft_s = drafter_pass(p.want.draft_s if p.width > 1 else 0.0 for p in plans)
+        timed = {id(s.policy.shared): s.policy for s in self.rows
+                 if isinstance(s.policy, BatchAwareWidth)}
+        for policy in timed.values():
+            policy.observe(len(plans), T, slots, seconds, draft_s, sum(accepted) + len(plans))
+        return alone
+
+    def _commit_all(self, plans: list[Plan], accepted: list[int], bonuses: list[int],
+                    feats: mx.array | None, contexts: list[int], alone: float | None
+                    ) -> tuple[list[Event], list[int]]:
+        """Each sequence takes its accepted drafts and bonus token; its policy, lookup index
+        and shadow learn the step -> (events, the rows that leave)."""
+        events, leaving = [], []
+        for i, (p, a, bonus) in enumerate(zip(plans, accepted, bonuses)):
+            seq = p.seq
+            drafts = p.drafts[0, :a].tolist() if a else []
+            rows = None if feats is None or seq.state.dcache is None else feats[i : i + 1]
+            new = commit(seq, drafts, bonus, rows, self.keep)
+            seq.stats.steps.append(Cycle(p.source, p.width, a))
+            seq.policy.update(p.source, p.width, a, alone, p.match, contexts[i])
+            before = len(seq.tokens)
+            seq.tokens.extend(new)                # widths never exceed the room left
+            if seq.index is not None:
+                seq.index.extend(new)
+                seq.shadow.follow(p.source, p.width, a, p.guess, p.match, contexts[i])
+                seq.shadow.commit(new)
+            seq.stats.generated_tokens = len(seq.tokens)
+            seq.stats.decode_s = time.perf_counter() - seq.tic
+            if len(seq.tokens) // CLEAR_EVERY != before // CLEAR_EVERY:
+                mx.clear_cache()
+            finish = seq.finished()
+            if finish is not None:
+                leaving.append(i)
+            events.append(Event(seq.id, new, finish))
+        return events, leaving
+
+    def _tick(self, section: str, since: float) -> float:
+        """Add the seconds since `since` to `timings[section]` (when timing) -> now."""
+        now = time.perf_counter()
+        if self.timings is not None:
+            self.timings[section] = self.timings.get(section, 0.0) + now - since
+        return now
+
+    def _joinable(self) -> bool:
+        """Whether a waiting sequence may join at the next step."""
+        return bool(self.queue) and (self.max_batch is None or len(self.rows) < self.max_batch)
+
+    # ---- leaving
+    def _keep(self, seq: Sequence) -> None:
+        if seq.req.keep_state:
+            self.states[seq.id] = seq.state
+
+    def _leave(self, rows: list[int]) -> None:
+        ahead = self._ahead
+        for i in rows:
+            seq = self.rows[i]
+            if seq.req.keep_state:
+                if ahead is not None:     # its launched row is in the cache: the state says so
+                    j = ahead.index(seq)
+                    seq.state.tokens.append(seq.tokens[-1])
+                    seq.state.add_features(None if ahead.feats is None
+                                           else ahead.feats[j : j + 1], self.keep)
+                self.caches.release(i, seq.state)
+                self._keep(seq)
+        stay = _fill(len(self.rows), rows)
+        self.rows = [self.rows[i] for i in stay]
+        if not stay:
+            self.caches.filter([])
+            self._ahead = None
             mx.clear_cache()
-            if progress is not None and len(bounds) > 1:
-                progress(end, len(ids))
-    state.tokens.extend(ids)
-    return logits[:, -1]
+            return
+        if ahead is not None:     # the moves below wait for it: its time is its step's
+            tic = time.perf_counter()
+            mx.eval(ahead.tokens)
+            ahead.waited += time.perf_counter() - tic
+        self.caches.filter(stay)
 
 
-def common_prefix(a, b) -> int:
-    """Length of the longest common prefix of two token sequences (lists or arrays)."""
-    n = min(len(a), len(b))
-    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(differ[0]) if len(differ) else n
+def _fill(n: int, leaving: list[int]) -> list[int]:
+    """The rows that stay of n when `leaving` leave, in their places but for the leavers'
+    places, which the last staying rows fill (so that the caches move only those)."""
+    gone = set(leaving)
+    k = n - len(gone)
+    tail = [i for i in range(n - 1, k - 1, -1) if i not in gone]
+    return [tail.pop(0) if i in gone else i for i in range(k)]
 
 
-def _reuse(state: DecodeState | None, prompt: list[int], target: Target,
-           drafter: Drafter | None) -> DecodeState:
-    """`state` trimmed to its longest common prefix with the prompt (leaving at least the last
-    prompt token to prefill), or a fresh state when it cannot be trimmed that far."""
-    if state is None:
-        return DecodeState.new(target, drafter)
-    return state if state.trim(common_prefix(state.tokens, prompt[:-1])) else \
-        DecodeState.new(target, drafter)
-
-
-@dataclass(frozen=True)
-class Choice:
-    """What the width policy chose for a cycle, and what it chose from."""
-
-    source: str                    # DRAFTER | LOOKUP | PLAIN
-    width: int
-    available: dict                # source -> the widest block it can draft this cycle
-    match: int                     # length of the context's recurring suffix (0: none)
-    guess: list[int] | None        # the lookup's drafts, if it has any
-
-
-@dataclass(frozen=True)
-class Step:
-    """What one step commits: `accepted` drafts (ids), the target's next token `bonus` ([1],
-    possibly not yet computed) and the features of every row it verified."""
-
-    accepted: list[int]
-    bonus: mx.array
-    feats: mx.array | None
-
-
-def _choose(policy, drafter: Drafter | None, index: LookupIndex | None,
-            lookup: LookupConfig | None, room: int, context: int,
-            launched: bool = False) -> Choice:
-    """The policy's choice for a cycle (launched: the cycle is a plain step launched last
-    cycle, whatever the policy says; it keeps a probe for later)."""
-    available = {DRAFTER: min(drafter.args.block_size, room)} if drafter is not None else {}
-    found = index.propose(min(lookup.max_width, room) - 1) if index and room > 1 else None
-    match, guess = found or (0, None)
-    if guess:
-        available[LOOKUP] = min(lookup.max_width, room)
-    source, width = policy.choose(available, match, context, launched)
-    return Choice(source, width, available, match, guess)
-
-
-class PlainClock:
-    """Times plain steps across launches. A step that launches the next one reads its token
-    only after the launched graph has run too (it takes two steps' time), and the launched
-    step then takes almost none: timed one by one, the policy saw plain steps alternate
-    between ~2x and ~0x their cost, and its choices flapped with them (each flap broke a
-    launch chain). Each plain step is reported as the mean of its launch chain so far, the
-    launched step counted, so a chain reads as the steps of equal cost it is."""
-
-    def __init__(self):
-        self.seconds, self.steps = 0.0, 0
-
-    def plain(self, seconds: float, was_launched: bool, launches: bool) -> float:
-        """A plain step took `seconds`; was_launched: it was launched by the step before;
-        launches: it launched the next one -> the seconds to report for it."""
-        if not was_launched:
-            self.seconds, self.steps = 0.0, 0
-        self.seconds, self.steps = self.seconds + seconds, self.steps + 1
-        return self.seconds / (self.steps + launches)
-
-    def long(self, launches: bool) -> bool:
-        """Whether the chain of the step just reported (`plain`) is long enough to say what
-        plain decoding costs (`TRUSTED_CHAIN`). Plain steps between drafting cycles do not:
-        each pays its chain's unhidden start (measured with the embedded pair: a 5-step chain
-        after a drafter cycle reported 74-84 ms a step, a long one ~65); a policy that learnt
-        plain steps from those priced plain decoding like a 2-row drafter cycle and kept
-        drafting at a loss (the load benchmark's chat x 1: 140 drafter cycles at tau 1.19).
-        Until a long chain runs, the calibrated chain's price stands (`CostModel.plain`)."""
-        return self.steps + launches >= TRUSTED_CHAIN
-
-
-# From this many steps, a chain's mean step is what plain decoding costs (its start, about a
-# step unhidden, then weighs 1/8 or less)
-TRUSTED_CHAIN = 8
-
-
-def _plain_step(target: Target, state: DecodeState, anchor: mx.array, ahead: tuple | None,
-                launch: bool, sampling: Sampling, key: mx.array, next_key: mx.array
-                ) -> tuple[Step, tuple | None]:
-    """One plain decoding step on `anchor` [1, 1], or the one launched last step (`ahead`:
-    (feats, token)) -> (its Step, the next step launched now or None). launch: the next step
-    will be plain too: mlx-lm's double buffering, it is launched before this one's token is
-    read, so building its graph overlaps computing."""
-    if ahead is None:
-        logits, feats = target.forward(anchor, state.cache)                    # [1, 1, V]
-        bonus = sampling.sample(logits[:, -1], key)
-    else:
-        feats, bonus = ahead
-    if not launch:
-        return Step([], bonus, feats), None
-    logits, nxt_feats = target.forward(bonus.reshape(1, 1).astype(mx.uint32), state.cache)
-    nxt = (nxt_feats, sampling.sample(logits[:, -1], next_key))
-    mx.async_eval(nxt[1])
-    return Step([], bonus, feats), nxt
-
-
-def _draft(target: Target, drafter: Drafter | None, state: DecodeState, anchor: mx.array,
-           choice: Choice, sampling: Sampling, key: mx.array) -> Proposal:
-    """w-1 drafts after `anchor` from the chosen source."""
-    w = choice.width
-    if choice.source == DRAFTER:
-        proposal = drafter.propose(target, anchor, state.take_features(), state.dcache, w,
-                                   sampling, key)
-        _launch([proposal])
-        return proposal
-    ids = mx.array([choice.guess[: w - 1]], dtype=mx.uint32)                  # [1, w-1]
-    return Proposal(ids, mx.ones((1, w - 1, 1)), ids[..., None])              # q: 1
-
-
-def _launch(proposals: list[Proposal]) -> None:
-    """Start drafting now: the device computes while Python builds the verify."""
-    mx.async_eval([a for p in proposals for a in (p.tokens, p.q) if a is not None])
-
-
-def _speculate(target: Target, drafter: Drafter | None, state: DecodeState, anchor: mx.array,
-               choice: Choice, sampling: Sampling, draft_key: mx.array,
-               accept_key: mx.array) -> Step:
-    """One drafting cycle: draft, verify [anchor, drafts] in one target forward, accept a
-    prefix of the drafts and a bonus token, roll the target's cache back to the kept rows."""
-    proposal = _draft(target, drafter, state, anchor, choice, sampling, draft_key)
-    drafts = proposal.tokens.astype(mx.uint32)                                 # [1, w-1]
-    snapshot = target.snapshot(state.cache)
-    logits, feats = target.forward(mx.concatenate([anchor, drafts], axis=1),
-                                   state.cache)                         # [1, w, V], [1, w, F]
-    if sampling.greedy:
-        a, bonus = greedy_accept(drafts[0], mx.argmax(logits[0], axis=-1).astype(mx.uint32))
-    else:
-        q = proposal.dense_q(logits.shape[-1])[0]                               # [w-1, V]
-        a, bonus = rejection_accept(drafts[0], sampling.probs(logits[0]), q, accept_key)
-    mx.eval(a, bonus, drafts)
-    a = a.item()
-    snapshot.rollback(a + 1, choice.width)
-    return Step(drafts[0, :a].tolist(), bonus, feats)
-
-
-def _commit(state: DecodeState, anchor: int, step: Step, keep: int | None,
-            stop_ids: set[int]) -> list[int]:
-    """The anchor and the accepted drafts join the state's rows (features: rows 0..a) -> the
-    tokens the step adds: the drafts and the bonus, cut after a stop token."""
-    new = step.accepted + [step.bonus.item()]
-    state.tokens.extend([anchor] + step.accepted)
-    rows = len(step.accepted) + 1
-    state.add_features(None if step.feats is None else step.feats[:, :rows], keep)
-    stop_at = next((i for i, t in enumerate(new) if t in stop_ids), None)
-    return new if stop_at is None else new[: stop_at + 1]
-
-
-def generate_tokens(target: Target, drafter: Drafter | None, prompt: list[int], *,
-                    max_tokens: int, sampling: Sampling, policy, stop_ids: set[int],
-                    lookup: LookupConfig | None = None, seed: int | None = None,
-                    prefill_step_size: int = 2048, stats: GenerationStats | None = None,
-                    state: DecodeState | None = None,
-                    progress: Callable[[int, int], object] | None = None
-                    ) -> Iterator[list[int]]:
-    """Yield the tokens committed by prefill, then by each cycle, until a stop token (included)
-    or `max_tokens`. Greedy output equals the target's own greedy decoding token for token.
-
-    policy: `adaptive.FixedWidth` or `AdaptiveWidth`, asked each cycle for a source and width.
-    lookup: drafts from the context too (None: the drafter only). state: the caches of an
-    earlier generation to reuse for the prompt's common prefix; advanced in place. progress:
-    `prefill`'s, for long prompts."""
-    stats = stats if stats is not None else GenerationStats()
+def stream_tokens(target: Target, drafter: Drafter | None, prompt: list[int], *,
+                  max_tokens: int, sampling: Sampling, policy, stop_ids,
+                  lookup: LookupConfig | None = None, seed: int | None = None,
+                  prefill_step_size: int = 2048, stats: GenerationStats | None = None,
+                  state: DecodeState | None = None,
+                  progress: Callable[[int, int], object] | None = None
+                  ) -> Iterator[list[int]]:
+    """One prompt alone on an engine of one row: yield the tokens prefill, then each step,
+    commits, until a stop token (included) or `max_tokens`. policy: its width policy; lookup:
+    draft from the context too (None: the drafter only); state: the caches of an earlier
+    generation to reuse for the prompt's common prefix (advanced in place); stats: filled as
+    it goes; progress: `prefill`'s, for long prompts."""
     if not prompt:
         raise ValueError("the prompt is empty: give at least one token")
-    stats.prompt_tokens = len(prompt)
+    if stats is not None:
+        stats.prompt_tokens = len(prompt)
     if max_tokens < 1:
         return
-    state = _reuse(state, prompt, target, drafter)
-    stats.cached_tokens = len(state.tokens)
-    if drafter is not None or lookup is not None:
-        target.check_rollback(state.cache)
-    key = mx.random.key(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
-    keep = drafter.context_window if drafter is not None else None
-
-    tic = time.perf_counter()
-    logits = prefill(target, state, prompt[len(state.tokens):], prefill_step_size, keep,
-                     progress)
-    key, k = mx.random.split(key)
-    anchor = sampling.sample(logits, k).reshape(1, 1).astype(mx.uint32)
-    tokens = anchor.reshape(-1).tolist()                      # the generated tokens
-    index = LookupIndex(lookup, prompt + tokens) if lookup is not None else None
-    shadow = Shadow(policy, LOOKUP)        # lookup proposals no cycle verified, scored anyway
-    stats.prefill_s, stats.generated_tokens = time.perf_counter() - tic, 1
-    tic = time.perf_counter()
-    yield list(tokens)
-
-    ahead = None       # a plain step already launched on the anchor: (feats, token)
-    clock = PlainClock()
-    try:
-        while len(tokens) < max_tokens and tokens[-1] not in stop_ids:
-            cycle_tic = time.perf_counter()
-            room = max_tokens - len(tokens)
-            context = len(state.tokens)           # the keys every verified row reads
-            choice = _choose(policy, drafter, index, lookup, room, context, ahead is not None)
-            # launched last step: this cycle is that plain step
-            source, width = (PLAIN, 1) if ahead is not None else (choice.source, choice.width)
-            if source != LOOKUP:
-                shadow.offer(choice.guess, choice.match, context)
-            key, k_draft, k_accept = mx.random.split(key, 3)
-            if source == PLAIN:
-                # launch the next plain step too, unless the next cycle may draft (the policy
-                # wanted to here, and it is worth the chain's restart)
-                launch = room > 1 and policy.launch_next(
-                    (choice.source, choice.width), choice.available, choice.match, context + 1)
-                was_launched = ahead is not None
-                step, ahead = _plain_step(target, state, anchor, ahead, launch, sampling,
-                                          k_accept, k_draft)
-            else:
-                step = _speculate(target, drafter, state, anchor, choice, sampling, k_draft,
-                                  k_accept)
-            new = _commit(state, tokens[-1], step, keep, stop_ids)
-            a = len(step.accepted)
-            stats.steps.append(Cycle(source, width, a))
-            seconds = time.perf_counter() - cycle_tic
-            if source == PLAIN:
-                seconds = clock.plain(seconds, was_launched, ahead is not None)
-                if not clock.long(ahead is not None):
-                    seconds = None               # a short chain's steps teach no price
-            policy.update(source, width, a, seconds, choice.match, context)
-            tokens.extend(new)
-            if index is not None:
-                index.extend(new)
-                shadow.follow(source, width, a, choice.guess, choice.match, context)
-                shadow.commit(new)
-            stats.generated_tokens, stats.decode_s = len(tokens), time.perf_counter() - tic
-            anchor = step.bonus.reshape(1, 1).astype(mx.uint32)
-            yield new
-            if len(tokens) // 256 != (len(tokens) - len(new)) // 256:
-                mx.clear_cache()
-    finally:           # a launched step's row is in the cache: the state must say so
-        if ahead is not None:
-            state.tokens.append(tokens[-1])
-            state.add_features(ahead[0], keep)
+    engine = Engine(target, drafter, lookup=lookup, max_batch=1,
+                    prefill_step_size=prefill_step_size)
+    request = Request(list(prompt), max_tokens, sampling, policy, frozenset(stop_ids),
+                      lookup is not None, seed, state, keep_state=state is not None,
+                      progress=progress, stats=stats)
+    for ev in engine.run(request):
+        yield ev.tokens

@@ -15,11 +15,13 @@ from mlx.utils import tree_flatten
 
 from . import blas, log, runtime, settings as check
 from .drafter import Drafter
-from .batch import BatchAwareWidth, BatchEngine, Request
+from .batch import BatchAwareWidth
+from .engine import Engine, Request, stream_tokens
 from .costs import Correction
 from .adaptive import (DRAFTER, LOOKUP, AdaptiveWidth, FixedWidth, calibration_key,
                        load_or_measure_costs, store_correction)
-from .engine import DecodeState, GenerationStats, common_prefix, generate_tokens
+from .state import DecodeState, common_prefix
+from .stats import GenerationStats
 from .kernels import resolve_kernel_path
 from .lookup import LookupConfig
 from .loading import load_drafter, load_target, resolve, stored_quantization
@@ -191,7 +193,7 @@ class Pipeline:
         """Yield chunks as tokens are accepted; the last chunk carries `finish_reason`.
 
         lookup: draft from the context too (None: the pipeline's default). state: caches of an
-        earlier generation to reuse for the prompt's common prefix (`engine.DecodeState`; it
+        earlier generation to reuse for the prompt's common prefix (`state.DecodeState`; it
         is advanced in place, so pass a copy of one you keep)."""
         sampling = Sampling(temperature, top_p, top_k)
         lookup = self.lookup if lookup is None else check.lookup(lookup)
@@ -209,11 +211,11 @@ class Pipeline:
         stats = GenerationStats(block_size=b)
         text = SequenceText(self.tokenizer, stop_ids)
         bar = _PrefillBar()
-        steps = generate_tokens(self.adapter, self.drafter, ids, max_tokens=max_tokens,
-                                sampling=sampling, policy=policy, stop_ids=stop_ids,
-                                lookup=self.lookup_config if lookup and b != 1 else None,
-                                seed=seed, prefill_step_size=self.prefill_step_size,
-                                stats=stats, state=state, progress=bar)
+        steps = stream_tokens(self.adapter, self.drafter, ids, max_tokens=max_tokens,
+                              sampling=sampling, policy=policy, stop_ids=stop_ids,
+                              lookup=self.lookup_config if lookup and b != 1 else None,
+                              seed=seed, prefill_step_size=self.prefill_step_size,
+                              stats=stats, state=state, progress=bar)
         try:
             for new in steps:
                 bar.close()                  # the prefill is done once a token is out
@@ -241,14 +243,14 @@ class Pipeline:
                      chat_template: bool | None = None, system: str | None = None,
                      stop_tokens: Sequence[int] = (), max_batch: int | None = None,
                      prefill_budget: int | None = None) -> Iterator[tuple[int, Chunk]]:
-        """Generate every prompt at once on the batch engine (`batch.BatchEngine`: one target
+        """Generate every prompt at once on the batch engine (`engine.Engine`: one target
         forward per step over all running prompts, each speculating on its own) and yield
         (index into prompts, Chunk) as tokens commit; each prompt's last chunk carries its
         `finish_reason`. Options as for `stream`, for every prompt; max_tokens may be one per
         prompt (as mlx-lm's `batch_generate`); seed: prompt i uses seed + i. max_batch: the
         most prompts decoding at once; prefill_budget: prompt tokens prefilled per step (None:
         a prompt's whole prefill in the step it joins). A target whose caches the batch cannot
-        hold (quantized caches) raises ValueError: generate its prompts one at a time."""
+        hold (quantized caches) decodes its prompts one at a time."""
         sampling = Sampling(temperature, top_p, top_k)
         lookup = self.lookup if lookup is None else check.lookup(lookup)
         b = self.block_size(block_size, lookup)
@@ -276,11 +278,11 @@ class Pipeline:
         """The ids that end a generation: the tokenizer's end tokens and `stop_tokens`."""
         return frozenset(self.tokenizer.eos_token_ids) | {int(t) for t in stop_tokens}
 
-    def batch_engine(self, max_batch: int | None = None) -> BatchEngine:
-        """A `BatchEngine` on this pipeline's target and drafter (ValueError when the target's
-        caches cannot be batched: quantized caches)."""
-        return BatchEngine(self.adapter, self.drafter, lookup=self.lookup_config,
-                           max_batch=max_batch, prefill_step_size=self.prefill_step_size)
+    def batch_engine(self, max_batch: int | None = None) -> Engine:
+        """An `Engine` on this pipeline's target and drafter (one sequence at a time where
+        the target cannot batch: `Engine.solo_reason`)."""
+        return Engine(self.adapter, self.drafter, lookup=self.lookup_config,
+                      max_batch=max_batch, prefill_step_size=self.prefill_step_size)
 
     @staticmethod
     def batch_correction() -> Correction:
@@ -288,13 +290,13 @@ class Pipeline:
         steps, timed once for every sequence."""
         return Correction(decay=0.9)
 
-    def add_to_batch(self, engine: BatchEngine, ids: list[int], max_tokens: int,
+    def add_to_batch(self, engine: Engine, ids: list[int], max_tokens: int,
                      sampling: Sampling, b: int | str, shared: Correction, *, lookup: bool,
                      stop_ids: frozenset, seed: int | None, state: DecodeState | None = None,
                      keep_state: bool = False) -> int:
         """Add one prompt (ids) to `engine` with its policy for the checked block size `b`
         (`block_size`; a prompt at or past max_ctx runs plain) -> its id. state, keep_state:
-        as `batch.Request`'s (the prefix cache)."""
+        as `engine.Request`'s (the prefix cache)."""
         wide = b if self.max_ctx is None or len(ids) < self.max_ctx else 1
         policy = BatchAwareWidth(self.width_policy().for_sequence(), shared) \
             if wide == "auto" else FixedWidth(wide)
@@ -415,6 +417,55 @@ def _drafting_plan(draft: str | None, settings: OmlxSettings | None) -> str | No
     return draft if draft is not None else settings.draft_model
 
 
+def _pair(model: str | None, draft: str | None, settings: OmlxSettings | None):
+    """(target, drafter or None) to load: the embedded default pair without a model; the
+    drafter as the oMLX settings plan it."""
+    if model is None:
+        from .defaults import default_pair
+
+        target_path, default_draft = default_pair()
+        model, draft = str(target_path), str(default_draft) if draft is None else draft
+    return model, _drafting_plan(draft, settings)
+
+
+def _load_info(model, draft, backend: str, settings: OmlxSettings | None,
+               drafter: Drafter | None) -> dict:
+    """What `load` loaded, for `Pipeline.info`."""
+    adaptive = settings is not None and settings.verify_mode == "adaptive"
+    return {"model": str(model), "draft": None if draft is None else str(draft),
+            "backend": backend,
+            "verify_mode": ("adaptive" if adaptive else "dflash") if drafter else "off",
+            "omlx_settings": settings.source if settings else None,
+            "model_id": settings.model_id if settings else None}
+
+
+def _load_drafter(draft: str, draft_dir, adapter: TargetAdapter, p, kernels: str | None,
+                  s: OmlxSettings) -> Drafter:
+    """The drafter for `adapter`'s target at the resolved precision `p`; a drafter stored
+    quantized at other settings is used as stored (a notice says so)."""
+    stored = stored_quantization(draft_dir)
+    bits = (f"{p.draft_bits}-bit, group size {p.draft_group_size}" if p.draft_bits else
+            f"stored {stored['bits']}-bit, dequantized" if stored and p.draft_dtype else
+            f"{stored['bits']}-bit as stored" if stored else "unquantized")
+    _log.info(f"loading drafter {draft} ({bits}, {p.draft_dtype or 'as stored'}) ...")
+    drafter = load_drafter(draft_dir, hidden_size=adapter.hidden_size,
+                           vocab_size=adapter.vocab_size, num_layers=adapter.num_layers,
+                           dtype=runtime.parse_dtype(p.draft_dtype), bits=p.draft_bits,
+                           group_size=p.draft_group_size)
+    drafter.kernels = kernels
+    stored = _quantization(drafter)
+    if p.draft_bits and stored and (stored["bits"], stored["group_size"]) != \
+            (p.draft_bits, p.draft_group_size):
+        _notice(f"{draft} is stored {stored['bits']}-bit (group size "
+                f"{stored['group_size']}) and is used as stored, not re-quantized to "
+                f"{p.draft_bits}-bit (group size {p.draft_group_size})")
+    if s.block_size is not None and s.block_size > drafter.args.block_size:
+        raise OmlxSettingsError(f"{s.where('dflash_block_size')} = {s.block_size} exceeds "
+                                f"the drafter's block size {drafter.args.block_size} "
+                                f"({draft})")
+    return drafter
+
+
 def load(model: str | None = None, draft: str | None = None, *,
          settings: OmlxSettings | None = None, draft_bits: int | None = None,
          draft_group_size: int | None = None, dtype=None, kernels: str | None = None,
@@ -444,12 +495,7 @@ def load(model: str | None = None, draft: str | None = None, *,
     chosen = blas.use_fast_blas()
     if chosen.note:
         _notice(chosen.note)
-    if model is None:
-        from .defaults import default_pair
-
-        target_path, default_draft = default_pair()
-        model, draft = str(target_path), str(default_draft) if draft is None else draft
-    draft = _drafting_plan(draft, settings)
+    model, draft = _pair(model, draft, settings)
     s = settings or OmlxSettings(model_id=str(model))
     draft_dtype = {16: "bfloat16", 32: "float32"}.get(s.draft_activation_bits)
     p = runtime.resolve_precision(dtype, s.draft_bits if draft_bits is None else draft_bits,
@@ -470,34 +516,9 @@ def load(model: str | None = None, draft: str | None = None, *,
                                        keep_quantized=p.keep_quantized, lazy=plan is not None)
     drafter = None
     if draft is not None and (plan is None or plan.leader):
-        stored = stored_quantization(draft_dir)
-        bits = (f"{p.draft_bits}-bit, group size {p.draft_group_size}" if p.draft_bits else
-                f"stored {stored['bits']}-bit, dequantized" if stored and p.draft_dtype else
-                f"{stored['bits']}-bit as stored" if stored else "unquantized")
-        _log.info(f"loading drafter {draft} ({bits}, {p.draft_dtype or 'as stored'}) ...")
-        adapter = TargetAdapter(target)
-        drafter = load_drafter(draft_dir, hidden_size=adapter.hidden_size,
-                               vocab_size=adapter.vocab_size, num_layers=adapter.num_layers,
-                               dtype=runtime.parse_dtype(p.draft_dtype), bits=p.draft_bits,
-                               group_size=p.draft_group_size)
-        drafter.kernels = path
-        stored = _quantization(drafter)
-        if p.draft_bits and stored and (stored["bits"], stored["group_size"]) != \
-                (p.draft_bits, p.draft_group_size):
-            _notice(f"{draft} is stored {stored['bits']}-bit (group size "
-                    f"{stored['group_size']}) and is used as stored, not re-quantized to "
-                    f"{p.draft_bits}-bit (group size {p.draft_group_size})")
-        if s.block_size is not None and s.block_size > drafter.args.block_size:
-            raise OmlxSettingsError(f"{s.where('dflash_block_size')} = {s.block_size} exceeds "
-                                    f"the drafter's block size {drafter.args.block_size} "
-                                    f"({draft})")
-    adaptive = settings is not None and settings.verify_mode == "adaptive"
-    info = {"model": str(model), "draft": None if draft is None else str(draft),
-            "backend": p.backend,
-            "verify_mode": ("adaptive" if adaptive else "dflash") if drafter else "off",
-            "omlx_settings": settings.source if settings else None,
-            "model_id": settings.model_id if settings else None}
-    pipe = Pipeline(target, tokenizer, drafter, max_ctx=s.max_ctx, info=info,
+        drafter = _load_drafter(draft, draft_dir, TargetAdapter(target), p, path, s)
+    pipe = Pipeline(target, tokenizer, drafter, max_ctx=s.max_ctx,
+                    info=_load_info(model, draft, p.backend, settings, drafter),
                     lookup=check.lookup(lookup) and s.verify_mode != "off",
                     block_size=_settings_block_size(settings, drafter))
     if plan is not None:

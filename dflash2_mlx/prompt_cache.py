@@ -1,4 +1,4 @@
-"""An exact prefix cache across requests: the `engine.DecodeState` (target cache, drafter
+"""An exact prefix cache across requests: the `state.DecodeState` (target cache, drafter
 context, pending target features) each finished generation leaves behind, found again by the
 longest common token prefix with the next prompt.
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .disk_cache import DiskCache, entry_name
-from .engine import DecodeState, common_prefix
+from .state import DecodeState, common_prefix
 
 log = logging.getLogger("dflash2_mlx.prompt_cache")
 

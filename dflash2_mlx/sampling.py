@@ -59,23 +59,29 @@ def greedy_accept(drafts: mx.array, target_ids: mx.array) -> tuple[mx.array, mx.
     return a, target_ids[a]
 
 
-def rejection_accept(drafts: mx.array, p: mx.array, q: mx.array,
+def rejection_accept(drafts: mx.array, p: mx.array, q: mx.array | None,
                      key: mx.array) -> tuple[mx.array, mx.array]:
     """Speculative sampling of one block.
 
-    drafts [L-1] drawn from q [L-1, V]; p [L, V] the target's distribution for each verify row
-    -> (accepted a, bonus token). Draft i is accepted with probability min(1, p_i/q_i); at the
-    first rejection the bonus is drawn from norm(max(p_a - q_a, 0)); if all are accepted, from
-    p_{L-1}.
+    drafts [L-1] drawn from q [L-1, V] (None: a point mass on each draft, as the lookup's);
+    p [L, V] the target's distribution for each verify row -> (accepted a, bonus token).
+    Draft i is accepted with probability min(1, p_i/q_i); at the first rejection the bonus is
+    drawn from norm(max(p_a - q_a, 0)); if all are accepted, from p_{L-1}.
     """
     k_accept, k_bonus = mx.random.split(key)
     n = drafts.shape[0]
     rows = mx.arange(n)
-    p_d, q_d = p[rows, drafts], q[rows, drafts]
+    p_d = p[rows, drafts]
     u = mx.random.uniform(shape=(n,), key=k_accept)
-    a = mx.sum(mx.cumprod((u * q_d < p_d).astype(mx.int32)))
-    q_next = mx.concatenate([q, mx.zeros((1, q.shape[1]), q.dtype)])[a]    # 0 when all accepted
-    residual = mx.maximum(p[a] - q_next, 0)
+    if q is None:
+        a = mx.sum(mx.cumprod((u < p_d).astype(mx.int32)))
+        # p_a less the point mass: p_a with the rejected draft's entry zeroed
+        rejected = mx.concatenate([drafts, mx.array([p.shape[1]], drafts.dtype)])[a]
+        residual = mx.where(mx.arange(p.shape[1]) == rejected, 0.0, p[a])
+    else:
+        a = mx.sum(mx.cumprod((u * q[rows, drafts] < p_d).astype(mx.int32)))
+        q_next = mx.concatenate([q, mx.zeros((1, q.shape[1]), q.dtype)])[a]  # 0: all accepted
+        residual = mx.maximum(p[a] - q_next, 0)
     total = residual.sum()
     # p_a == q_a would leave nothing, but then draft a is accepted with probability 1.
     residual = mx.where(total > 0, residual / mx.maximum(total, 1e-30), p[a])

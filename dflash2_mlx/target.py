@@ -16,6 +16,7 @@ from typing import Callable, Protocol, runtime_checkable
 import mlx.core as mx
 import mlx.nn as nn
 
+from .batch_cache import batch_refusal
 from .views import (STACK_PATHS, LayerRange, LayerTap, RollbackRotatingKVCache, Snapshot,
                     TargetModel, find_stack_path)
 
@@ -46,6 +47,10 @@ class Target(Protocol):
 
     def check_rollback(self, cache: list) -> None:
         """Raise NotImplementedError when some layer of `cache` cannot be rolled back."""
+
+    def batch_refusal(self) -> str | None:
+        """Why its caches cannot hold a batch's ragged rows (then it decodes one sequence at
+        a time), or None."""
 
     def snapshot(self, cache: list) -> Snapshot:
         """Take before a verify; its `rollback(kept, total)` drops the rejected rows."""
@@ -90,6 +95,9 @@ class TargetAdapter(TargetModel):
         bad = self.range.unrollable(cache)
         if bad:
             raise rollback_error(bad)
+
+    def batch_refusal(self) -> str | None:
+        return batch_refusal(self.make_cache())
 
     def snapshot(self, cache: list) -> Snapshot:
         """Take before a verify; its `rollback` is the only way to drop rejected rows, so a

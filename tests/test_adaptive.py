@@ -16,7 +16,7 @@ import dflash2_mlx
 from dflash2_mlx.adaptive import (DRAFTER, LOOKUP, PLAIN, AdaptiveWidth, FixedWidth, Shadow,
                                   load_or_measure_costs)
 from dflash2_mlx.costs import RELAUNCH, CostModel
-from dflash2_mlx.engine import TRUSTED_CHAIN, PlainClock
+from dflash2_mlx.sequence import TRUSTED_CHAIN, PlainStepTimer
 
 # A verify of w rows costs 100 + 5w ms, a draft 30 ms: roughly this CPU's shape.
 COST = CostModel(tuple([0.0] + [0.030] * 15), tuple(0.100 + 0.005 * w
@@ -173,8 +173,8 @@ def test_a_draft_wanted_on_a_launched_step_breaks_the_chain_only_when_worth_it()
 
 def test_a_launch_chain_reads_as_plain_steps_of_equal_cost():
     """A step that launches the next waits for both; the launched one then takes nothing:
-    `PlainClock` reports each as the mean of its chain (the policy saw 2x and 0x before)."""
-    clock = PlainClock()
+    `PlainStepTimer` reports each as the mean of its chain (the policy saw 2x and 0x before)."""
+    clock = PlainStepTimer()
     # (seconds, launched by the step before, launches the next)
     steps = [(0.2, False, True), (0.1, True, True), (0.1, True, True), (0.0, True, False),
              (0.1, False, False), (0.2, False, True), (0.0, True, False)]
@@ -182,7 +182,7 @@ def test_a_launch_chain_reads_as_plain_steps_of_equal_cost():
     assert reported == pytest.approx([0.1] * len(steps))
     # long: only a chain of TRUSTED_CHAIN steps (the launched one counted) says what plain
     # decoding costs; a step in no chain (between drafting cycles) never does
-    clock = PlainClock()
+    clock = PlainStepTimer()
     clock.plain(0.17, False, False)
     assert not clock.long(False)
     longs = []
@@ -198,7 +198,7 @@ def test_plain_decoding_is_priced_as_its_chain_not_as_steps_between_drafting_cyc
     """The calibration's one-row verify is synchronous (here as dear as 2 rows, as measured);
     plain decoding runs chained at `plain_step`. A drafter of alpha 0.2 pays against the
     synchronous price, not against the chain: the policy decodes plainly. Steps in no chain
-    (dropped by `PlainClock`, seconds None) teach nothing, so the chain's price stands."""
+    (dropped by `PlainStepTimer`, seconds None) teach nothing, so the chain's price stands."""
     sync = CostModel((0.0, 0.01), (0.066, 0.066))
     chained = CostModel((0.0, 0.01), (0.066, 0.066), plain_step=0.057)
     assert AdaptiveWidth(sync, prior=0.2, strength=1e9).choose() == (DRAFTER, 2)

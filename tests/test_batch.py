@@ -112,7 +112,7 @@ def test_rows_leaving_move_in_place_and_stay_exact(adapter):
     """A leaver's place is filled from the end (`batch._fill`): only that row is copied, the
     buffer keeps its rows past the batch until it grows (then drops them), and every row's
     logits stay its single cache's through leaves, a join and the growth."""
-    from dflash2_mlx.batch import _fill
+    from dflash2_mlx.engine import _fill
 
     rng = random.Random(4)
     alone = [adapter.make_cache() for _ in range(5)]
@@ -158,7 +158,7 @@ def test_rows_leaving_move_in_place_and_stay_exact(adapter):
 def test_spare_rows_stay_bounded_as_rows_leave(adapter):
     """Rows leaving one by one keep at most a quarter of the batch (at least 1) as spare rows
     in the buffer; past that, the rows kept are gathered into a buffer of their own."""
-    from dflash2_mlx.batch import _fill
+    from dflash2_mlx.engine import _fill
     from dflash2_mlx.batch_cache import SPARE_ROWS
 
     rng = random.Random(5)
@@ -231,7 +231,7 @@ def test_quantized_caches_are_refused():
 
 import dflash2_mlx
 from dflash2_mlx.adaptive import FixedWidth
-from dflash2_mlx.batch import CANCELLED, BatchEngine, Request
+from dflash2_mlx.engine import CANCELLED, Engine, Request
 from dflash2_mlx.sampling import Sampling
 from test_exactness import OracleDrafter, mlx_lm_greedy
 
@@ -306,7 +306,7 @@ def test_sixteen_sequences_joining_and_leaving_are_exact(pipe):
     rng = random.Random(3)
     vocab = pipe.adapter.vocab_size
     oracles = Oracles(vocab)
-    engine = BatchEngine(pipe.adapter, oracles, prefill_step_size=8)
+    engine = Engine(pipe.adapter, oracles, prefill_step_size=8)
     arrivals, refs, truths = {}, {}, {}
     kinds = _kinds(pipe)
     for k in range(16):
@@ -331,7 +331,7 @@ def test_sixteen_sequences_joining_and_leaving_are_exact(pipe):
     out = run(engine, arrivals, budget=12, before_add=lambda k: oracles.expect(*truths[k]))
     for k, ref in refs.items():
         assert out[k] == ref, f"sequence {k}"
-    assert engine.cache is None and not engine.rows
+    assert engine.caches.cache is None and not engine.rows
     # what the test reached: full batches, drafts accepted from both sources, ragged steps
     assert max(n for n, _, _ in engine.history) >= 6
     steps = [c for s in engine.stats.values() for c in s.steps]
@@ -341,10 +341,41 @@ def test_sixteen_sequences_joining_and_leaving_are_exact(pipe):
     assert sum(s.prompt_tokens > 12 for s in engine.stats.values()) >= 4   # chunked prefills
 
 
+class Unbatchable:
+    """The pipeline's target, wrapped: its caches refuse a batch's ragged rows."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def batch_refusal(self):
+        return "a test target that refuses ragged rows"
+
+
+def test_a_target_that_cannot_batch_decodes_its_sequences_one_at_a_time(pipe):
+    """The engine says once why it cannot batch a target (`solo_why`) and then runs its
+    sequences one after another in their own caches, each exactly mlx-lm's greedy output."""
+    rng = random.Random(11)
+    vocab = pipe.adapter.vocab_size
+    engine = Engine(Unbatchable(pipe.adapter), pipe.drafter, max_batch=8)
+    assert engine.solo and engine.max_batch == 1 and "refuses" in engine.solo_why
+    arrivals, refs = {0: []}, {}
+    for k, (policy, lookup) in enumerate(_kinds(pipe)):
+        prompt = [rng.randrange(vocab - 1) for _ in range(rng.randint(3, 30))]
+        refs[k] = (mlx_lm_greedy(pipe.target, prompt, 24), "length")
+        arrivals[0].append((k, Request(prompt, 24, policy=policy, lookup=lookup)))
+    assert run(engine, arrivals) == refs
+    assert {n for n, _, _ in engine.history} == {1}
+    assert any(r > n for n, r, _ in engine.history), "no step verified drafts"
+    assert engine.caches.cache is None and not engine.rows
+
+
 def test_cancelled_sequence_leaves_others_exact(pipe):
     rng = random.Random(5)
     vocab = pipe.adapter.vocab_size
-    engine = BatchEngine(pipe.adapter, pipe.drafter)
+    engine = Engine(pipe.adapter, pipe.drafter)
     prompts = [[rng.randrange(vocab - 1) for _ in range(n)] for n in (5, 17, 9, 30)]
     arrivals = {0: [(k, Request(p, 30, policy=FixedWidth(4 + k), lookup=k % 2 == 1))
                     for k, p in enumerate(prompts)]}
@@ -363,15 +394,15 @@ def test_sliding_window_families_are_exact(family):
     prompts[1] = (prompts[1][:4] * 6)[:14]
     arrivals = {k: [(k, Request(p, 40, policy=FixedWidth(1 + 3 * (k % 3)), lookup=k % 3 > 0))]
                 for k, p in enumerate(prompts)}
-    out = run(BatchEngine(target, None), arrivals, budget=9)
+    out = run(Engine(target, None), arrivals, budget=9)
     for k, p in enumerate(prompts):
         assert out[k] == (mlx_lm_greedy(target.model, p, 40), "length"), k
 
 
-def assert_seeded_batch_equals_alone(adapter, drafter, max_tokens: int) -> BatchEngine:
+def assert_seeded_batch_equals_alone(adapter, drafter, max_tokens: int) -> Engine:
     """Four seeded sampled requests (plain, width 4, width 6 with lookup, lookup alone) in two
     waves give the tokens each gives alone -> the engine, for more checks."""
-    from dflash2_mlx.engine import generate_tokens
+    from dflash2_mlx.engine import stream_tokens
     from dflash2_mlx.lookup import LookupConfig
 
     rng = random.Random(8)
@@ -382,14 +413,14 @@ def assert_seeded_batch_equals_alone(adapter, drafter, max_tokens: int) -> Batch
     arrivals, refs = {}, {}
     for k, (policy, lookup) in enumerate(specs):
         prompt = [rng.randrange(vocab - 1) for _ in range(5 + 7 * k)]
-        refs[k] = [t for new in generate_tokens(
+        refs[k] = [t for new in stream_tokens(
             adapter, drafter, prompt, max_tokens=max_tokens, sampling=sampling,
             policy=policy, stop_ids=set(), lookup=LookupConfig() if lookup else None,
             seed=100 + k) for t in new]
         arrivals.setdefault(k % 2, []).append(
             (k, Request(prompt, max_tokens, sampling, policy=policy, lookup=lookup,
                         seed=100 + k)))
-    engine = BatchEngine(adapter, drafter)
+    engine = Engine(adapter, drafter)
     out = run(engine, arrivals)
     for k, ref in refs.items():
         assert out[k] == (ref, "length"), k
@@ -410,7 +441,7 @@ def assert_burst_returns_to_idle(adapter, drafter, prompt_len: int, max_tokens: 
     vocab = adapter.vocab_size
 
     def burst():
-        engine = BatchEngine(adapter, drafter)
+        engine = Engine(adapter, drafter)
         arrivals = {s: [(8 * s + k, Request([rng.randrange(vocab - 1)
                                              for _ in range(prompt_len)], max_tokens,
                                             policy=FixedWidth(1 + k % 5), lookup=k % 2 == 1))
@@ -423,7 +454,7 @@ def assert_burst_returns_to_idle(adapter, drafter, prompt_len: int, max_tokens: 
     idle = mx.get_active_memory()
     engine = burst()
     mx.clear_cache()
-    assert engine.cache is None and not engine.states
+    assert engine.caches.cache is None and not engine.states
     assert mx.get_active_memory() <= idle + 64 * 1024, (idle, mx.get_active_memory())
 
 
@@ -437,7 +468,7 @@ def test_state_kept_on_leaving_restarts_exactly(pipe):
     rng = random.Random(12)
     vocab = pipe.adapter.vocab_size
     prompt = [rng.randrange(vocab - 1) for _ in range(20)]
-    engine = BatchEngine(pipe.adapter, pipe.drafter)
+    engine = Engine(pipe.adapter, pipe.drafter)
     others = [Request([rng.randrange(vocab - 1) for _ in range(9)], 12, policy=FixedWidth(3))
               for _ in range(2)]
     out = run(engine, {0: [(0, Request(prompt, 10, policy=FixedWidth(4), keep_state=True)),
@@ -446,7 +477,7 @@ def test_state_kept_on_leaving_restarts_exactly(pipe):
     assert state is not None and state.tokens == prompt + out[0][0][:-1]
     follow = prompt + out[0][0] + [5, 6, 7]
     cached = len(state.tokens)          # the state is advanced in place from here
-    engine = BatchEngine(pipe.adapter, pipe.drafter)
+    engine = Engine(pipe.adapter, pipe.drafter)
     out2 = run(engine, {0: [(0, Request(follow, 20, policy=FixedWidth(5), state=state)),
                             (1, others[0])]})
     assert out2[0] == (mlx_lm_greedy(pipe.target, follow, 20), "length")
@@ -545,7 +576,7 @@ def test_batch_aware_policies_stay_exact(pipe):
     for k, p in enumerate(prompts):                  # two join at each of the first steps
         policy = BatchAwareWidth(copy.deepcopy(pipe.width_policy()), shared)
         arrivals.setdefault(k // 2, []).append((k, Request(p, 30, policy=policy, lookup=True)))
-    out = run(BatchEngine(pipe.adapter, pipe.drafter), arrivals)
+    out = run(Engine(pipe.adapter, pipe.drafter), arrivals)
     for k, p in enumerate(prompts):
         assert out[k] == (mlx_lm_greedy(pipe.target, p, 30), "length"), k
 
@@ -575,7 +606,7 @@ def test_a_batch_better_plain_than_its_drafting_stays_plain_in_one_chain(pipe):
     rng = random.Random(31)
     vocab = pipe.adapter.vocab_size
     prompts = [[rng.randrange(vocab - 1) for _ in range(5 + 4 * k)] for k in range(3)]
-    engine = BatchEngine(pipe.adapter, pipe.drafter)
+    engine = Engine(pipe.adapter, pipe.drafter)
     arrivals = {0: [(k, Request(p, 24, policy=Wants(AdaptiveWidth(cost, {DRAFTER: 8}), shared),
                                 keep_state=True)) for k, p in enumerate(prompts)]}
     out = run(engine, arrivals)
@@ -605,7 +636,7 @@ def test_batch_aware_policies_decoding_plainly_launch_ahead_exactly(pipe):
     for k, p in enumerate(prompts):
         policy = BatchAwareWidth(base.for_sequence(), shared)
         arrivals.setdefault(k // 2, []).append((k, Request(p, 40, policy=policy, lookup=True)))
-    engine = BatchEngine(pipe.adapter, pipe.drafter)
+    engine = Engine(pipe.adapter, pipe.drafter)
     out = run(engine, arrivals)
     assert engine.launches >= 5
     for k, p in enumerate(prompts):
@@ -740,7 +771,7 @@ def test_one_drafter_pass_per_step_is_exact(pipe, sampling):
     plain, one with lookup) join at different steps: each step runs at most one drafter pass,
     several sequences share passes, and every sequence generates what it does alone (greedy:
     mlx-lm's output; seeded sampling: the same sample)."""
-    from dflash2_mlx.engine import generate_tokens
+    from dflash2_mlx.engine import stream_tokens
     from dflash2_mlx.lookup import LookupConfig
 
     rng = random.Random(14)
@@ -748,11 +779,11 @@ def test_one_drafter_pass_per_step_is_exact(pipe, sampling):
     specs = [(FixedWidth(4), False), (FixedWidth(16), False), (FixedWidth(2), False),
              (FixedWidth(1), False), (FixedWidth(7), True), (FixedWidth(9), False)]
     drafter = CountingDrafter(pipe.drafter)
-    engine = BatchEngine(pipe.adapter, drafter)
+    engine = Engine(pipe.adapter, drafter)
     arrivals, refs = {}, {}
     for k, (policy, lookup) in enumerate(specs):
         prompt = [rng.randrange(vocab - 1) for _ in range(3 + 6 * k)]
-        refs[k] = [t for new in generate_tokens(
+        refs[k] = [t for new in stream_tokens(
             pipe.adapter, pipe.drafter, prompt, max_tokens=24, sampling=sampling,
             policy=policy, stop_ids=set(), lookup=LookupConfig() if lookup else None,
             seed=200 + k) for t in new]
@@ -775,7 +806,7 @@ def _simulate_mixed(B: int, plain: bool = False, steps: int = 300, warmup: int =
     price, a step of T = 2-4 rows per sequence 3.5-4.7x (about so from B = 4 in
     docs/batching.md's step costs; B = 2 as calibrated), the drafter's passes 2x) ->
     tokens per second, counted at their expectation, of the batch-aware policies (plain:
-    every sequence plain), planned and timed as `BatchEngine` does. alone, every: one
+    every sequence plain), planned and timed as `Engine` does. alone, every: one
     sequence runs alone for `alone` steps, then the others join, one every `every` steps
     (0: all from the start), so new step shapes keep coming (count from warmup = alone to
     see their first steps); the sequence alone then runs as calibrated (the calibration timed
@@ -940,7 +971,7 @@ def test_plain_batch_launched_ahead_is_exact(pipe):
     state all stay as alone, and no token computed ahead is emitted."""
     rng = random.Random(21)
     vocab = pipe.adapter.vocab_size
-    engine = BatchEngine(pipe.adapter, pipe.drafter)
+    engine = Engine(pipe.adapter, pipe.drafter)
     arrivals, refs, prompts = {}, {}, {}
     for k, (n, max_tokens, at) in enumerate([(7, 30, 0), (19, 24, 0), (4, 2, 0), (12, 30, 0),
                                              (25, 1, 3), (9, 20, 5), (15, 26, 5), (6, 30, 9)]):
@@ -963,14 +994,14 @@ def test_plain_batch_launched_ahead_is_exact(pipe):
     for k, ref in refs.items():
         if k != 3:
             assert out[k] == ref, k
-    assert engine.cache is None and engine._ahead is None
+    assert engine.caches.cache is None and engine._ahead is None
     # the kept state holds a launched row too (as alone): its cache matches its tokens, and
     # it restarts exactly
     state = engine.pop_state(1)
     assert state.tokens in (prompts[1] + out[1][0], prompts[1] + out[1][0][:-1])
     assert all(c.offset == len(state.tokens) for c in state.cache)
     follow = state.tokens + [5, 6, 7]
-    engine = BatchEngine(pipe.adapter, pipe.drafter)
+    engine = Engine(pipe.adapter, pipe.drafter)
     again = run(engine, {0: [(0, Request(follow, 12, policy=FixedWidth(1), state=state))]})
     assert again[0] == (mlx_lm_greedy(pipe.target, follow, 12), "length")
 
@@ -982,7 +1013,7 @@ def test_a_sequence_ending_by_length_keeps_the_others_launch_chain(pipe):
     rng = random.Random(23)
     vocab = pipe.adapter.vocab_size
     prompts = [[rng.randrange(vocab - 1) for _ in range(n)] for n in (8, 14, 5)]
-    engine = BatchEngine(pipe.adapter, pipe.drafter)
+    engine = Engine(pipe.adapter, pipe.drafter)
     ids = [engine.add(Request(p, m, policy=FixedWidth(1), keep_state=k == 0))
            for k, (p, m) in enumerate(zip(prompts, (6, 16, 11)))]
     out = {rid: [] for rid in ids}
@@ -1000,7 +1031,7 @@ def test_a_sequence_ending_by_length_keeps_the_others_launch_chain(pipe):
     assert state.tokens == prompts[0] + out[ids[0]]        # its launched row is in its cache
     assert all(c.offset == len(state.tokens) for c in state.cache)
     follow = state.tokens + [5, 6, 7]
-    engine = BatchEngine(pipe.adapter, pipe.drafter)
+    engine = Engine(pipe.adapter, pipe.drafter)
     again = run(engine, {0: [(0, Request(follow, 12, policy=FixedWidth(1), state=state))]})
     assert again[0] == (mlx_lm_greedy(pipe.target, follow, 12), "length")
 
@@ -1014,7 +1045,7 @@ def test_a_first_token_is_handed_out_before_the_step_decodes(pipe):
     vocab = pipe.adapter.vocab_size
     prompts = [[rng.randrange(vocab - 1) for _ in range(n)] for n in (9, 6, 12)]
     limits = (7, 1, 10)
-    engine = BatchEngine(pipe.adapter, pipe.drafter)
+    engine = Engine(pipe.adapter, pipe.drafter)
     ids = [engine.add(Request(p, m, policy=FixedWidth(1))) for p, m in zip(prompts, limits)]
     out, handed = {rid: [] for rid in ids}, set()
 
@@ -1036,7 +1067,7 @@ def test_a_first_token_is_handed_out_before_the_step_decodes(pipe):
 def test_plain_batch_launched_ahead_samples_as_alone(pipe):
     """Seeded sampled plain sequences launched ahead in a batch draw what they draw alone
     (the launched step's key is the one alone launches with)."""
-    from dflash2_mlx.engine import generate_tokens
+    from dflash2_mlx.engine import stream_tokens
 
     rng = random.Random(22)
     vocab = pipe.adapter.vocab_size
@@ -1045,12 +1076,12 @@ def test_plain_batch_launched_ahead_samples_as_alone(pipe):
     for k in range(4):                      # the last one greedy, beside the sampled ones
         prompt = [rng.randrange(vocab - 1) for _ in range(5 + 6 * k)]
         s = sampling if k < 3 else Sampling()
-        refs[k] = [t for new in generate_tokens(
+        refs[k] = [t for new in stream_tokens(
             pipe.adapter, pipe.drafter, prompt, max_tokens=20, sampling=s,
             policy=FixedWidth(1), stop_ids=set(), seed=200 + k) for t in new]
         arrivals.setdefault(2 * (k % 2), []).append(
             (k, Request(prompt, 20, s, FixedWidth(1), seed=200 + k)))
-    engine = BatchEngine(pipe.adapter, pipe.drafter)
+    engine = Engine(pipe.adapter, pipe.drafter)
     out = run(engine, arrivals)
     assert engine.launches >= 10
     for k, ref in refs.items():

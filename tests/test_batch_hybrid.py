@@ -11,7 +11,8 @@ import pytest
 from mlx_lm.utils import _get_classes
 
 from dflash2_mlx.adaptive import DRAFTER, LOOKUP, AdaptiveWidth, FixedWidth
-from dflash2_mlx.batch import CANCELLED, BatchAwareWidth, BatchEngine, Request
+from dflash2_mlx.engine import CANCELLED, Engine, Request
+from dflash2_mlx.batch import BatchAwareWidth
 from dflash2_mlx.batch_cache import RaggedKVCache, RecurrentRows, batch_cache, check_batchable
 from dflash2_mlx.costs import CostModel, Correction
 from dflash2_mlx.target import TargetAdapter
@@ -133,11 +134,11 @@ def test_hybrid_sequences_joining_at_different_steps_are_exact(name):
         policy = auto_policy(shared) if policy is None else policy
         arrivals.setdefault([0, 0, 1, 3, 4, 6, 9][k], []).append(
             (k, Request(prompt, max_tokens, policy=policy, lookup=lookup)))
-    engine = BatchEngine(adapter, oracles, prefill_step_size=8)
+    engine = Engine(adapter, oracles, prefill_step_size=8)
     out = run(engine, arrivals, budget=10, before_add=lambda k: oracles.expect(*truths[k]))
     for k, ref in refs.items():
         assert out[k] == ref, f"{name}: sequence {k}"
-    assert engine.cache is None and not engine.rows
+    assert engine.caches.cache is None and not engine.rows
     steps = [c for s in engine.stats.values() for c in s.steps]
     assert any(c.source == "drafter" and 0 < c.accepted < c.width - 1 for c in steps)
     assert any(c.source == "lookup" and c.accepted for c in steps)
@@ -161,7 +162,7 @@ def test_cancelled_sequence_leaves_others_exact():
     prompts = [[rng.randrange(vocab - 1) for _ in range(n)] for n in (5, 17, 9, 24)]
     arrivals = {0: [(k, Request(p, 24, policy=FixedWidth(2 + 2 * k), lookup=k % 2 == 1))
                     for k, p in enumerate(prompts)]}
-    out = run(BatchEngine(adapter, drafter), arrivals, cancel_at={4: [1]})
+    out = run(Engine(adapter, drafter), arrivals, cancel_at={4: [1]})
     assert out[1][1] == CANCELLED and 0 < len(out[1][0]) < 24
     for k in (0, 2, 3):
         assert out[k] == (mlx_lm_greedy(adapter.model, prompts[k], 24), "length"), k
@@ -178,14 +179,14 @@ def test_state_kept_on_leaving_resumes_exactly():
     prompt = [rng.randrange(vocab - 1) for _ in range(20)]
     others = [Request([rng.randrange(vocab - 1) for _ in range(9)], 12, policy=FixedWidth(3))
               for _ in range(2)]
-    engine = BatchEngine(adapter, drafter)
+    engine = Engine(adapter, drafter)
     out = run(engine, {0: [(0, Request(prompt, 10, policy=FixedWidth(4), keep_state=True)),
                            (1, others[0])], 2: [(2, others[1])]})
     state = engine.pop_state(0)
     assert state is not None and state.tokens == prompt + out[0][0][:-1]
     follow = prompt + out[0][0] + [5, 6, 7]
     cached = len(state.tokens)
-    engine = BatchEngine(adapter, drafter)
+    engine = Engine(adapter, drafter)
     out2 = run(engine, {0: [(0, Request(follow, 20, policy=FixedWidth(5), state=state)),
                             (1, copy.deepcopy(others[0]))]})
     assert out2[0] == (mlx_lm_greedy(adapter.model, follow, 20), "length")

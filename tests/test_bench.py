@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dflash2_mlx.bench import add_ratios, markdown, run_bench, summarize, unfinished, write, Run
-from dflash2_mlx.engine import Cycle
+from dflash2_mlx.stats import Cycle
 from fixtures import drafter_args, write_drafter
 
 

@@ -21,7 +21,8 @@ from dflash2_mlx import disk_cache, settings
 from dflash2_mlx.adaptive import FixedWidth
 from dflash2_mlx.disk_cache import DiskCache, entry_name, read_header, write_file
 from dflash2_mlx.drafter import Drafter
-from dflash2_mlx.engine import DecodeState, generate_tokens
+from dflash2_mlx.state import DecodeState
+from dflash2_mlx.engine import stream_tokens
 from dflash2_mlx.lookup import LookupConfig
 from dflash2_mlx.prompt_cache import PromptCache
 from dflash2_mlx.sampling import Sampling
@@ -40,9 +41,9 @@ class Model:
 
     def gen(self, prompt, state=None, n=10, width=4, **sampling):
         seed = sampling.pop("seed", None)
-        out = generate_tokens(self.adapter, self.drafter, prompt, max_tokens=n,
-                              sampling=Sampling(**sampling), policy=FixedWidth(width),
-                              lookup=LookupConfig(), stop_ids=set(), seed=seed, state=state)
+        out = stream_tokens(self.adapter, self.drafter, prompt, max_tokens=n,
+                            sampling=Sampling(**sampling), policy=FixedWidth(width),
+                            lookup=LookupConfig(), stop_ids=set(), seed=seed, state=state)
         return [t for new in out for t in new]
 
     def turn(self, prompt, n=10):

@@ -10,7 +10,8 @@ from mlx_lm.generate import generate_step
 import dflash2_mlx
 from dflash2_mlx.drafter import Proposal
 from dflash2_mlx.adaptive import FixedWidth
-from dflash2_mlx.engine import GenerationStats, generate_tokens
+from dflash2_mlx.stats import GenerationStats
+from dflash2_mlx.engine import stream_tokens
 from dflash2_mlx.sampling import Sampling
 from fixtures import drafter_args, write_drafter
 
@@ -130,6 +131,9 @@ class OracleDrafter:
             tokens[j] = (tokens[j] + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
         return Proposal(mx.array([tokens], dtype=mx.uint32))
 
+    def propose_batch(self, target, drafts):
+        return [self.propose(target, *d) for d in drafts]
+
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_partial_and_full_acceptance_stay_exact(pipelines, family):
@@ -140,9 +144,9 @@ def test_partial_and_full_acceptance_stay_exact(pipelines, family):
         for b in (2, 5, 8, 16):
             oracle = OracleDrafter(len(ids), ref, pipe.adapter.vocab_size, seed=seed * 31 + b)
             stats = GenerationStats()
-            out = [t for step in generate_tokens(pipe.adapter, oracle, ids, max_tokens=60,
-                                                 sampling=Sampling(), policy=FixedWidth(b),
-                                                 stop_ids=set(), stats=stats) for t in step]
+            out = [t for step in stream_tokens(pipe.adapter, oracle, ids, max_tokens=60,
+                                               sampling=Sampling(), policy=FixedWidth(b),
+                                               stop_ids=set(), stats=stats) for t in step]
             assert out == ref, f"{family} b={b}"
             assert max(stats.accepted) == b - 1, "no fully accepted block"
             assert any(0 < a < b - 1 for a in stats.accepted) or b == 2, "no partial acceptance"
@@ -176,7 +180,7 @@ def test_plain_steps_run_ahead_and_leave_the_state_whole(pipelines):
     """Plain steps launch the next one before reading their token (mlx-lm's double buffering).
     The output stays mlx-lm's, and the DecodeState counts the row of a launched step when the
     generation ends on a stop token or is abandoned, so a prefix cache can reuse it."""
-    from dflash2_mlx.engine import DecodeState
+    from dflash2_mlx.state import DecodeState
 
     pipe = pipelines[("llama", "dflash2")]
     ids = pipe.encode(PROMPTS[0])

@@ -12,7 +12,8 @@ from types import SimpleNamespace
 from dflash2_mlx.adaptive import DRAFTER, LOOKUP, AdaptiveWidth, FixedWidth, measure_costs
 from dflash2_mlx.drafter import Drafter
 from dflash2_mlx.lookup import LookupConfig
-from dflash2_mlx.engine import GenerationStats, generate_tokens
+from dflash2_mlx.stats import GenerationStats
+from dflash2_mlx.engine import stream_tokens
 from dflash2_mlx.sampling import Sampling
 from dflash2_mlx.target import TargetAdapter
 from fixtures import drafter_args
@@ -96,9 +97,9 @@ def test_greedy_equals_mlx_lm_with_partial_acceptance(target, b):
         assert len(set(ref)) > 3, f"{name}: fixture target too degenerate"
         oracle = OracleDrafter(len(ids), ref, V, seed=seed + b)
         stats = GenerationStats()
-        out = [t for s in generate_tokens(adapter, oracle, ids, max_tokens=40,
-                                          sampling=Sampling(), policy=FixedWidth(b), stop_ids=set(),
-                                          stats=stats) for t in s]
+        out = [t for s in stream_tokens(adapter, oracle, ids, max_tokens=40,
+                                        sampling=Sampling(), policy=FixedWidth(b), stop_ids=set(),
+                                        stats=stats) for t in s]
         assert out == ref, (name, b)
         assert max(stats.accepted) == b - 1 and min(stats.accepted) < b - 1
 
@@ -109,8 +110,8 @@ def test_real_drafter_greedy_equals_mlx_lm(target):
     adapter = TargetAdapter(model, drafter.args.target_layer_ids)
     ids = PROMPTS[1]
     ref = mlx_lm_greedy(model, ids, 30)
-    out = [t for s in generate_tokens(adapter, drafter, ids, max_tokens=30, sampling=Sampling(),
-                                      policy=FixedWidth(8), stop_ids=set()) for t in s]
+    out = [t for s in stream_tokens(adapter, drafter, ids, max_tokens=30, sampling=Sampling(),
+                                    policy=FixedWidth(8), stop_ids=set()) for t in s]
     assert out == ref, name
 
 
@@ -132,10 +133,10 @@ def test_auto_and_lookup_equal_mlx_lm(target, with_drafter):
         ref = mlx_lm_greedy(model, ids, 40)
         for policy in (AdaptiveWidth(cost, widths), FixedWidth(16)):
             stats = GenerationStats()
-            out = [t for s in generate_tokens(adapter, drafter, ids, max_tokens=40,
-                                              sampling=Sampling(), policy=policy,
-                                              stop_ids=set(), lookup=LookupConfig(),
-                                              stats=stats) for t in s]
+            out = [t for s in stream_tokens(adapter, drafter, ids, max_tokens=40,
+                                            sampling=Sampling(), policy=policy,
+                                            stop_ids=set(), lookup=LookupConfig(),
+                                            stats=stats) for t in s]
             assert out == ref, (name, type(policy).__name__, ids)
             lookup_cycles += len(stats.drafting(LOOKUP))
     assert lookup_cycles > 0, f"{name}: the lookup never drafted"

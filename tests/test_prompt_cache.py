@@ -4,7 +4,7 @@ output with a hit (real DecodeStates on the tiny fixtures)."""
 import pytest
 
 import dflash2_mlx
-from dflash2_mlx.engine import DecodeState
+from dflash2_mlx.state import DecodeState
 from dflash2_mlx.prompt_cache import PromptCache
 
 
@@ -114,7 +114,7 @@ def test_hybrid_target_reuses_exact_prefixes_and_recomputes_branches(caplog):
     from mlx_lm.utils import _get_classes
 
     from dflash2_mlx.adaptive import FixedWidth
-    from dflash2_mlx.engine import generate_tokens
+    from dflash2_mlx.engine import stream_tokens
     from dflash2_mlx.lookup import LookupConfig
     from dflash2_mlx.sampling import Sampling
     from dflash2_mlx.target import TargetAdapter
@@ -129,9 +129,9 @@ def test_hybrid_target_reuses_exact_prefixes_and_recomputes_branches(caplog):
     mx.eval(model.parameters())
 
     def gen(prompt, state=None):
-        out = generate_tokens(adapter, None, prompt, max_tokens=10, sampling=Sampling(),
-                              policy=FixedWidth(4), lookup=LookupConfig(), stop_ids=set(),
-                              state=state)
+        out = stream_tokens(adapter, None, prompt, max_tokens=10, sampling=Sampling(),
+                            policy=FixedWidth(4), lookup=LookupConfig(), stop_ids=set(),
+                            state=state)
         return [t for new in out for t in new]
 
     prompt = [5, 17, 99, 3, 250, 7, 42, 11, 5, 17, 99]

@@ -11,9 +11,11 @@ from mlx_lm.models import llama
 from mlx_lm.sample_utils import make_sampler
 
 import dflash2_mlx.engine as engine
+import dflash2_mlx.state as state_mod
 from dflash2_mlx.drafter import Drafter, DraftVocab, Proposal
 from dflash2_mlx.adaptive import FixedWidth
-from dflash2_mlx.engine import generate_tokens
+from dflash2_mlx.engine import stream_tokens
+from dflash2_mlx.stats import GenerationStats
 from dflash2_mlx.lookup import LookupConfig
 from dflash2_mlx.sampling import Sampling, rejection_accept
 from dflash2_mlx.target import TargetAdapter
@@ -113,6 +115,9 @@ class NoisyOracle:
         self.last = tokens
         return Proposal(mx.array([tokens], dtype=mx.uint32), mx.stack(qs)[None])
 
+    def propose_batch(self, target, drafts):
+        return [self.propose(target, *d) for d in drafts]
+
     def q(self, seq: list[int]) -> tuple[mx.array, mx.array]:
         """(q, log q) [V] after `seq`."""
         if tuple(seq) not in self.memo:
@@ -135,25 +140,25 @@ def speculative_counts(model, drafter, sampling, n, block_size=3, prompt=PROMPT,
         drafter.args.target_layer_ids
     adapter = TargetAdapter(model, layers)
     drafter = NoisyOracle(model, sampling) if drafter == "oracle" else drafter
-    step_size = 2048                                     # generate_tokens' prefill chunk
+    step_size = 2048                                     # stream_tokens' prefill chunk
     # (the doubles keep no context cache to trim: their prefix holds no features, and the
     # oracle reads none before its first drafts)
-    prefix = engine.DecodeState.new(adapter, drafter if isinstance(drafter, Drafter) else None)
-    engine.prefill(adapter, prefix, prompt, step_size, None)
+    prefix = state_mod.DecodeState.new(adapter, drafter if isinstance(drafter, Drafter) else None)
+    state_mod.prefill(adapter, prefix, prompt, step_size, None)
     assert prefix.trim(len(prompt) - 1)
     mx.eval([c.state for c in prefix.cache], prefix.pending)
     counts, accepted = {}, []
     for seed in range(n):
-        stats = engine.GenerationStats()
+        stats = GenerationStats()
         toks = []
         state = prefix.copy()
         # the drafter has read none of the prefix: a fresh drafter cache (the oracle double
         # resets the sequence it follows there)
         state.dcache = drafter.make_cache() if drafter is not None else None
-        with closing(generate_tokens(adapter, drafter, prompt, max_tokens=4, sampling=sampling,
-                                     policy=FixedWidth(block_size), stop_ids=set(), seed=seed,
-                                     stats=stats, lookup=lookup, prefill_step_size=step_size,
-                                     state=state)) as steps:
+        with closing(stream_tokens(adapter, drafter, prompt, max_tokens=4, sampling=sampling,
+                                   policy=FixedWidth(block_size), stop_ids=set(), seed=seed,
+                                   stats=stats, lookup=lookup, prefill_step_size=step_size,
+                                   state=state)) as steps:
             for step in steps:
                 toks += step
                 if len(toks) >= 3:
@@ -306,9 +311,9 @@ def test_rejection_step_against_formula():
 def test_sampling_is_reproducible_with_seed(tiny):
     model, drafters = tiny
     adapter = TargetAdapter(model, drafters["dflash2"].args.target_layer_ids)
-    run = lambda seed: [t for s in generate_tokens(adapter, drafters["dflash2"], PROMPT,
-                                                   max_tokens=20, sampling=Sampling(1.0),
-                                                   policy=FixedWidth(4), stop_ids=set(), seed=seed)
+    run = lambda seed: [t for s in stream_tokens(adapter, drafters["dflash2"], PROMPT,
+                                                 max_tokens=20, sampling=Sampling(1.0),
+                                                 policy=FixedWidth(4), stop_ids=set(), seed=seed)
                         for t in s]
     assert run(5) == run(5)
     assert any(run(5) != run(s) for s in (6, 7, 8))
@@ -345,7 +350,7 @@ def test_joint_distribution_batched_unseeded(tiny, kind):
     beside them (plain, wider drafter blocks, lookup on another prompt) that join and leave
     at other steps (the per-step prefill budget staggers the joins). Chi-square at alpha=1e-3 on
     the joint of the first three tokens, as for the single-sequence engine."""
-    from dflash2_mlx.batch import BatchEngine, Request
+    from dflash2_mlx.engine import Engine, Request
 
     model, drafters = tiny
     sampling = Sampling(1.0)
@@ -354,7 +359,7 @@ def test_joint_distribution_batched_unseeded(tiny, kind):
     else:
         drafter = drafters[kind]
         adapter = TargetAdapter(model, drafter.args.target_layer_ids)
-    engine = BatchEngine(adapter, drafter, lookup=LookupConfig(1, 4), max_batch=12)
+    engine = Engine(adapter, drafter, lookup=LookupConfig(1, 4), max_batch=12)
     measured, others = set(), [(FixedWidth(1), False, 6), (FixedWidth(4), False, 9),
                                (FixedWidth(3), True, 5)]
     for k in range(N):

@@ -1,4 +1,4 @@
-"""The server's continuous batching (`server.scheduler.Scheduler` on `batch.BatchEngine`): every
+"""The server's continuous batching (`server.scheduler.Scheduler` on `engine.Engine`): every
 request's text is the text it gives alone, whichever requests share its steps and whenever it
 joined; a client that leaves, a stop string, seeded sampling, the prefix cache, a full queue
 and a shutdown, all while others run; a hybrid GatedDeltaNet target batched too; and when
@@ -26,7 +26,7 @@ from test_server import (ENDLESS, LIMIT, _sse_lines, _until, asgi_completion,  #
                          chat_ids, in_process)
 
 from dflash2_mlx import settings as check  # noqa: E402
-from dflash2_mlx.engine import common_prefix  # noqa: E402
+from dflash2_mlx.state import common_prefix  # noqa: E402
 from dflash2_mlx.server import Scheduler, ServerConfig  # noqa: E402
 
 
@@ -392,16 +392,18 @@ def test_a_hybrid_gated_delta_net_target_is_batched_exactly(hybrid_pipe):
     assert peak.most >= 2, peak.most
 
 
-def test_the_mode_and_the_batch_settings(pipe):
+def test_the_mode_and_the_batch_settings(pipe, monkeypatch):
+    from dflash2_mlx.distributed.stages import ShardedTarget
+
     assert Scheduler(pipe).mode == "batch" and Scheduler(pipe).max_batch == check.MAX_BATCH
     single = Scheduler(pipe, max_batch=1)
-    assert (single.mode, single.why) == ("single", "max_batch is 1")
-    pipe.stage = object()                 # what load(pipeline=...) sets for a sharded target
-    try:
-        sharded = Scheduler(pipe)
-    finally:
-        pipe.stage = None
-    assert sharded.mode == "single" and "--pipeline" in sharded.why
+    assert (single.mode, single.why, single.rows) == ("single", "max_batch is 1", 1)
+    # the engine decides from the target: a pipeline-sharded one refuses ragged rows
+    monkeypatch.setattr(pipe.adapter, "batch_refusal", lambda: ShardedTarget.batch_refusal(None))
+    sharded = Scheduler(pipe)
+    assert sharded.mode == "single" and "--pipeline" in sharded.why and sharded.rows == 1
+    assert pipe.batch_engine(8).max_batch == 1
+    monkeypatch.undo()
     for field, value, words in (("max_batch", 0, "integer >= 1"),
                                 ("prefill_chunk", 0, "integer >= 1"),
                                 ("ping_interval", 0, "seconds > 0"),

@@ -7,7 +7,7 @@ import pytest
 
 import dflash2_mlx
 from dflash2_mlx import settings as check
-from dflash2_mlx.engine import DecodeState
+from dflash2_mlx.state import DecodeState
 
 
 @pytest.mark.parametrize("fn, bad", [

@@ -28,7 +28,7 @@ from .plan import StagePlan
 
 class StageCache(list):
     """Rank 0's caches of its own layers (local order), known to the other ranks by `id`.
-    A deep copy (`engine.DecodeState.copy`) gets a new id, and the other ranks copy theirs;
+    A deep copy (`state.DecodeState.copy`) gets a new id, and the other ranks copy theirs;
     when it is garbage-collected they drop theirs."""
 
     def __init__(self, caches, owner: "ShardedTarget"):
@@ -103,6 +103,9 @@ class ShardedTarget(TargetModel):
         bad = sorted(set(self.range.unrollable(list(cache))) | set(self._remote_unrollable))
         if bad:
             raise rollback_error(bad)
+
+    def batch_refusal(self) -> str | None:
+        return "the target is pipeline-sharded (--pipeline): its ranks follow one sequence"
 
     def snapshot(self, cache: StageCache) -> StageSnapshot:
         return StageSnapshot(self.range, cache)
@@ -262,6 +265,9 @@ class FollowerTarget:
         self._refuse()
 
     def check_rollback(self, cache: list) -> None:
+        self._refuse()
+
+    def batch_refusal(self) -> str | None:
         self._refuse()
 
     def snapshot(self, cache: list) -> Snapshot:

@@ -1,11 +1,11 @@
 """The generation queue: `Scheduler` owns the model on its worker thread; the HTTP side only
 submits jobs and reads their events.
 
-Two modes, one class: "batch", continuous batching on `batch.BatchEngine` (every running
-request advances in one target forward per step, each still speculating; a request joins at
-any step, its prefill chunked under a per-step budget), and "single", one `Job` at a time
-through `Pipeline.stream`, where the engine cannot batch the target (quantized caches), the
-target is pipeline-sharded, or max_batch is 1. docs/server.md, "Batching".
+One loop on `engine.Engine`: continuous batching (every running request advances in one
+target forward per step, each still speculating; a request joins at any step, its prefill
+chunked under a per-step budget), one request at a time ("single") where the engine says the
+target cannot batch (quantized caches, a pipeline-sharded target) or max_batch is 1.
+docs/server.md, "Batching".
 """
 
 from __future__ import annotations
@@ -16,9 +16,8 @@ import threading
 from dataclasses import dataclass, field
 
 from .. import log as logs, settings as check
-from ..batch import BatchEngine
-from ..batch_cache import check_batchable
-from ..engine import DecodeState, GenerationStats
+from ..engine import Engine
+from ..stats import GenerationStats
 from ..pipeline import Pipeline, SequenceText
 from ..sampling import Sampling
 
@@ -79,8 +78,8 @@ SHUTDOWN = "the server is shutting down"
 class Scheduler:
     """Requests wait in a bounded first-in first-out queue; one worker thread owns the model,
     so MLX never runs on two threads. Batch mode: the worker admits queued jobs into the engine
-    while fewer than `max_batch` run, and steps it (`prefill_chunk` prompt tokens per step
-    while others decode); single mode: one job at a time, as before batching.
+    while fewer than `rows` run (`max_batch`, or 1 where the engine decodes one at a time),
+    and steps it (`prefill_chunk` prompt tokens per step while others decode).
 
     The HTTP layer only calls `submit` and reads `Job.events` (dicts: {"started",
     "cached_tokens"} when the job reaches the model, {"text", "tokens"} per step, then
@@ -111,23 +110,13 @@ class Scheduler:
         self._closing = threading.Lock()
         self._closed = False
         self.cache_figures: dict | None = None
-        self.mode, self.why = self._choose_mode()
+        self.why = Engine.solo_reason(pipe.adapter, self.max_batch)
+        self.mode = BATCH if self.why is None else SINGLE
+        self.rows = self.max_batch if self.why is None else 1     # requests decoding at once
         log.info(f"scheduler: continuous batching, up to {self.max_batch} sequences, "
                  f"{self.prefill_chunk} prompt tokens prefilled per step"
                  if self.mode == BATCH else f"scheduler: one request at a time ({self.why})")
         self.batch_figures: dict = self._figures(0, 0, [])
-
-    def _choose_mode(self) -> tuple[str, str | None]:
-        """(BATCH, None), or (SINGLE, why)."""
-        if self.max_batch == 1:
-            return SINGLE, "max_batch is 1"
-        if self.pipe.stage is not None:
-            return SINGLE, "the target is pipeline-sharded (--pipeline)"
-        try:
-            check_batchable(self.pipe.adapter.make_cache())
-        except ValueError as e:
-            return SINGLE, str(e)
-        return BATCH, None
 
     def start(self) -> None:
         """Run the worker on a thread of its own (an app served by another ASGI runner).
@@ -165,8 +154,7 @@ class Scheduler:
             # a request that a free row takes at the next step is not waiting: two arriving
             # at once on an idle server with queue_size 1 are both served, whichever the
             # worker picks up first
-            rows = self.max_batch if self.mode == BATCH else 1
-            if self._queue.qsize() >= self.queue_size + max(0, rows - len(self._jobs)):
+            if self._queue.qsize() >= self.queue_size + max(0, self.rows - len(self._jobs)):
                 raise QueueFull
             self._queue.put_nowait(job)
         return job
@@ -184,16 +172,13 @@ class Scheduler:
         self._running = True
         self._publish()
         try:
-            if self.mode == BATCH:
-                self._serve_batch()
-            else:
-                self._serve_jobs()
+            self._serve()
         finally:
             self._running = False
             if self.prompt_cache is not None:
                 self.prompt_cache.close()       # the disk tier writes what is queued
 
-    # ---- bookkeeping both modes share
+    # ---- bookkeeping
     def _register(self, job: Job) -> None:
         with self._closing:
             self._jobs.append(job)
@@ -243,77 +228,21 @@ class Scheduler:
                 "last_step": None if last_step is None else dict(zip(
                     ("sequences", "rows", "seconds"), last_step))}
 
-    # ---- batch mode
-    def _serve_batch(self) -> None:
-        pipe = self.pipe
-        b = pipe.block_size(self.block_size)
-        shared, stop_ids = pipe.batch_correction(), pipe.stop_ids()
-        engine = pipe.batch_engine(self.max_batch)
-        running: dict[int, tuple[Job, SequenceText]] = {}     # engine id -> job, its text
-        closing = False
-
-        def emit(ev) -> None:     # a first token goes out as soon as it is sampled
-            job, text = running[ev.id]
-            job.emit({"text": text(ev.tokens, ev.finish), "tokens": list(ev.tokens)})
-
-        def publish(last=None) -> None:     # /health's view of the batch
-            self.batch_figures = self._figures(engine.running, engine.waiting,
-                                               [engine.stats[rid] for rid in running], last)
-
-        def leave_cancelled() -> None:
-            gone = []
-            for rid, (job, _) in list(running.items()):
-                if closing:
-                    job.cancel("shutdown")
-                if job.cancelled.is_set():
-                    engine.cancel(rid)              # its rows are freed now
-                    gone.append((rid, running.pop(rid)[0]))
-            if gone:         # /health shows the batch without them before `busy` reads False
-                publish()
-            for rid, job in gone:
-                self._leave(engine, rid, job, "cancelled")
-
+    # ---- the loop
+    def _serve(self) -> None:
+        loop = _Loop(self)
         while True:
             # before admitting: a request that left mid-prefill is in the prefix cache for its
             # retry (an agent that timed out sends the same prompt again at once)
-            leave_cancelled()
-            while not closing and len(running) < self.max_batch:
-                try:
-                    job = self._queue.get(block=not running)
-                except queue.Empty:
-                    break
-                if job is None:
-                    closing = True
-                elif job.cancelled.is_set():        # its client left while it waited
-                    self.cancelled += 1
-                else:
-                    self._admit(engine, job, b, shared, stop_ids, running)
-            leave_cancelled()
-            if not running:
-                publish()
-                if closing:
-                    return
+            loop.leave_cancelled()
+            loop.admit()
+            loop.leave_cancelled()
+            if loop.running:
+                loop.step()
                 continue
-            budget = self.prefill_budget(engine.running, engine.waiting, pipe.prefill_step_size,
-                                         engine.last_prefill)
-            try:
-                events = engine.step(prefill_budget=budget, started=emit)
-            except Exception as e:  # noqa: BLE001 - reported to the batch; the next one runs
-                log.exception("generation failed")
-                for job, _ in running.values():
-                    self._failed(job, e)
-                    self._done(job)
-                running.clear()
-                engine = pipe.batch_engine(self.max_batch)
-                continue
-            for ev in events:
-                emit(ev)
-                if ev.finish is not None:
-                    self._leave(engine, ev.id, running.pop(ev.id)[0], ev.finish)
-            last = engine.history[-1] if engine.history else None
-            engine.history.clear()        # a server's engine runs for good: keep the last
-            publish(last)
-        # (unreachable: the loop returns once closing with nothing running)
+            loop.publish()
+            if loop.closing:
+                return
 
     def prefill_budget(self, running: int, waiting: int, step_size: int,
                        last: tuple[int, float] | None = None) -> int:
@@ -329,7 +258,7 @@ class Scheduler:
         if not running:
             budget = step_size
         else:
-            joining = max(1, min(waiting, self.max_batch - running))
+            joining = max(1, min(waiting, self.rows - running))
             budget = max(self.prefill_chunk, min(self.prefill_chunk * joining, step_size))
         if last is None:
             return budget
@@ -340,7 +269,7 @@ class Scheduler:
             budget = min(budget, max(MIN_PREFILL, int(PREFILL_SECONDS * tokens / seconds)))
         return budget
 
-    def _admit(self, engine: BatchEngine, job: Job, b, shared, stop_ids, running) -> None:
+    def _admit(self, engine: Engine, job: Job, b, shared, stop_ids, running) -> None:
         """Start a job's sequence, from the prefix cache's state when it has one."""
         r = job.request
         self._register(job)
@@ -360,7 +289,7 @@ class Scheduler:
             return
         running[rid] = (job, SequenceText(self.pipe.tokenizer, stop_ids))
 
-    def _leave(self, engine: BatchEngine, rid: int, job: Job, finish: str) -> None:
+    def _leave(self, engine: Engine, rid: int, job: Job, finish: str) -> None:
         """A sequence left (finished or cancelled): its state to the prefix cache, its final
         event to its job."""
         stats = engine.stats.pop(rid)
@@ -372,48 +301,79 @@ class Scheduler:
         self._final(job, finish, stats.to_dict())
         self._done(job)
 
-    # ---- single mode
-    def _serve_jobs(self) -> None:
-        while (job := self._queue.get()) is not None:
-            if job.cancelled.is_set():        # its client left while it waited
-                self.cancelled += 1
-                continue
-            self._register(job)
-            try:
-                self._run(job)
-            except Exception as e:  # noqa: BLE001 - reported to that request; the next one runs
-                log.exception("generation failed")
-                self._failed(job, e)
-            finally:
-                self._done(job)
-                self.batch_figures = self._figures(0, 0, [])
 
-    def _run(self, job: Job) -> None:
-        r = job.request
-        s = r.sampling
-        cache = self.prompt_cache
-        state, cached = None, 0
-        if cache is not None:
-            state, cached = cache.fetch(r.prompt)
-            if state is None:
-                state = DecodeState.new(self.pipe.adapter, self.pipe.drafter)
-        job.emit({"started": True, "cached_tokens": cached})
-        chunk = None
-        steps = self.pipe.stream(r.prompt, max_tokens=r.max_tokens, temperature=s.temperature,
-                                 top_p=s.top_p, top_k=s.top_k, seed=r.seed,
-                                 block_size=self.block_size, state=state)
+class _Loop:
+    """The worker loop's state: the engine, the running jobs (engine id -> job, its text) and
+    whether the queue has closed."""
+
+    def __init__(self, sched: Scheduler):
+        self.sched, pipe = sched, sched.pipe
+        self.b = pipe.block_size(sched.block_size)
+        self.shared, self.stop_ids = pipe.batch_correction(), pipe.stop_ids()
+        self.engine = pipe.batch_engine(sched.max_batch)
+        self.running: dict[int, tuple[Job, SequenceText]] = {}
+        self.closing = False
+
+    def emit(self, ev) -> None:
+        """A step's tokens to their job (a first token as soon as it is sampled)."""
+        job, text = self.running[ev.id]
+        job.emit({"text": text(ev.tokens, ev.finish), "tokens": list(ev.tokens)})
+
+    def publish(self, last=None) -> None:
+        """/health's view of the batch."""
+        engine = self.engine
+        self.sched.batch_figures = self.sched._figures(
+            engine.running, engine.waiting, [engine.stats[rid] for rid in self.running], last)
+
+    def admit(self) -> None:
+        """Queued jobs join while rows are free (waiting for one when nothing runs)."""
+        sched = self.sched
+        while not self.closing and len(self.running) < sched.rows:
+            try:
+                job = sched._queue.get(block=not self.running)
+            except queue.Empty:
+                break
+            if job is None:
+                self.closing = True
+            elif job.cancelled.is_set():        # its client left while it waited
+                sched.cancelled += 1
+            else:
+                sched._admit(self.engine, job, self.b, self.shared, self.stop_ids,
+                             self.running)
+
+    def leave_cancelled(self) -> None:
+        gone = []
+        for rid, (job, _) in list(self.running.items()):
+            if self.closing:
+                job.cancel("shutdown")
+            if job.cancelled.is_set():
+                self.engine.cancel(rid)              # its rows are freed now
+                gone.append((rid, self.running.pop(rid)[0]))
+        if gone:         # /health shows the batch without them before `busy` reads False
+            self.publish()
+        for rid, job in gone:
+            self.sched._leave(self.engine, rid, job, "cancelled")
+
+    def step(self) -> None:
+        """One engine step; a failure ends every running job with an error and starts a new
+        engine for the next."""
+        sched, engine = self.sched, self.engine
+        budget = sched.prefill_budget(engine.running, engine.waiting,
+                                      sched.pipe.prefill_step_size, engine.last_prefill)
         try:
-            for chunk in steps:
-                job.emit({"text": chunk.text, "tokens": list(chunk.tokens)})
-                self.batch_figures = self._figures(1, 0, [chunk.stats])
-                if job.cancelled.is_set():
-                    break
-        finally:
-            steps.close()          # a cancelled generation frees the model here
-        if cache is not None:
-            # the state now covers the prompt and the answer (but its last token): the next
-            # turn of this conversation starts from it. An exception above skips this.
-            cache.insert(state)
-        stats = chunk.stats.to_dict() if chunk is not None else {}
-        self._final(job, (chunk.finish_reason if chunk is not None else None) or "cancelled",
-                    stats)
+            events = engine.step(prefill_budget=budget, started=self.emit)
+        except Exception as e:  # noqa: BLE001 - reported to the batch; the next one runs
+            log.exception("generation failed")
+            for job, _ in self.running.values():
+                sched._failed(job, e)
+                sched._done(job)
+            self.running.clear()
+            self.engine = sched.pipe.batch_engine(sched.max_batch)
+            return
+        for ev in events:
+            self.emit(ev)
+            if ev.finish is not None:
+                sched._leave(engine, ev.id, self.running.pop(ev.id)[0], ev.finish)
+        last = engine.history[-1] if engine.history else None
+        engine.history.clear()        # a server's engine runs for good: keep the last
+        self.publish(last)
