@@ -25,6 +25,8 @@ Systems (--systems, comma-separated):
                    decode together (default 32) and --prompt-concurrency prompts prefill
                    together (default 8); both are passed explicitly (MLX_LM_CONCURRENCY).
     also: no-cache, no-drafter, no-lookup, plain (the ablations of the first version).
+    ours-before    `ours` from another checkout (--before DIR: `git worktree add DIR REV`),
+                   the code before a change, side by side in the same waves.
 Every dflash2-mlx server gets `--queue-size 64` so that no wave meets a 429 (the queue bounds
 waiting requests only; speed does not depend on it).
 
@@ -107,7 +109,8 @@ KINDS = ("code", "chat", "agent")
 SERVE_ARGS = {"ours": ["draft"], "one-at-a-time": ["draft", "--max-batch", "1"],
               "spec-off": ["--block-size", "1", "--no-lookup"],
               "no-cache": ["draft", "--prompt-cache-size", "0"], "no-drafter": [],
-              "no-lookup": ["draft", "--no-lookup"], "plain": ["--no-lookup"]}
+              "no-lookup": ["draft", "--no-lookup"], "plain": ["--no-lookup"],
+              "ours-before": ["draft"]}
 SYSTEMS = (*SERVE_ARGS, "mlx-lm")
 REFERENCES = ("one-at-a-time", "mlx-lm")      # greedy texts are compared with these
 QUEUE_SIZE = 64
@@ -209,10 +212,11 @@ def check_systems(systems: list[str], flags: set[str]) -> None:
 
 
 class ServerProcess:
-    def __init__(self, name: str, cmd: list[str], url: str | None, env: dict):
+    def __init__(self, name: str, cmd: list[str], url: str | None, env: dict,
+                 cwd: Path | None = None):
         self.name = name
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     text=True, env=env)
+                                     text=True, env=env, cwd=cwd)
         self.url, self.log, self.model = url, [], ""
         deadline = time.time() + 180
         if self.url is None:       # ours prints its address once it is ready
@@ -243,9 +247,12 @@ class ServerProcess:
             return self.proc.wait()
 
 
-def start(system: str, model_dir: Path) -> ServerProcess:
+def start(system: str, model_dir: Path, before: Path | None = None) -> ServerProcess:
     py = sys.executable
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    cwd = None
+    if system == "ours-before":            # `python -m` imports the package from its cwd
+        cwd, env["PYTHONPATH"] = before, str(before)
     if system == "mlx-lm":
         port = free_port()
         server = ServerProcess(system, [py, "-c", MLX_LM_SERVER, "--model", str(model_dir),
@@ -261,7 +268,7 @@ def start(system: str, model_dir: Path) -> ServerProcess:
             for x in (["--draft", str(drafter)] if arg == "draft" else [arg])]
     cmd = [py, "-m", "dflash2_mlx.cli", "serve", "--model", str(target), "--port", "0",
            "--queue-size", str(QUEUE_SIZE), *args]
-    server = ServerProcess(system, cmd, None, env)
+    server = ServerProcess(system, cmd, None, env, cwd)
     server.model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
     return server
 
@@ -654,7 +661,11 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=7200,
                     help="seconds for all the waves; no new wave starts after it")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--before", type=Path, default=None,
+                    help="a checkout of the code before a change, for the ours-before system")
     a = ap.parse_args()
+    if ("ours-before" in a.systems) != (a.before is not None):
+        ap.error("--before DIR and the system ours-before go together")
     if not a.clients or not all(1 <= c <= 32 for c in a.clients):
         ap.error("--clients: 1..32 each")
     if not a.kinds or any(k not in KINDS for k in a.kinds):
@@ -680,7 +691,7 @@ def main() -> None:
         # them, so that a shared machine's load swings hit every system alike.
         for system in a.systems:
             print(f"starting {system}", file=sys.stderr, flush=True)
-            server = servers[system] = start(system, model_dir)
+            server = servers[system] = start(system, model_dir, a.before)
             # one-off costs (first forward passes, compilation) are not what is measured
             request(server.url, server.model, [{"role": "user", "content": "Say hi."}], 4)
             if system == "no-cache" and a.single_reps:
