@@ -116,6 +116,9 @@ class _Bar:
     def update(self, n):
         self.at.append((self.at[-1] if self.at else 0) + n)
 
+    def set_postfix_str(self, text, refresh=True):     # the calibration shows its spread
+        pass
+
     def close(self):
         self.closed = True
 
