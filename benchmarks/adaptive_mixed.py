@@ -16,7 +16,7 @@ import argparse
 import dflash2_mlx
 from dflash2_mlx.assets import smollm2_gguf
 from dflash2_mlx.defaults import drafter_path
-from dflash2_mlx.prompt_sets import CHAT
+from dflash2_mlx.bench.prompt_sets import CHAT
 from dflash2_mlx.train.humaneval import humaneval_prompts
 
 def main() -> None:

@@ -23,7 +23,7 @@ import mlx.core as mx
 
 import dflash2_mlx
 from dflash2_mlx.batch_cache import batch_cache
-from dflash2_mlx.prompt_sets import agent_prompts, chat_prompts
+from dflash2_mlx.bench.prompt_sets import agent_prompts, chat_prompts
 
 
 def prompts_for(pipe, b: int) -> list[list[int]]:

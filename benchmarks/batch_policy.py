@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def prompts(pipe, kind: str, n: int) -> list[list[int]]:
     if kind in ("code", "chat"):
-        from dflash2_mlx.prompt_sets import chat_prompts, humaneval_prompts
+        from dflash2_mlx.bench.prompt_sets import chat_prompts, humaneval_prompts
 
         return [pipe.encode(p) for p in (humaneval_prompts if kind == "code" else
                                          chat_prompts)(n)]

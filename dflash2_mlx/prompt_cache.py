@@ -16,7 +16,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 import numpy as np
 
-from .disk_cache import DiskCache, entry_name
+from .disk_cache import DiskCache
+from .disk_file import entry_name
 from .state import DecodeState, common_prefix
 
 log = logging.getLogger("dflash2_mlx.prompt_cache")

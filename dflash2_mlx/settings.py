@@ -4,7 +4,7 @@ settings file: nothing else checks a setting's range.
 Each validator takes the value and the name to blame (a flag such as `--seed`, an argument such
 as `seed`, a settings key) and returns the value normalised, or raises `SettingError` naming
 it, the value and what is allowed. The CLI turns `problem` into click's "Invalid value for
-'--flag'" line (`cli._flag`), the server into a 400 naming the field (`server.schemas._setting`); the
+'--flag'" line (`cli.common.flag`), the server into a 400 naming the field (`server.schemas._setting`); the
 API and the settings file raise the error as is. A new setting is one function here.
 
 This module must not import mlx (the CLI validates flags before anything heavy loads).

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash2_mlx.bench import add_ratios, markdown, run_bench, summarize, unfinished, write, Run
+from dflash2_mlx.bench.report import markdown, write
+from dflash2_mlx.bench.results import Run, add_ratios, summarize, unfinished
+from dflash2_mlx.bench.run import run_bench
 from dflash2_mlx.stats import Cycle
 from fixtures import drafter_args, write_drafter
 
@@ -79,7 +81,7 @@ def test_the_reference_loader_is_patched_only_while_loading(monkeypatch, llama_d
     """The bench replaced the reference package's snapshot_download for good."""
     import types
 
-    from dflash2_mlx import bench
+    from dflash2_mlx.bench import run
 
     seen = []
     fake = types.ModuleType("dflash.model_mlx")
@@ -87,7 +89,7 @@ def test_the_reference_loader_is_patched_only_while_loading(monkeypatch, llama_d
     fake.load_draft = lambda path: (seen.append(fake.snapshot_download(path)), _Draft())[1]
     monkeypatch.setitem(sys.modules, "dflash", types.ModuleType("dflash"))
     monkeypatch.setitem(sys.modules, "dflash.model_mlx", fake)
-    bench.Reference(str(llama_dir), str(dflash_dir))
+    run.Reference(str(llama_dir), str(dflash_dir))
     assert seen == [str(dflash_dir)] and fake.snapshot_download is original
 
 
@@ -162,7 +164,7 @@ def test_an_interrupted_bench_resumes_keeping_the_parts_it_measured(llama_dir, t
 
 
 def test_long_prompt_sets_reach_their_sizes():
-    from dflash2_mlx.prompt_sets import PROMPT_SETS
+    from dflash2_mlx.bench.prompt_sets import PROMPT_SETS
 
     for kind in ("edit", "log", "agent", "quote"):
         short, long = PROMPT_SETS[f"long-{kind}-2k"](1)[0], PROMPT_SETS[f"long-{kind}-8k"](1)[0]

@@ -17,9 +17,10 @@ import pytest
 from mlx_lm.utils import _get_classes
 
 import dflash2_mlx
-from dflash2_mlx import disk_cache, settings
+from dflash2_mlx import disk_file, disk_state, settings
 from dflash2_mlx.adaptive import FixedWidth
-from dflash2_mlx.disk_cache import DiskCache, entry_name, read_header, write_file
+from dflash2_mlx.disk_cache import DiskCache
+from dflash2_mlx.disk_file import entry_name, read_header, write_file
 from dflash2_mlx.drafter import Drafter
 from dflash2_mlx.state import DecodeState
 from dflash2_mlx.engine import stream_tokens
@@ -77,7 +78,7 @@ def family_model(name: str) -> Model:
 
 
 def files(folder) -> list[str]:
-    return sorted(p.name for p in folder.iterdir() if disk_cache.NAME.match(p.name))
+    return sorted(p.name for p in folder.iterdir() if disk_file.NAME.match(p.name))
 
 
 # --------------------------------------------------------------------------- exact round trips
@@ -182,8 +183,8 @@ def _rewrite(path, change):
     head = read_header(path, json.loads(mx.load(str(path), return_metadata=True)[1]["dflash2"])
                        ["identity"], 10**9)
     data = path.read_bytes()[head.data_start:]
-    tensors = [(n, d, np.frombuffer(data, disk_cache.DTYPES[d][1], offset=b,
-                                    count=(e - b) // np.dtype(disk_cache.DTYPES[d][1]).itemsize)
+    tensors = [(n, d, np.frombuffer(data, disk_state.DTYPES[d][1], offset=b,
+                                    count=(e - b) // np.dtype(disk_state.DTYPES[d][1]).itemsize)
                 .reshape(s)) for n, d, s, b, e in head.tensors]
     meta = head.meta
     change(meta)

@@ -45,12 +45,12 @@ def test_one_validator_for_cli_api_and_server():
     on what is allowed and on the words."""
     import typer
 
-    from dflash2_mlx import cli
+    from dflash2_mlx.cli.common import flag
 
     server = pytest.importorskip("dflash2_mlx.server")      # the serve extra
 
     with pytest.raises(typer.BadParameter, match=r"-1 is not an integer in 0\.\.2\*\*64-1"):
-        cli._flag(check.seed)(-1)
+        flag(check.seed)(-1)
     with pytest.raises(check.SettingError, match=r"^queue_size: 0 is not an integer >= 1"):
         server.ServerConfig("m", queue_size=0)        # 0 made the queue unbounded
     with pytest.raises(check.SettingError, match=r"^block_size: 'eight'"):
@@ -115,6 +115,9 @@ class _Bar:
 
     def update(self, n):
         self.at.append((self.at[-1] if self.at else 0) + n)
+
+    def set_postfix_str(self, text, refresh=True):     # the calibration shows its spread
+        pass
 
     def close(self):
         self.closed = True

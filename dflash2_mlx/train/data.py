@@ -80,9 +80,28 @@ def generate_batch(adapter, prompts: Sequence[Sequence[int]], cfg: GenConfig, st
     the batch. Greedy when cfg.temperature == 0, else sampling from softmax(logits / T).
     """
     import mlx.core as mx
+
+    cache, pad, prompt_feats, last = _prefill_batch(adapter, prompts, cfg)
+    key = mx.random.key(cfg.seed) if key is None else key
+    out_tokens, out_feats, out_tk, out_lp = _answer_batch(adapter, cache, last, len(prompts),
+                                                          cfg, stop_ids, key)
+    result = []
+    for i, prompt in enumerate(prompts):
+        resp = out_tokens[i]
+        tokens = np.array(list(prompt) + resp, dtype=np.uint16)
+        pf = prompt_feats[i, pad[i]:]
+        rf = np.stack(out_feats[i]) if out_feats[i] else np.zeros((0, pf.shape[1]), np.float16)
+        result.append(Sequence_(tokens, len(prompt), np.concatenate([pf, rf])[: len(tokens) - 1],
+                                np.stack(out_tk[i]), np.stack(out_lp[i])))
+    return result
+
+
+def _prefill_batch(adapter, prompts: Sequence[Sequence[int]], cfg: GenConfig):
+    """The prompts left-padded and prefilled in chunks -> (the caches, each prompt's padding,
+    the prompt features [n, P, F] as float16, the logits after the last prompt token)."""
+    import mlx.core as mx
     from mlx_lm.models.cache import BatchKVCache
 
-    n = len(prompts)
     lens = [len(p) for p in prompts]
     P = max(lens)
     pad = [P - l for l in lens]
@@ -95,14 +114,19 @@ def generate_batch(adapter, prompts: Sequence[Sequence[int]], cfg: GenConfig, st
         last = logits[:, -1]
         mx.eval(feats_chunks[-1], last)
     prompt_feats = np.array(mx.concatenate(feats_chunks, axis=1))          # [n, P, F]
-    key = mx.random.key(cfg.seed) if key is None else key
+    return cache, pad, prompt_feats, last
+
+
+def _answer_batch(adapter, cache, logits, n: int, cfg: GenConfig, stop_ids: set[int], key):
+    """Decode the `n` prefilled rows until each stops -> per row its tokens, features,
+    top-k ids and log-probabilities."""
+    import mlx.core as mx
 
     out_tokens = [[] for _ in range(n)]
     out_feats = [[] for _ in range(n)]
     out_tk = [[] for _ in range(n)]
     out_lp = [[] for _ in range(n)]
     active = list(range(n))            # original index of each batch row
-    logits = last
     while active:
         tk_ids, tk_lp, logp = _topk(logits, cfg.topk)
         if cfg.temperature > 0:
@@ -135,16 +159,7 @@ def generate_batch(adapter, prompts: Sequence[Sequence[int]], cfg: GenConfig, st
         f16 = np.array(f16)
         for row, i in enumerate(active):
             out_feats[i].append(f16[row])
-
-    result = []
-    for i in range(n):
-        resp = out_tokens[i]
-        tokens = np.array(list(prompts[i]) + resp, dtype=np.uint16)
-        pf = prompt_feats[i, pad[i]:]
-        rf = np.stack(out_feats[i]) if out_feats[i] else np.zeros((0, pf.shape[1]), np.float16)
-        result.append(Sequence_(tokens, lens[i], np.concatenate([pf, rf])[: len(tokens) - 1],
-                                np.stack(out_tk[i]), np.stack(out_lp[i])))
-    return result
+    return out_tokens, out_feats, out_tk, out_lp
 
 
 # --------------------------------------------------------------------------- the on-disk store

@@ -62,6 +62,23 @@ class SeqResult:
     sel_alpha: np.ndarray | None = None
 
 
+def _selector_rows(sel, logits: mx.array, cand: mx.array, hidden: mx.array,
+                   prev_ids: mx.array, teacher_ids: mx.array, p: mx.array, lab: mx.array,
+                   temperature: float) -> tuple[mx.array, mx.array]:
+    """For a chunk of rows: whether the selector's pick among the drafter's top-k is the
+    label, and its acceptance against the teacher's distribution `p` (over `teacher_ids`)."""
+    K16 = sel.top_k
+    c = cand if K16 == 16 else top_k_indices(logits, K16)
+    u = mx.take_along_axis(logits, c, axis=-1)
+    sc = selector_scores(u, sel.hidden_projection(hidden), sel.predecessor_codebook(prev_ids),
+                         sel.successor_codebook(c))
+    pick = mx.take_along_axis(c, mx.argmax(sc, -1)[:, None], -1)[:, 0]
+    qs = mx.softmax(sc / temperature, axis=-1)                      # [r, K16]
+    match = c[:, :, None] == teacher_ids[:, None, :]                # [r, K16, 16]
+    p_at = (match * p[:, None, :]).sum(-1)
+    return pick == lab, mx.minimum(p_at, qs).sum(-1)
+
+
 def eval_sequence(drafter: Drafter, batcher: Batcher, head_w: mx.array, i: int,
                   temperature: float = 1.0) -> SeqResult:
     B = drafter.args.block_size
@@ -91,18 +108,10 @@ def eval_sequence(drafter: Drafter, batcher: Batcher, head_w: mx.array, i: int,
         q = mx.exp(mx.take_along_axis(logq, batch.teacher_ids[part], axis=-1))
         alpha.append(mx.minimum(p, q).sum(-1))
         if sel is not None:
-            K16 = sel.top_k
-            c = cand if K16 == 16 else top_k_indices(logits, K16)
-            u = mx.take_along_axis(logits, c, axis=-1)
-            sc = selector_scores(u, sel.hidden_projection(hr[part]),
-                                 sel.predecessor_codebook(batch.prev_ids[part]),
-                                 sel.successor_codebook(c))
-            pick = mx.take_along_axis(c, mx.argmax(sc, -1)[:, None], -1)[:, 0]
-            s_top1.append(pick == lab)
-            qs = mx.softmax(sc / temperature, axis=-1)                      # [r, K16]
-            match = c[:, :, None] == batch.teacher_ids[part][:, None, :]    # [r, K16, 16]
-            p_at = (match * p[:, None, :]).sum(-1)
-            s_alpha.append(mx.minimum(p_at, qs).sum(-1))
+            hit, a = _selector_rows(sel, logits, cand, hr[part], batch.prev_ids[part],
+                                    batch.teacher_ids[part], p, lab, temperature)
+            s_top1.append(hit)
+            s_alpha.append(a)
         mx.eval(top1[-1], top16[-1], alpha[-1], *(s_top1[-1:] + s_alpha[-1:]))
 
     def grid(parts, dtype):

@@ -104,26 +104,10 @@ def run_recipe(recipe: Recipe) -> Path:
     if capture is None:
         capture = sorted(set(recipe.drafter.target_layer_ids)
                          | ({copy_layers[0] - 1} if copy_layers else set()))
-    stop_ids = set(tokenizer.eos_token_ids)
 
     # ---- data
     if store is None:
-        adapter = TargetAdapter(target, tuple(capture))
-        gcfg = D.GenConfig(max_new_tokens=recipe.max_new_tokens, batch_size=recipe.gen_batch,
-                           seed=seed)
-        rows = D.build_prompts(run / "prompts.jsonl", recipe.counts, adapter, tokenizer, gcfg,
-                               stop_ids, seed=seed, exclude=recipe.exclude_prompts)
-        ids = D.encode_prompts(tokenizer, rows, recipe.max_prompt_tokens)
-        LOG.info(f"prompts: {len(rows)} ({_by_source(rows)}); {len(ids)} within "
-                 f"{recipe.max_prompt_tokens} tokens")
-        store = D.FeatureStore.create(run / "data", capture, adapter.hidden_size, gcfg.topk,
-                                      adapter.vocab_size, {"model": model_path})
-        D.generate_store(adapter, ids, store, gcfg, stop_ids, "g", desc="greedy")
-        if recipe.sampled_fraction > 0:
-            step = max(1, round(1 / recipe.sampled_fraction))
-            scfg = D.GenConfig(max_new_tokens=recipe.max_new_tokens, temperature=1.0,
-                               batch_size=recipe.gen_batch, seed=seed + 1)
-            D.generate_store(adapter, ids[::step], store, scfg, stop_ids, "s", desc="sampled")
+        store = _generate_data(recipe, target, capture, tokenizer, model_path)
     LOG.info(f"data: {store.stats()} in {', '.join(str(f) for f in store.folders)}")
     if recipe.stop_after == "data":
         return run
@@ -147,6 +131,34 @@ def run_recipe(recipe: Recipe) -> Path:
              f"{(time.perf_counter() - t_start) / 60:.1f} min in this session")
     mx.clear_cache()
     return out
+
+
+def _generate_data(recipe: Recipe, target, capture: list[int], tokenizer, model_path: str):
+    """The data stage: the prompts (`<run>/prompts.jsonl`), then the target's greedy answers
+    to all of them and sampled ones to `recipe.sampled_fraction` of them, with the features
+    of the `capture` layers -> the new `FeatureStore` in `<run>/data`."""
+    from ..target import TargetAdapter
+    from . import data as D
+
+    adapter = TargetAdapter(target, tuple(capture))
+    run, seed = Path(recipe.run), recipe.train.seed
+    stop_ids = set(tokenizer.eos_token_ids)
+    gcfg = D.GenConfig(max_new_tokens=recipe.max_new_tokens, batch_size=recipe.gen_batch,
+                       seed=seed)
+    rows = D.build_prompts(run / "prompts.jsonl", recipe.counts, adapter, tokenizer, gcfg,
+                           stop_ids, seed=seed, exclude=recipe.exclude_prompts)
+    ids = D.encode_prompts(tokenizer, rows, recipe.max_prompt_tokens)
+    LOG.info(f"prompts: {len(rows)} ({_by_source(rows)}); {len(ids)} within "
+             f"{recipe.max_prompt_tokens} tokens")
+    store = D.FeatureStore.create(run / "data", capture, adapter.hidden_size, gcfg.topk,
+                                  adapter.vocab_size, {"model": model_path})
+    D.generate_store(adapter, ids, store, gcfg, stop_ids, "g", desc="greedy")
+    if recipe.sampled_fraction > 0:
+        step = max(1, round(1 / recipe.sampled_fraction))
+        scfg = D.GenConfig(max_new_tokens=recipe.max_new_tokens, temperature=1.0,
+                           batch_size=recipe.gen_batch, seed=seed + 1)
+        D.generate_store(adapter, ids[::step], store, scfg, stop_ids, "s", desc="sampled")
+    return store
 
 
 def _by_source(rows: list[dict]) -> str:

@@ -129,20 +129,13 @@ class Batcher:
         start = rng.integers(0, len(self.seqs) - span + 1)
         return sorted(rng.choice(self.seqs[start:start + span], n, replace=False).tolist())
 
-    def make(self, rng: np.random.Generator | None, seqs: Sequence[int] | None = None,
-             all_anchors: bool = False, windows: Sequence[int | None] = (None,),
-             pad_to: int = 64) -> Batch:
-        """A batch of `cfg.seqs` sequences with `cfg.anchors` random anchors each (or every
-        anchor of `seqs`). Training batches keep every row (padding rows weigh 0) and pad the
-        context to a multiple of `pad_to`, so that shapes repeat and the step compiles once
-        per shape; with `all_anchors` only rows with a label are kept (`rows`)."""
+    def _gather(self, rng, seqs: list[int], spans: list[tuple[int, int]], S: int, A: int,
+                kt: int) -> tuple[np.ndarray, ...]:
+        """The arrays of a batch over `seqs` (prompt and total length in `spans`), `S`
+        context rows, `A` anchors per sequence (all of them when they fit, else a random
+        choice) and the teacher's `kt` likeliest tokens per label."""
         store, args, B = self.store, self.args, self.args.block_size
-        seqs = self.pick(rng) if seqs is None else list(seqs)
         N = len(seqs)
-        spans = [(store.prompt_len(i), self.lengths[i]) for i in seqs]
-        S = max(T - 1 for _, T in spans)
-        S = -(-S // pad_to) * pad_to
-        A = max(T - 1 - P for P, T in spans) if all_anchors else self.cfg.anchors
         feats = np.zeros((N, S, len(args.target_layer_ids) * store.hidden), np.float16)
         anchors = np.full((N, A), -1, np.int64)
         block = np.full((N, A, B), args.mask_token_id, np.int64)
@@ -150,7 +143,6 @@ class Batcher:
         prev = np.zeros((N, A, B - 1), np.int64)
         valid = np.zeros((N, A, B - 1), bool)
         copied = np.zeros((N, A, B - 1), bool)
-        kt = min(self.cfg.soft_k, int(store.manifest["topk"]))
         t_ids = np.zeros((N, A, B - 1, kt), np.int64)
         t_lp = np.zeros((N, A, B - 1, kt), np.float32)
         for n, (i, (P, T)) in enumerate(zip(seqs, spans)):
@@ -173,6 +165,25 @@ class Batcher:
                 valid[n, :m, k - 1] = cand + k < T
                 t_ids[n, :m, k - 1] = ids[p - P, :kt]
                 t_lp[n, :m, k - 1] = lp[p - P, :kt]
+        return feats, anchors, block, labels, prev, valid, copied, t_ids, t_lp
+
+    def make(self, rng: np.random.Generator | None, seqs: Sequence[int] | None = None,
+             all_anchors: bool = False, windows: Sequence[int | None] = (None,),
+             pad_to: int = 64) -> Batch:
+        """A batch of `cfg.seqs` sequences with `cfg.anchors` random anchors each (or every
+        anchor of `seqs`). Training batches keep every row (padding rows weigh 0) and pad the
+        context to a multiple of `pad_to`, so that shapes repeat and the step compiles once
+        per shape; with `all_anchors` only rows with a label are kept (`rows`)."""
+        store, args, B = self.store, self.args, self.args.block_size
+        seqs = self.pick(rng) if seqs is None else list(seqs)
+        N = len(seqs)
+        spans = [(store.prompt_len(i), self.lengths[i]) for i in seqs]
+        S = max(T - 1 for _, T in spans)
+        S = -(-S // pad_to) * pad_to
+        A = max(T - 1 - P for P, T in spans) if all_anchors else self.cfg.anchors
+        kt = min(self.cfg.soft_k, int(store.manifest["topk"]))
+        feats, anchors, block, labels, prev, valid, copied, t_ids, t_lp = self._gather(
+            rng, seqs, spans, S, A, kt)
         position = np.tile(np.arange(1, B), N * A)
         rows = np.nonzero(valid.reshape(-1))[0] if all_anchors else np.arange(N * A * (B - 1))
         lab = labels.reshape(-1)[rows]
@@ -340,15 +351,7 @@ def train(drafter: Drafter, adapter, store: FeatureStore, run: str | Path, cfg: 
     run.mkdir(parents=True, exist_ok=True)
     seqs = list(range(len(store))) if seqs is None else list(seqs)
     args = drafter.args
-    extra_ids = [args.mask_token_id]
-    vocab = None
-    if cfg.vocab == "data":
-        path = run / "vocab.npy"
-        if path.exists():
-            vocab = np.load(path)
-        else:
-            vocab = build_vocab(store, seqs, cfg.soft_k, extra_ids)
-            np.save(path, vocab)
+    vocab = _training_vocab(run, store, seqs, cfg, [args.mask_token_id])
     # The drafter proposes from the ids it was trained on (exported as draft_vocab.json).
     drafter.draft_vocab = None if vocab is None else DraftVocab(vocab)
     head_full = head_matrix(adapter)
@@ -357,13 +360,7 @@ def train(drafter: Drafter, adapter, store: FeatureStore, run: str | Path, cfg: 
     batcher = Batcher(store, seqs, args, cfg, vocab, adapter.embed)
     windows = windows_of(drafter)
     opt = make_optimizer(cfg)
-    start, done_blocks = 0, 0
-    ckpt = latest_checkpoint(run)
-    if ckpt is not None:
-        state = load_checkpoint(ckpt, drafter, opt)
-        start, done_blocks = state["step"], state.get("blocks", 0)
-    else:
-        opt.init(drafter.trainable_parameters())
+    start, done_blocks = _resume(run, drafter, opt)
     (run / "train_config.json").write_text(json.dumps(
         {"train": asdict(cfg), "drafter": args.to_config(), "data": [str(f) for f in store.folders],
          "sequences": len(batcher.seqs), "vocab": None if vocab is None else len(vocab)},
@@ -386,24 +383,56 @@ def train(drafter: Drafter, adapter, store: FeatureStore, run: str | Path, cfg: 
             bar.set_postfix_str(summary(rec))
             if on_step:
                 on_step(rec)
-            if (step + 1) % cfg.ckpt_every == 0 or step + 1 == cfg.steps:
-                logf.flush()
-                save_checkpoint(run, drafter, opt, step + 1,
-                                {"blocks": done_blocks + blocks}, cfg.keep_ckpts)
-            if cfg.snapshot_every and (step + 1) % cfg.snapshot_every == 0:
-                (run / "snapshots").mkdir(exist_ok=True)
-                mx.save_safetensors(str(run / "snapshots" / f"step_{step + 1:06d}.safetensors"),
-                                    dict(tree_flatten(drafter.parameters())),
-                                    {"blocks": str(done_blocks + blocks)})
-            if step % 50 == 0:
-                mx.clear_cache()
-            if cfg.max_minutes and time.perf_counter() - t0 > 60 * cfg.max_minutes:
-                save_checkpoint(run, drafter, opt, step + 1,
-                                {"blocks": done_blocks + blocks}, cfg.keep_ckpts)
+            if _after_step(run, drafter, opt, cfg, logf, step, done_blocks + blocks,
+                           time.perf_counter() - t0):
                 break
     finally:
         logf.close()
     return drafter
+
+
+def _training_vocab(run: Path, store: FeatureStore, seqs: list[int], cfg: TrainConfig,
+                    extra_ids: list[int]) -> np.ndarray | None:
+    """The draft vocabulary (`cfg.vocab == "data"`: the ids the data uses, `run/vocab.npy`,
+    built once), or None for the full vocabulary."""
+    if cfg.vocab != "data":
+        return None
+    path = run / "vocab.npy"
+    if path.exists():
+        return np.load(path)
+    vocab = build_vocab(store, seqs, cfg.soft_k, extra_ids)
+    np.save(path, vocab)
+    return vocab
+
+
+def _resume(run: Path, drafter: Drafter, opt) -> tuple[int, int]:
+    """(steps done, blocks done): from the newest checkpoint in `run`, else a fresh start."""
+    ckpt = latest_checkpoint(run)
+    if ckpt is None:
+        opt.init(drafter.trainable_parameters())
+        return 0, 0
+    state = load_checkpoint(ckpt, drafter, opt)
+    return state["step"], state.get("blocks", 0)
+
+
+def _after_step(run: Path, drafter: Drafter, opt, cfg: TrainConfig, logf, step: int,
+                blocks: int, elapsed: float) -> bool:
+    """After step `step` (0-based), `blocks` trained in all: the checkpoints and snapshots
+    due; True when `cfg.max_minutes` ran out (a checkpoint is saved: stop)."""
+    done = step + 1
+    if done % cfg.ckpt_every == 0 or done == cfg.steps:
+        logf.flush()
+        save_checkpoint(run, drafter, opt, done, {"blocks": blocks}, cfg.keep_ckpts)
+    if cfg.snapshot_every and done % cfg.snapshot_every == 0:
+        (run / "snapshots").mkdir(exist_ok=True)
+        mx.save_safetensors(str(run / "snapshots" / f"step_{done:06d}.safetensors"),
+                            dict(tree_flatten(drafter.parameters())), {"blocks": str(blocks)})
+    if step % 50 == 0:
+        mx.clear_cache()
+    if cfg.max_minutes and elapsed > 60 * cfg.max_minutes:
+        save_checkpoint(run, drafter, opt, done, {"blocks": blocks}, cfg.keep_ckpts)
+        return True
+    return False
 
 
 def step_record(step, loss, m, gnorm, batch: Batch, B: int, opt, blocks_per_s: float) -> dict:

@@ -94,7 +94,7 @@ def chat_prompts(n: int) -> list[str]:
 
 def humaneval_prompts(n: int) -> list[str]:
     """n HumanEval prompts spread evenly over the 164 (evaluation only)."""
-    from .train.humaneval import humaneval_prompts as load
+    from ..train.humaneval import humaneval_prompts as load
 
     problems = load()
     return problems[:: max(1, len(problems) // n)][:n]
