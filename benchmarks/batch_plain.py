@@ -28,8 +28,8 @@ from pathlib import Path
 
 import dflash2_mlx  # first: it picks the BLAS before MLX loads
 import mlx.core as mx
-from dflash2_mlx.adaptive import FixedWidth
 from dflash2_mlx.batch import Request
+from dflash2_mlx.policy.adaptive import FixedWidth
 from dflash2_mlx.sampling import Sampling
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -17,8 +17,8 @@ import statistics
 import time
 
 import dflash2_mlx  # first: it picks the BLAS before MLX loads
-from dflash2_mlx.adaptive import FixedWidth
 from dflash2_mlx.batch import Request
+from dflash2_mlx.policy.adaptive import FixedWidth
 from dflash2_mlx.prompt_sets import humaneval_prompts
 from dflash2_mlx.sampling import Sampling
 

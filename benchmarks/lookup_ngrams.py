@@ -15,8 +15,8 @@ import argparse
 import json
 
 import dflash2_mlx
-from dflash2_mlx.adaptive import load_or_measure_costs
 from dflash2_mlx.lookup import LookupConfig, LookupIndex
+from dflash2_mlx.policy.calibration import load_or_measure_costs
 from dflash2_mlx.prompt_sets import agent_prompts, humaneval_prompts
 
 

@@ -22,8 +22,8 @@ import statistics
 import time
 
 import dflash2_mlx
-from dflash2_mlx.adaptive import DRAFTER, PLAIN
 from dflash2_mlx.engine import DecodeState
+from dflash2_mlx.policy.adaptive import DRAFTER, PLAIN
 
 
 def main() -> None:

@@ -25,8 +25,8 @@ import dflash2_mlx
 import mlx.core as mx
 
 from dflash2_mlx.assets import smollm2_gguf
-from dflash2_mlx.adaptive import FixedWidth
 from dflash2_mlx.engine import DecodeState, GenerationStats, generate_tokens, prefill
+from dflash2_mlx.policy.adaptive import FixedWidth
 from dflash2_mlx.sampling import Sampling, greedy_accept
 
 PROMPTS = ["Write a Python function that returns the n-th Fibonacci number.",

@@ -19,10 +19,10 @@ import dflash2_mlx
 import mlx.core as mx
 
 from dflash2_mlx.assets import smollm2_gguf
-from dflash2_mlx.adaptive import FixedWidth
 from dflash2_mlx.engine import GenerationStats, generate_tokens
 from dflash2_mlx.loading import load_drafter, save_drafter
 from dflash2_mlx.pipeline import Pipeline
+from dflash2_mlx.policy.adaptive import FixedWidth
 from dflash2_mlx.sampling import Sampling
 from dflash2_mlx.testing import random_drafter, smollm2_drafter_args
 

@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import log
-from .adaptive import DRAFTER, LOOKUP
+from .policy.adaptive import DRAFTER, LOOKUP
 from .engine import Cycle, DecodeState, GenerationStats
 from .files import atomic_path, atomic_write
 

@@ -395,11 +395,11 @@ def doctor(verbose: bool = typer.Option(False, "--verbose", help="Tracebacks")):
 
 
 def _calibration_rows() -> list[str]:
-    """One line per stored cost calibration (`adaptive.cache_file()`): the pair, backend and
+    """One line per stored cost calibration (`calibration.cache_file()`): the pair, backend and
     BLAS it was taken with, when, how long, how far its rounds disagreed, and whether the next
     load uses it or times it again."""
-    from .adaptive import cache_file, stale, stored_calibrations
-    from .costs import SPREAD
+    from .policy.calibration import cache_file, stale, stored_calibrations
+    from .policy.costs import SPREAD
 
     entries = stored_calibrations()
     if not entries:
@@ -435,10 +435,10 @@ def calibrate(
     """Time the draft and verify costs that `auto` prices its choices by again: of the pair
     given, or of every stored pair (`doctor` lists them)."""
     with _errors(verbose):
-        from . import adaptive
         from .pipeline import load
+        from .policy import calibration
 
-        stored = adaptive.stored_calibrations()
+        stored = calibration.stored_calibrations()
         if model is not None or draft is not None or not stored:
             pairs = [(model, draft)]
         else:
@@ -454,12 +454,12 @@ def calibrate(
             except (OSError, ValueError) as e:
                 _log.warning(f"{m}: not loaded ({e}); its calibration is removed")
                 continue
-            adaptive.load_or_measure_costs(pipe, pipe.max_width(True), fresh=True)
-            done.add(adaptive.calibration_key(pipe))
+            calibration.load_or_measure_costs(pipe, pipe.max_width(True), fresh=True)
+            done.add(calibration.calibration_key(pipe))
         if model is None and draft is None:
             # entries of other load settings (dtype, oMLX entry) or of an older format: the
             # next load with those settings times them again
-            adaptive.forget_calibrations([k for k in stored if k not in done])
+            calibration.forget_calibrations([k for k in stored if k not in done])
         for line in _calibration_rows():
             _log.info(line)
 

@@ -15,10 +15,11 @@ from mlx.utils import tree_flatten
 
 from . import blas, log, runtime, settings as check
 from .drafter import Drafter
-from .batch import BatchAwareWidth, BatchEngine, Request
-from .costs import Correction
-from .adaptive import (DRAFTER, LOOKUP, AdaptiveWidth, FixedWidth, calibration_key,
-                       load_or_measure_costs, store_correction)
+from .batch import BatchEngine, Request
+from .policy.adaptive import DRAFTER, LOOKUP, AdaptiveWidth, FixedWidth
+from .policy.batch import BatchAwareWidth
+from .policy.calibration import calibration_key, load_or_measure_costs, store_correction
+from .policy.costs import Correction
 from .engine import DecodeState, GenerationStats, common_prefix, generate_tokens
 from .kernels import resolve_kernel_path
 from .lookup import LookupConfig
@@ -155,7 +156,7 @@ class Pipeline:
     def width_policy(self) -> AdaptiveWidth:
         """The adaptive policy of this pipeline: its acceptance estimates (per source) carry
         over from one generation to the next; its costs are measured once per machine and
-        model pair (`adaptive.calibration_key`)."""
+        model pair (`calibration.calibration_key`)."""
         if self._policy is None:
             widths = {LOOKUP: self.lookup_config.max_width}
             if self.drafter is not None:

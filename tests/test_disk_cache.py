@@ -18,11 +18,11 @@ from mlx_lm.utils import _get_classes
 
 import dflash2_mlx
 from dflash2_mlx import disk_cache, settings
-from dflash2_mlx.adaptive import FixedWidth
 from dflash2_mlx.disk_cache import DiskCache, entry_name, read_header, write_file
 from dflash2_mlx.drafter import Drafter
 from dflash2_mlx.engine import DecodeState, generate_tokens
 from dflash2_mlx.lookup import LookupConfig
+from dflash2_mlx.policy.adaptive import FixedWidth
 from dflash2_mlx.prompt_cache import PromptCache
 from dflash2_mlx.sampling import Sampling
 from dflash2_mlx.target import TargetAdapter

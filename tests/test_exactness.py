@@ -9,8 +9,8 @@ from mlx_lm.generate import generate_step
 
 import dflash2_mlx
 from dflash2_mlx.drafter import Proposal
-from dflash2_mlx.adaptive import FixedWidth
 from dflash2_mlx.engine import GenerationStats, generate_tokens
+from dflash2_mlx.policy.adaptive import FixedWidth
 from dflash2_mlx.sampling import Sampling
 from fixtures import drafter_args, write_drafter
 

@@ -9,10 +9,11 @@ from mlx_lm.utils import _get_classes
 
 from types import SimpleNamespace
 
-from dflash2_mlx.adaptive import DRAFTER, LOOKUP, AdaptiveWidth, FixedWidth, measure_costs
 from dflash2_mlx.drafter import Drafter
-from dflash2_mlx.lookup import LookupConfig
 from dflash2_mlx.engine import GenerationStats, generate_tokens
+from dflash2_mlx.lookup import LookupConfig
+from dflash2_mlx.policy.adaptive import DRAFTER, LOOKUP, AdaptiveWidth, FixedWidth
+from dflash2_mlx.policy.calibration import measure_costs
 from dflash2_mlx.sampling import Sampling
 from dflash2_mlx.target import TargetAdapter
 from fixtures import drafter_args

@@ -12,9 +12,9 @@ from mlx_lm.sample_utils import make_sampler
 
 import dflash2_mlx.engine as engine
 from dflash2_mlx.drafter import Drafter, DraftVocab, Proposal
-from dflash2_mlx.adaptive import FixedWidth
 from dflash2_mlx.engine import generate_tokens
 from dflash2_mlx.lookup import LookupConfig
+from dflash2_mlx.policy.adaptive import FixedWidth
 from dflash2_mlx.sampling import Sampling, rejection_accept
 from dflash2_mlx.target import TargetAdapter
 from fixtures import drafter_args

@@ -21,7 +21,7 @@ measured table extrapolate its last step. `Correction` is the online correction 
 timed seconds over the model's, per key.
 
 Timings come from `measure_costs` (a few seconds, once per machine and model pair; cached by
-`adaptive.load_or_measure_costs`): plain steps and every width timed in each round, rounds
+`calibration.load_or_measure_costs`): plain steps and every width timed in each round, rounds
 repeated until they agree (`SPREAD`); one whose rounds do not is timed again at the next load.
 The long contexts are made cheaply: the target's caches are filled with random keys and values
 (the cost of attention does not depend on them), the drafter's with random features, so no
@@ -31,29 +31,13 @@ decoding, whatever the prices say.
 
 from __future__ import annotations
 
-import copy
 import math
-import time
-from dataclasses import dataclass, replace
-
-import mlx.core as mx
-
-from . import log
-from .sampling import Sampling
+from dataclasses import dataclass
 
 BASE_CONTEXT = 128                 # the per-width tables are timed after this many tokens
-# The slopes are fitted from forwards after these contexts, at these widths (those <= the
-# widest): attention's cost is linear in the keys, so one long context and three widths pin
-# both slopes; more would cost seconds of calibration on every new machine.
-LONG_CONTEXTS = (2048,)
-SLOPE_WIDTHS = (1, 4, 16)
-CHAIN_STEPS = 16         # plain steps per timed chain (its unhidden first build amortised)
-SLOPE_TRIES = 3          # long-context timings taken again while they fit no slope at all
 # A calibration is settled when its rounds agree within this (`round_spread`): one whose
 # rounds disagree more was taken beside other work, and is timed again at the next load.
 SPREAD = 0.10
-CALIBRATION_BUDGET = 40.0    # seconds of rounds a calibration may spend trying to settle
-MAX_ROUNDS = 12
 # The governor (`Governor`): drafting cycles per window; plain steps that time plain decoding
 # where it never ran (a chain long enough for `engine.TRUSTED_CHAIN`, and three timed steps)
 GOVERNOR_WINDOW = 16
@@ -79,7 +63,7 @@ class CostModel:
     draft_slope: tuple[float, float] = (0.0, 0.0)
     plain_step: float | None = None
     # False: the slopes could have been measured but every try timed the long contexts no
-    # slower (a busy machine); `adaptive.load_or_measure_costs` times them again next time
+    # slower (a busy machine); `calibration.load_or_measure_costs` times them again next time
     fitted: bool = True
     # how far the calibration's rounds disagreed (`round_spread`; 0.0: not measured)
     spread: float = 0.0
@@ -342,244 +326,3 @@ def monotone(xs: list[float]) -> list[float]:
     return [m for m, n in blocks for _ in range(int(n))]
 
 
-def fit_slope(points: list[tuple[int, int, float]]) -> tuple[float, float]:
-    """Least squares of extra = dn * (per_row * w + per_forward) over (w, dn, extra) points
-    (extra: seconds over the same width at base context, dn: context over base) -> the two
-    slopes, each >= 0 (noise must not make a longer context look cheaper)."""
-    sxx = sxy = syy = sx = sy = 0.0
-    for w, dn, extra in points:
-        x, y = dn * w, float(dn)
-        sxx, sxy, syy = sxx + x * x, sxy + x * y, syy + y * y
-        sx, sy = sx + x * extra, sy + y * extra
-    det = sxx * syy - sxy * sxy
-    if not points or det <= 1e-12 * max(sxx * syy, 1e-300):
-        per_row = sx / sxx if sxx else 0.0                   # one width only: all per row
-        return max(per_row, 0.0), 0.0
-    per_row, per_forward = (sx * syy - sy * sxy) / det, (sy * sxx - sx * sxy) / det
-    if per_forward < 0:
-        return max(sx / sxx, 0.0), 0.0
-    if per_row < 0:
-        return 0.0, max(sy / syy, 0.0)
-    return per_row, per_forward
-
-
-def grow_cache(cache: list, n: int) -> bool:
-    """Append n random keys and values to every attention cache of a target (in chunks, so no
-    huge temporary) -> False when some layer's cache is not a plain key/value store (a
-    recurrent state, quantized keys, a sliding window, which a one-row step rotates beyond
-    any rollback): its context cost is then left to the online timing."""
-    stores = [c for c in cache if isinstance(getattr(c, "keys", None), mx.array)
-              and c.keys.ndim == 4 and hasattr(c, "update_and_fetch")
-              and not hasattr(c, "max_size")]
-    if len(stores) != len(cache):
-        return False
-    for start in range(0, n, 1024):
-        rows = min(1024, n - start)
-        for c in stores:
-            b, heads, _, dim = c.keys.shape
-            vdim = c.values.shape[-1]
-            c.update_and_fetch(mx.random.normal((b, heads, rows, dim)).astype(c.keys.dtype),
-                               mx.random.normal((b, heads, rows, vdim)).astype(c.values.dtype))
-        mx.eval([(c.keys, c.values) for c in stores])
-    return True
-
-
-def measure_costs(pipeline, max_width: int, context: int = BASE_CONTEXT,
-                  long: tuple[int, ...] = LONG_CONTEXTS, reps: int = 3,
-                  budget: float = CALIBRATION_BUDGET) -> CostModel:
-    """Time a chain of plain steps, the drafter (widths up to its block size; none without a
-    drafter) and the verify forward at every width up to `max_width` after a `context`-token
-    prompt, all in each round (load that comes and goes shifts them alike), then
-    `SLOPE_WIDTHS` at each of the `long` contexts and at `context` again, to fit the context
-    slopes (`measure_slopes`). Rounds repeat, at least `reps`, until they agree within
-    `SPREAD` or `budget` seconds have passed (`_rounds`); the model keeps the wider spread of
-    the two. The fastest of the rounds (other work on the machine only ever adds time); the
-    tables are fitted nondecreasing in the width."""
-    tic = time.perf_counter()
-    target, drafter = pipeline.adapter, pipeline.drafter
-    ids = _context_ids(target, context)
-    cache = target.make_cache()
-    _, feats = target.forward(ids, cache)
-    mx.eval(feats, [c.state for c in cache])
-    anchor = ids[:, -1:]
-    block = drafter.args.block_size if drafter is not None else 1
-    dcache = drafter.make_cache() if drafter is not None else None
-    if drafter is not None:
-        drafter.propose(target, anchor, feats, dcache, 2, Sampling(), mx.random.key(0))
-    widths = list(range(1, max(max_width, block) + 1))
-    jobs = {("plain", 1): lambda: _time_chain(target, cache, anchor)}
-    for w in widths:
-        jobs.update(_width_jobs(target, drafter, cache, dcache, anchor, feats, w, block,
-                                copy_cache=True))
-    best, spread = _rounds(jobs, reps, budget / 2, "calibration")
-    draft = [0.0] + monotone([best[("draft", w)] for w in range(2, block + 1)])
-    verify = monotone([best[("verify", w)] for w in widths])
-    # never dearer than the synchronous step (a chain only hides work)
-    plain = min(best[("plain", 1)], verify[0])
-    cost = CostModel(tuple(draft), tuple(verify), context, plain_step=plain, spread=spread)
-    cost = measure_slopes(pipeline, cost, long, reps, budget - (time.perf_counter() - tic))
-    return replace(cost, spread=max(cost.spread, spread))
-
-
-def measure_slopes(pipeline, cost: CostModel, long: tuple[int, ...] = LONG_CONTEXTS,
-                   reps: int = 3, budget: float = CALIBRATION_BUDGET / 2) -> CostModel:
-    """`cost` with its context slopes timed (`SLOPE_WIDTHS` at each of the `long` contexts
-    against its base, interleaved in rounds as `measure_costs`'s), up to `SLOPE_TRIES` times
-    while they fit no slope at all: then `fitted` is False, and the next load times them
-    again (a calibration beside two other servers loading fitted 0, 0 once, the file kept
-    it, and at long context the policy was priced by its timed cycles alone for good). The
-    model's spread: the rounds' (`_rounds`)."""
-    target, context = pipeline.adapter, cost.base
-    block = pipeline.drafter.args.block_size if pipeline.drafter is not None else 1
-    ids = _context_ids(target, context)
-    widths = [w for w in SLOPE_WIDTHS if w <= cost.max_width]
-    deadline = time.perf_counter() + max(budget, 0.0)
-    for attempt in range(SLOPE_TRIES):
-        left = deadline - time.perf_counter()
-        v_slope, d_slope, measured, spread = _measure_slopes(
-            pipeline, widths, context, long, ids, block, max(reps - 1, 1),
-            left / (SLOPE_TRIES - attempt))
-        if not measured:
-            return replace(cost, verify_slope=v_slope, draft_slope=d_slope, fitted=True)
-        if sum(v_slope) > 0:
-            return replace(cost, verify_slope=v_slope, draft_slope=d_slope, fitted=True,
-                           spread=spread)
-        # a longer context always costs more: timings that say otherwise had other work in them
-        again = attempt + 1 < SLOPE_TRIES
-        log.get(__name__).warning(
-            "calibration: the long-context forwards timed no slower than the short ones (a "
-            "busy machine?); " + ("timing them again" if again else
-                                  "their cost is left to the timed cycles, and timed again "
-                                  "next time"))
-    return replace(cost, verify_slope=v_slope, draft_slope=d_slope, fitted=False,
-                   spread=spread)
-
-
-def _rounds(jobs: dict, reps: int, budget: float, desc: str) -> tuple[dict, float]:
-    """Run every job (a callable returning the seconds it timed) once per round, after a
-    warm-up round, until at least `reps` rounds agree within `SPREAD` (`round_spread`) or
-    `budget` seconds have passed (at least two rounds, at most `MAX_ROUNDS`) -> ({job: its fastest
-    round}, the rounds' spread)."""
-    times: dict = {k: [] for k in jobs}
-    for job in jobs.values():                          # warm-up: first-use compilation
-        job()
-    deadline = time.perf_counter() + budget
-    bar = log.progress(None, desc, total=max(reps, 2), unit="round")
-    spread = float("inf")
-    try:
-        for r in range(MAX_ROUNDS):
-            for k, job in jobs.items():
-                times[k].append(job())
-            bar.total = max(bar.total, r + 1)
-            bar.update(1)
-            if r + 1 >= 2:
-                spread = round_spread(times)
-                bar.set_postfix_str(f"spread {100 * spread:.0f}%", refresh=False)
-            if r + 1 >= 2 and (time.perf_counter() > deadline
-                               or r + 1 >= reps and spread <= SPREAD):
-                break
-    finally:
-        bar.close()
-    return {k: min(v) for k, v in times.items()}, spread
-
-
-def round_spread(times: dict) -> float:
-    """How far the rounds disagree: per job, its second-fastest round over its fastest, less 1,
-    and of those the median (a calibration prices by the fastest round, which one more round
-    that agrees confirms; a stall in one job's rounds does not decide alone). Interleaved,
-    load that holds through a whole round shows in every job's round alike."""
-    gaps = sorted(sorted(v)[1] / sorted(v)[0] - 1.0 for v in times.values()
-                  if len(v) >= 2 and min(v) > 0)
-    return gaps[len(gaps) // 2] if gaps else 0.0
-
-
-def _width_jobs(target, drafter, cache, dcache, anchor, feats, width: int, block: int,
-                copy_cache: bool) -> dict:
-    """{("draft", width): time the drafter's pass (widths 2 .. block, with a drafter),
-    ("verify", width): time the verify}: each a callable returning the seconds of one forward
-    from `cache`: a deep copy of it (copy_cache: a one-row step rotates a sliding window in
-    place, which no rollback can undo), else rolled back (a long context is too big to copy
-    each time)."""
-    greedy = Sampling()
-
-    def draft():
-        t0 = time.perf_counter()
-        p = drafter.propose(target, anchor, feats[:, :0], dcache, width, greedy,
-                            mx.random.key(0))
-        mx.eval(p.tokens)
-        return time.perf_counter() - t0
-
-    def verify():
-        run = copy.deepcopy(cache) if copy_cache else cache
-        snapshot = None if copy_cache else target.snapshot(run)
-        t0 = time.perf_counter()
-        mx.eval(target.forward(mx.repeat(anchor, width, axis=1), run))
-        seconds = time.perf_counter() - t0
-        if snapshot is not None:
-            snapshot.rollback(0, width)
-        return seconds
-
-    jobs = {("draft", width): draft} if drafter is not None and 1 < width <= block else {}
-    return {**jobs, ("verify", width): verify}
-
-
-def _context_ids(target, context: int) -> mx.array:
-    """The calibration's prompt [1, context]: fixed ids spread over the vocabulary."""
-    return mx.array([[(17 * i) % target.vocab_size for i in range(context)]], dtype=mx.uint32)
-
-
-def _time_chain(target, cache, anchor, steps: int = CHAIN_STEPS) -> float:
-    """Seconds per plain step of a greedy chain of `steps` launched ahead, as
-    `engine._plain_step` runs them (the next step's graph built and launched before the
-    token before it is read; its first build unhidden, as a chain's is), from a copy of
-    `cache`."""
-    run = copy.deepcopy(cache)
-    mx.eval([c.state for c in run])
-    t0 = time.perf_counter()
-    y = mx.argmax(target.forward(anchor, run)[0][:, -1], axis=-1)
-    mx.async_eval(y)
-    for _ in range(steps - 1):
-        nxt = mx.argmax(target.forward(y.reshape(1, 1).astype(mx.uint32), run)[0][:, -1],
-                        axis=-1)
-        mx.async_eval(nxt)
-        y.item()
-        y = nxt
-    y.item()
-    return (time.perf_counter() - t0) / steps
-
-
-def _measure_slopes(pipeline, widths, context, long, ids, block, reps, budget):
-    """(verify_slope, draft_slope, measured, spread) from the widths timed at each long
-    context against the same widths at `context`, every context in each round (`_rounds`);
-    zeros, measured False and spread 0 where the target's caches cannot be grown
-    (`grow_cache`), the target is pipeline-sharded (the other ranks' caches cannot be grown
-    from here: they would fall out of step) or no long context is asked for."""
-    target, drafter = pipeline.adapter, pipeline.drafter
-    if not long or getattr(pipeline, "stage", None) is not None:
-        return (0.0, 0.0), (0.0, 0.0), False, 0.0
-    jobs = {}
-    for n in (context, *long):
-        cache = target.make_cache()
-        _, feats = target.forward(ids, cache)
-        if not grow_cache(cache, n - context):
-            log.get(__name__).info("the target's cache is not a plain key/value store: its "
-                                   "context cost is learnt from timed cycles only")
-            return (0.0, 0.0), (0.0, 0.0), False, 0.0
-        dcache = drafter.make_cache() if drafter is not None else None
-        if drafter is not None:              # its context: n rows of (random) target features
-            ctx = mx.concatenate([feats, mx.random.normal(
-                (1, n - context, feats.shape[-1])).astype(feats.dtype)], axis=1)
-            mx.eval(drafter.propose(target, ids[:, -1:], ctx, dcache, 2, Sampling(),
-                                    mx.random.key(0)).tokens)
-        for w in widths:
-            jobs.update({(n, *k): job for k, job in _width_jobs(
-                target, drafter, cache, dcache, ids[:, -1:], feats, w, block,
-                copy_cache=False).items()})
-    best, spread = _rounds(jobs, reps, budget, "calibration at long context")
-    v_points = [(w, n - context, best[(n, "verify", w)] - best[(context, "verify", w)])
-                for n in long for w in widths]
-    d_points = [(w, n - context, best[(n, "draft", w)] - best[(context, "draft", w)])
-                for n in long for w in widths if (n, "draft", w) in best]
-    del jobs
-    mx.clear_cache()
-    return fit_slope(v_points), fit_slope(d_points), True, spread

@@ -1,0 +1,379 @@
+"""The batch-aware width policy: a sequence's choice in a batched step, priced for the whole
+step (`BatchAwareWidth`), and the batch step's correction keys (`step_keys`, `step_ratio`)."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+from .adaptive import DRAFTER, PLAIN, FixedWidth
+from .costs import Correction, context_bucket, drafter_pass, pass_seconds, probe_steps
+
+BATCH = "batch"                 # the batch governor's key (`costs.Governor`)
+# a batch's first drafting step at a context size, timed where drafting is priced at this
+# share of plain's rate or more (`BatchAwareWidth._reference`)
+REFERENCE_WORTH = 0.5
+
+
+class BatchAwareWidth:
+    """A sequence's policy in a batch: an `AdaptiveWidth` (its acceptance estimates, updates
+    and probes) whose choice weighs the whole step's tokens per second. A step verifies
+    B x T rows (T: the widest block), so a width w costs every row of the batch; the engine
+    tells the policy (`set_batch`) what the sequences planned before it this step chose
+    (width, expected tokens, draft seconds), which policies plan after it and the context the
+    step's attention reads. Those after it are expected to do what their latest choice said
+    they would within the step's widest block (`outlook`), one without an outlook as it does
+    itself. With n sequences, planned tokens E_p and draft seconds D_p, widest planned block
+    W, and the others' expected tokens F_e(T) and draft seconds F_d(T) within a widest block
+    T, w of expected E(w) and draft d(w) is worth
+        (E_p + E(w) + F_e(T)) / step_cost(n, T, S, pass(D_p, d(w), F_d(T))),  T = max(W, w),
+    S the batch cache's slots, pass the step's ONE drafter pass for all of them
+    (`costs.drafter_pass`; docs/batching.md): whoever widens the step pays for every row
+    it pads (a later sequence's widening is not counted on: its outlook is from the step
+    before, and a lookup match may have ended since). Alone it chooses exactly as its AdaptiveWidth. `last`: (expected tokens, draft
+    seconds) of its latest choice; `outlook`: for T = 1, 2, ... the (expected tokens, draft
+    seconds) of its best choice within T at its latest batched rate (None: alone so far).
+
+    shared: the steps' correction (`costs.Correction`), one for every sequence of a batch:
+    each step is timed once (`observe`) and every sequence prices the next with it."""
+
+    def __init__(self, inner, shared: Correction | None = None):
+        self.inner = inner
+        self.shared = shared if shared is not None else Correction(decay=0.9)
+        self.planned: list[tuple[int, float, float]] = []
+        self.after = Later()                    # the outlooks of those planning after it
+        self.slots = None
+        self.last = (1.0, 0.0)
+        self.outlook: tuple[tuple[float, float], ...] | None = None
+        self.rate: float | None = None      # the step's tokens/s its latest batched choice saw
+        self.plain_run = 0                  # batched plain choices since drafting or a probe
+        self.probing = self.probe_again = False     # a batched probe's outcome, as alone
+        self.plain_next = False             # its latest batched choice: plain next step too
+
+    def set_batch(self, planned: list[tuple[int, float, float]], after,
+                  slots: int | None = None) -> None:
+        """planned: (width, expected tokens, draft seconds) of those planned before it this
+        step; after: the policies planning after it (a list, or their `Later`, summed once
+        per step by `later_sums`), or how many (each then expected to choose as it does);
+        slots: the keys each row's attention reads."""
+        self.planned, self.slots = list(planned), slots
+        if isinstance(after, int):
+            after = Later(after, after)
+        self.after = after if isinstance(after, Later) else later_sums(after)[0]
+
+    def step_cost(self, n: int, T: int, context: int | None = None,
+                  drafts: float = 0.0) -> float:
+        """Seconds of a batched step of n sequences x T rows over `context` slots after a
+        drafter pass of `drafts` seconds by the calibration: the cost model at n T rows,
+        corrected by the steps timed at that shape, or seeded from the nearest timed shapes
+        (`step_ratio`; a busy machine slows the drafter as it slows the verify: uncorrected,
+        drafting looked cheap beside a corrected verify)."""
+        return (self.inner.cost.verify(n * T, context) + drafts) * step_ratio(
+            self.shared, n, T, context)
+
+    def observe(self, n: int, T: int, context: int | None, seconds: float,
+                drafts: float = 0.0, tokens: int | None = None) -> None:
+        """A batched step of n sequences x T rows over `context` slots, after a drafter pass
+        of `drafts` seconds by the calibration (`costs.drafter_pass` of its sequences'
+        passes alone), took `seconds`. The stall guard caps it at twice the price the
+        policies saw (a seeded shape's too: else it learnt its first steps at twice the
+        calibration's ratio only). tokens: what the step committed (the governor's)."""
+        self.shared.observe(step_keys(n, T, context), seconds,
+                            self.inner.cost.verify(n * T, context) + drafts,
+                            step_ratio(self.shared, n, T, context))
+        if tokens is not None:
+            self._govern(n, T, context, seconds, tokens)
+
+    def _govern(self, n: int, T: int, context: int | None, seconds: float,
+                tokens: int) -> None:
+        """The batch's governor (`costs.Governor`, the shared correction's): each drafting
+        step of two or more sequences that no probe drafted in (`update` marks those; sent at
+        the next step) against their plain step's timed price; alone, its AdaptiveWidth
+        governs."""
+        gov = self.shared.governor
+        if gov.pending is not None:
+            made, took, m, slots, probe = gov.pending
+            if not probe:
+                r = self.shared.trusted(step_keys(m, 1, slots))
+                plain = self.inner.cost.verify(m, slots) * (r or 1.0)
+                gov.drafted(BATCH, made, took, None if r is None else plain / m, plain,
+                            (m.bit_length(), context_bucket(slots)))
+            gov.pending = None
+        if T == 1:
+            gov.plain_step()
+        elif n > 1:
+            gov.pending = [tokens, seconds, n, context, False]
+
+    def _options(self, available: dict, match_n: int, context: int | None):
+        """(source, w, E(w), draft seconds) of every choice on offer, plain first."""
+        inner = self.inner
+        yield PLAIN, 1, 1.0, 0.0
+        for source, most in available.items():
+            e, p = 1.0, 1.0
+            for w, alpha in zip(range(2, min(most, inner.widths[source]) + 1),
+                                inner.alphas(source, match_n, context)):
+                p *= alpha
+                e += p
+                yield source, w, e, inner.cost.draft(w, context) if source == DRAFTER else 0.0
+
+    def choose(self, available: dict | None = None, match_n: int = 0,
+               context: int | None = None, launched: bool = False) -> tuple[str, int]:
+        """As AdaptiveWidth.choose; `context`: this sequence's own tokens (its drafter pass,
+        and its verify when alone); launched: as AdaptiveWidth's (no probe now)."""
+        available = dict(self.inner.widths) if available is None else available
+        opts = list(self._options(available, match_n, context))
+        options = {(s, w): (e, d) for s, w, e, d in opts}
+        if not self.planned and not self.after.count:
+            best = self.inner.choose(available, match_n, context, launched)
+            self.outlook = self.rate = None
+            self.last = options.get(best, (1.0, 0.0))
+            return best
+        n = len(self.planned) + self.after.count + 1
+        if self.shared.governor.held(BATCH):        # drafting delivered less than plain
+            self.outlook, self.rate, self.last = PLAIN_OUTLOOK, None, (1.0, 0.0)
+            self.probing, self.plain_next = False, True
+            return PLAIN, 1
+        widest = max((w for w, _, _ in self.planned), default=1)
+        tokens = sum(e for _, e, _ in self.planned)
+        draft = sum(d for _, _, d in self.planned)
+        top = max((d for _, _, d in self.planned), default=0.0)
+        slots = self.slots if self.slots is not None else context
+        rows = {T: (self.inner.cost.verify(n * T, slots), step_ratio(self.shared, n, T, slots))
+                for T in {max(widest, w) for _, w, _, _ in opts}}
+        # its own outlook, for those after it without one (at the batch's rate: its latest,
+        # or the step's with the rest plain)
+        v, r = rows[widest]
+        batch_rate = self.rate or (tokens + n - len(self.planned)) / (
+            r * (v + pass_seconds(draft, top)))
+        mine = _best_within(opts, batch_rate * r)
+        others = {T: self.after.within(T, mine) for T in rows}
+
+        def rate(choice):
+            e, d = options[choice]
+            T = max(widest, choice[1])
+            v, r = rows[T]
+            oe, od, otop = others[T]
+            return (tokens + e + oe) / (r * (v + pass_seconds(draft + d + od, max(top, d, otop))))
+        rates = {c: rate(c) for c in options}
+        best = max(rates, key=rates.get)
+        self.rate = rates[best]
+        self.outlook = _best_within(opts, self.rate * rows[max(widest, best[1])][1])
+        # probe as AdaptiveWidth does (else a dip in the estimates would stop drafting for
+        # good), spaced by what a batched probe costs: it pads every row of the step
+        near = any(r >= self.inner.far * rates[best] for c, r in rates.items() if c[1] > 1)
+        self.plain_run = self.plain_run + 1 if best[1] == 1 else 0
+        self.probing = False
+        gap = (self._probe_gap(n, slots, context, near)
+               if best[1] == 1 and (DRAFTER, 2) in options else math.inf)
+        if not launched and (self.probe_again and near and gap < math.inf
+                             or self.plain_run >= gap):
+            self.plain_run, best, self.probing, self.probe_again = 0, (DRAFTER, 2), True, False
+        elif best[1] == 1 and not launched and len(rates) > 1 and self._reference(
+                slots, max(r for c, r in rates.items() if c[1] > 1) / rates[best]):
+            best = max((c for c in rates if c[1] > 1), key=rates.get)
+            self.plain_run, self.probing = 0, True
+        # plain again next step unless the batch changes: no probe due or asked for then
+        self.plain_next = best[1] == 1 and not (self.probe_again and near) \
+            and self.plain_run + 1 < gap
+        self.last = options[best]
+        return best
+
+    def _reference(self, slots: int | None, worth: float) -> bool:
+        """Whether to draft once, at this context size, where no batched drafting step has
+        been timed and drafting's best is priced at `REFERENCE_WORTH` of plain's rate or more
+        (`worth`): from plain steps alone, the step's ratio prices the drafter's pass too
+        (`step_ratio`), so where the calibration's verify is off the pass is priced off the
+        other way, and drafting might never run to show it."""
+        bucket = context_bucket(slots)
+        gov, key = self.shared.governor, ("draft", bucket)
+        if worth < REFERENCE_WORTH or key in gov.referenced or any(
+                k[0] == bucket and k[1] == 0 for k in self.shared.table):
+            return False
+        gov.referenced.add(key)
+        return True
+
+    def _probe_gap(self, n: int, slots: int | None, context: int | None, near: bool) -> float:
+        """Plain steps between this sequence's probes: a probe's extra seconds (its n more
+        rows, its drafter pass) over a plain step's, over AdaptiveWidth's budget (the near
+        one while drafting nearly pays), times the n sequences: each probe pads the whole
+        step, so the batch's probes together stay within the budget; far from paying, the
+        launch chain it breaks too (`costs.probe_steps`), as alone."""
+        plain = self.step_cost(n, 1, slots)
+        extra = self.step_cost(n, 2, slots, self.inner.cost.draft(2, context)) - plain
+        return n * probe_steps(extra / plain, near) / self.inner.budget[near]
+
+    def next_plain(self, available: dict, context: int | None = None) -> bool:
+        """Whether its next step will be plain (then the engine may launch it ahead, forced
+        plain, as alone): alone as AdaptiveWidth says; in a batch when its batched choice was
+        plain and no probe is due or asked for at the next step (`choose`). A batch that
+        changes before then (a sequence that starts drafting pads rows it could have used)
+        costs it one step's choice, as a lookup match found after a launch does alone."""
+        alone = not self.planned and not self.after.count
+        return self.inner.next_plain(available, context) if alone else self.plain_next
+
+    def launch_next(self, choice: tuple[str, int], available: dict, match_n: int = 0,
+                    context: int | None = None) -> bool:
+        """Whether its plain step launches the next one: alone as AdaptiveWidth says (a draft
+        it could not make on a launched step breaks the chain only when worth it); in a batch
+        when this step's choice was plain and `next_plain`."""
+        if not self.planned and not self.after.count:
+            return self.inner.launch_next(choice, available, match_n, context)
+        return choice[1] == 1 and self.plain_next
+
+    def update(self, source: str, width: int, accepted: int, *args, **kwargs) -> None:
+        pending = self.shared.governor.pending
+        if pending is not None and self.probing and source == DRAFTER:
+            pending[4] = True                      # a probe's step keeps to the probe budget
+        if self.probing and source == DRAFTER:
+            self.probe_again, self.probing = accepted > 0, False
+        self.inner.update(source, width, accepted, *args, **kwargs)
+
+
+def plain_beats(wants: list[tuple[object, tuple[int, float, float]]],
+                slots: int | None = None) -> bool:
+    """Whether every sequence of a step decoding plainly is worth more tokens per second than
+    what their policies want (policy, (width, expected tokens, draft seconds)), by the
+    batch's own prices (`BatchAwareWidth.step_cost`). Each policy chooses expecting those
+    planning after it to do what their last outlooks said; where every one expects the
+    others to draft, the batch drafts whatever that is worth: 16 code sequences ran steps
+    of 2 rows each planned at 49 tok/s beside plain steps priced at 55 (0.94x all-plain;
+    docs/batching.md). Never against a probe (its worth is what it shows) or a policy of
+    another kind (a fixed width drafts regardless)."""
+    wanting = [q for q, (w, _, _) in wants if w > 1]
+    if len(wants) < 2 or not wanting or not all(
+            isinstance(q, BatchAwareWidth) and not q.probing for q in wanting):
+        return False
+    policy, n = wanting[0], len(wants)
+    plain = policy.step_cost(n, 1, slots)
+    step = policy.step_cost(n, max(w for _, (w, _, _) in wants), slots,
+                            drafter_pass(d for _, (_, _, d) in wants))
+    return sum(e for _, (_, e, _) in wants) / step < n / plain
+
+
+PLAIN_OUTLOOK = ((1.0, 0.0),)
+
+
+def _outlook(policy) -> tuple | None:
+    """What a policy planning later in the step is expected to choose within each widest
+    block: a batch-aware one's latest outlook, plain decoding's, or None (unknown)."""
+    if isinstance(policy, BatchAwareWidth):
+        return policy.outlook
+    if isinstance(policy, FixedWidth) and policy.width == 1:
+        return PLAIN_OUTLOOK
+    return None
+
+
+def _best_within(options: list, rate: float) -> tuple[tuple[float, float], ...]:
+    """For T = 1 .. the widest option, the (E, d) of the option of width <= T that adds the
+    most to a step running at `rate` tokens/s (E - rate d: its rows are paid for)."""
+    by_width: list[tuple[float, float] | None] = [None] * max(w for _, w, _, _ in options)
+    for _, w, e, d in options:
+        x = by_width[w - 1]
+        if x is None or e - rate * d > x[0] - rate * x[1]:
+            by_width[w - 1] = (e, d)
+    out, cur = [], PLAIN_OUTLOOK[0]
+    for x in by_width:
+        if x is not None and x[0] - rate * x[1] > cur[0] - rate * cur[1]:
+            cur = x
+        out.append(cur)
+    return tuple(out)
+
+
+class Later:
+    """What the policies planning after a sequence are expected to add to a step, summed once
+    per step (`later_sums`): count, how many; unknown, how many without an outlook (each then
+    expected to choose as the sequence itself); sums[T - 1], for a widest block T = 1 .. W,
+    the (expected tokens, draft seconds, dearest draft) of those with one (past W: at W)."""
+
+    def __init__(self, count: int = 0, unknown: int = 0, sums: tuple = ()):
+        self.count, self.unknown, self.sums = count, unknown, sums
+
+    def within(self, T: int, mine: tuple) -> tuple[float, float, float]:
+        """(tokens, draft seconds, dearest draft) of them within T; mine: the sequence's own
+        outlook, for those without one."""
+        e, d, top = self.sums[min(T, len(self.sums)) - 1] if self.sums else (0.0, 0.0, 0.0)
+        if self.unknown:
+            me, md = mine[min(T, len(mine)) - 1]
+            e, d, top = e + self.unknown * me, d + self.unknown * md, max(top, md)
+        return e, d, top
+
+
+def later_sums(policies: list) -> list[Later]:
+    """[i]: the `Later` of policies[i:], for i = 0 .. len(policies): suffix sums of their
+    outlooks, O(B W) once per step (each policy summing those after it was O(B^2 W))."""
+    outlooks = [_outlook(p) for p in policies]
+    W = max((len(o) for o in outlooks if o), default=1)
+    zeros = ((0.0, 0.0, 0.0),) * W
+    out = [Later()]
+    for o in reversed(outlooks):
+        prev = out[-1]
+        if o is None:
+            out.append(Later(prev.count + 1, prev.unknown + 1, prev.sums))
+            continue
+        o = o + (o[-1],) * (W - len(o))
+        out.append(Later(prev.count + 1, prev.unknown, tuple(
+            (pe + e, pd + d, max(pt, d)) for (pe, pd, pt), (e, d) in zip(prev.sums or zeros, o))))
+    return out[::-1]
+
+
+def step_keys(n: int, T: int, context: int | None) -> tuple:
+    """A batched step's correction keys (`costs.Correction`: every key learns each step, the
+    first trusted one prices), most specific first: its octave of sequences (1, 2-3, 4-7, ...)
+    with its octave of width T (1, 2-3, 4-7, ...), then (T > 1) with every width above 1, at
+    its context size, then at any size. Only steps of its octave of sequences teach them
+    (listing the other octaves' keys too, as a first version did, taught every shape from
+    every step: a B = 1 step's ratio priced B = 8's). Plain steps (T = 1) and drafting ones
+    never share a key: a batched step of T > 1 rows per sequence costs per row far more than
+    one of a row per sequence, more than the single-sequence calibration shows (measured at
+    B = 8: T = 2 took 2.8x T = 1, priced 1.16x); keyed by rows alone, a policy that always
+    drafted priced plain steps at its drafting steps' ratio, and kept drafting at a loss. An
+    untimed shape is priced from its neighbours (`step_ratio`)."""
+    return _keys(int(n).bit_length(), int(T).bit_length(), context_bucket(context))
+
+
+@functools.lru_cache(maxsize=None)
+def _keys(n_octave: int, t_octave: int, bucket: int) -> tuple:
+    widths = (t_octave,) if t_octave == 1 else (t_octave, 0)      # 0: any width above 1
+    return tuple((b, t, n_octave) for b in (bucket, None) for t in widths)
+
+
+def step_ratio(shared: Correction, n: int, T: int, context: int | None) -> float:
+    """The correction of a batched step of this shape: its keys' (`step_keys`) once one is
+    trusted; before, a seed (`_seed`: its timed neighbours') with the shape's own first
+    timings blended in (`Correction.blend`). Priced as calibrated, an untimed drafting shape
+    at B = 8 looked 2-5x cheaper than it was, and the first steps of every new batch size
+    drafted at a loss."""
+    shape = (int(n).bit_length(), int(T).bit_length(), context_bucket(context))
+    if shape not in shared.memo:          # every sequence of a step asks, for every width
+        shared.memo[shape] = _seeded(shared, *shape)
+    return shared.memo[shape]
+
+
+def _seeded(shared: Correction, no: int, to: int, bucket: int) -> float:
+    own = _keys(no, to, bucket)
+    r = shared.trusted(own)
+    return r if r is not None else shared.blend(own, _seed(shared, no, to, bucket))
+
+
+def _seed(shared: Correction, no: int, to: int, bucket: int) -> float:
+    """An untrusted shape's prior: the nearest trusted octave of sequences' ratio (plain with
+    plain, drafting with drafting); a drafting one's scaled by the two octaves' plain steps'
+    ratios (where the neighbour's is timed), and never below its own octave's plain steps'
+    (a batched drafting step is dearer per row than a plain one, never cheaper)."""
+    plain = 1.0 if to == 1 else _seeded(shared, no, 1, bucket)
+    for o in _neighbours(no):
+        r = shared.trusted(_keys(o, to, bucket))
+        if r is None:
+            continue
+        if to == 1:
+            return r
+        there = shared.trusted(_keys(o, 1, bucket))
+        return max(r * plain / there if there else r, plain)
+    return plain
+
+
+@functools.lru_cache(maxsize=None)
+def _neighbours(n_octave: int) -> tuple:
+    """The other octaves of sequences, nearest first (the larger of two as near)."""
+    return tuple(sorted((o for o in range(1, 17) if o != n_octave),
+                        key=lambda o: (abs(o - n_octave), -o)))
