@@ -26,9 +26,9 @@ from typing import Callable, Iterator
 import mlx.core as mx
 import numpy as np
 
+from .policy.adaptive import DRAFTER, LOOKUP, PLAIN, PositionCounts, Shadow
 from .drafter import Drafter, Proposal
 from .lookup import LookupConfig, LookupIndex
-from .policy.adaptive import DRAFTER, LOOKUP, PLAIN, PositionCounts, Shadow
 from .sampling import Sampling, greedy_accept, rejection_accept
 from .target import Target
 

@@ -156,7 +156,7 @@ class Pipeline:
     def width_policy(self) -> AdaptiveWidth:
         """The adaptive policy of this pipeline: its acceptance estimates (per source) carry
         over from one generation to the next; its costs are measured once per machine and
-        model pair (`calibration.calibration_key`)."""
+        model pair (`adaptive.calibration_key`)."""
         if self._policy is None:
             widths = {LOOKUP: self.lookup_config.max_width}
             if self.drafter is not None:
