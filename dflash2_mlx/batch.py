@@ -18,7 +18,7 @@ prompt tokens (chunked; a sequence joins the batch once its prompt is in). A seq
 at a stop token, its max_tokens or `cancel`, and its single-sequence `DecodeState` can be kept
 (`Request.keep_state`) for the prefix cache; a `DecodeState` can start a sequence too.
 
-Greedy output equals generating alone token for token (up to the near-ties SPEC.md section 10
+Greedy output equals generating alone token for token (up to the near-ties docs/batching.md
 describes: a batched row is not bitwise the single one); seeded sampling draws the same
 sample as alone. Layout and measurements: docs/batching.md.
 """
@@ -39,6 +39,7 @@ from .drafter import Draft, Drafter, Proposal
 from .engine import (Cycle, DecodeState, GenerationStats, PlainClock, Step, _choose, _commit,
                      _draft, _launch, _reuse, prefill)
 from .lookup import LookupConfig, LookupIndex
+from .policy import WidthPolicy
 from .policy.adaptive import DRAFTER, LOOKUP, PLAIN, FixedWidth, Shadow
 from .policy.batch import BatchAwareWidth, later_sums, plain_beats
 from .policy.costs import drafter_pass
@@ -58,7 +59,7 @@ class Request:
     prompt: list[int]
     max_tokens: int = 256
     sampling: Sampling = field(default_factory=Sampling)
-    policy: object = None
+    policy: WidthPolicy | None = None
     stop_ids: frozenset = frozenset()
     lookup: bool = False
     seed: int | None = None

@@ -16,7 +16,8 @@ import dflash2_mlx
 from dflash2_mlx.engine import TRUSTED_CHAIN, PlainClock
 from dflash2_mlx.policy.adaptive import DRAFTER, LOOKUP, PLAIN, AdaptiveWidth, FixedWidth, Shadow
 from dflash2_mlx.policy.calibration import load_or_measure_costs
-from dflash2_mlx.policy.costs import RELAUNCH, CostModel
+from dflash2_mlx.policy.costs import CostModel
+from dflash2_mlx.policy.fitted import FIT
 
 # A verify of w rows costs 100 + 5w ms, a draft 30 ms: roughly this CPU's shape.
 COST = CostModel(tuple([0.0] + [0.030] * 15), tuple(0.100 + 0.005 * w
@@ -113,7 +114,7 @@ def test_probes_cost_under_their_budget(context):
         plain = cost.verify(1, context) * (len(choices) - probes)
         extra = probes * (cost.cycle(2, DRAFTER, context) - cost.verify(1, context))
         if prior < 0.1:         # far from paying: a probe breaks a launch chain too
-            extra += probes * RELAUNCH * cost.verify(1, context)
+            extra += probes * FIT.relaunch * cost.verify(1, context)
             assert 0.5 * policy.budget[0] * plain < extra <= policy.budget[0] * plain, extra / plain
         else:
             assert extra <= policy.budget[1] * plain, extra / plain
@@ -270,11 +271,12 @@ def test_the_lookup_is_never_probed():
 
 
 def test_at_long_context_a_request_trusts_its_own_failures_over_what_others_taught():
-    """From LONG_BUCKET, the lookup's evidence from other sequences weighs as `CARRY` tries at
-    most beside a sequence's own: a request whose lookup fails drops from 16 rows at once
-    and to 2 within five failures, although the request before it (same suffix length, same
-    context size) copied for 40 cycles. One estimate for both, as before, kept verifying 16
-    rows after 12 such failures; a sequence alone still does (its own 40 copies)."""
+    """From LONG_BUCKET, the lookup's evidence from other sequences weighs as
+    `MachineFit.carry` tries at most beside a sequence's own: a request whose lookup fails
+    drops from 16 rows at once and to 2 within five failures, although the request before it
+    (same suffix length, same context size) copied for 40 cycles. One estimate for both, as
+    before, kept verifying 16 rows after 12 such failures; a sequence alone still does (its
+    own 40 copies)."""
     cost = CostModel(COST.draft_table, COST.verify_table, 128, (3e-6, 0.0), (4e-7, 0.0))
     n, offer = 4096, {LOOKUP: 16}
 
@@ -930,3 +932,24 @@ def test_corrected_prices_are_written_to_the_stored_calibration(pipe):
     entry = json.loads(calibration.cache_file().read_text())[calibration.calibration_key(pipe)]
     assert entry["verify"] == list(dearer.verify_table) and entry["meta"]["corrected"]
     assert load_or_measure_costs(pipe, 16) == dearer
+
+
+def test_the_policies_are_what_the_engines_ask_for():
+    """`WidthPolicy`: every policy; `BatchPolicy` (the batched step's members): the batch-aware
+    one and `FixedWidth`, whose members say what the batch engine assumed of it."""
+    from dflash2_mlx.policy import BatchPolicy, WidthPolicy
+    from dflash2_mlx.policy.batch import BatchAwareWidth, _outlook
+
+    adaptive = AdaptiveWidth(COST)
+    for policy in (FixedWidth(1), FixedWidth(8), adaptive, BatchAwareWidth(adaptive)):
+        assert isinstance(policy, WidthPolicy)
+    assert isinstance(BatchAwareWidth(adaptive), BatchPolicy)
+    assert not isinstance(adaptive, BatchPolicy)
+    for width in (1, 8):
+        fixed = FixedWidth(width)
+        assert isinstance(fixed, BatchPolicy)
+        assert fixed.last == (1.0, 0.0) and not fixed.probing
+        assert fixed.outlook == _outlook(fixed)
+        fixed.set_batch([(2, 1.5, 0.01)], 3, 4096)
+        fixed.observe(4, 2, 4096, 0.5, 0.01, 6)
+        assert fixed.choose({DRAFTER: 16}) == ((DRAFTER, width) if width > 1 else (PLAIN, 1))

@@ -1,5 +1,9 @@
 """The per-machine calibration of the cost model: timing the forwards (`measure_costs`), and
-the cache of calibrations (`load_or_measure_costs`, `store_correction`, ...)."""
+the cache of calibrations (`load_or_measure_costs`, `store_correction`, ...).
+
+The long contexts are made cheaply: the target's caches are filled with random keys and values
+(attention's cost does not depend on them), the drafter's with random features.
+"""
 
 from __future__ import annotations
 
@@ -21,21 +25,15 @@ from .costs import BASE_CONTEXT, SPREAD, CostModel, monotone
 
 _log = log.get(__name__)
 
-# The slopes are fitted from forwards after these contexts, at these widths (those <= the
-# widest): attention's cost is linear in the keys, so one long context and three widths pin
-# both slopes; more would cost seconds of calibration on every new machine.
+# the slopes' forwards: attention's cost is linear in the keys, so one long context and three
+# widths (those <= the widest) pin both slopes
 LONG_CONTEXTS = (2048,)
 SLOPE_WIDTHS = (1, 4, 16)
 CHAIN_STEPS = 16         # plain steps per timed chain (its unhidden first build amortised)
 SLOPE_TRIES = 3          # long-context timings taken again while they fit no slope at all
-# A calibration is settled when its rounds agree within this (`round_spread`): one whose
-# rounds disagree more was taken beside other work, and is timed again at the next load.
 CALIBRATION_BUDGET = 40.0    # seconds of rounds a calibration may spend trying to settle
 MAX_ROUNDS = 12
-
-# Bump when measure_costs changes; an entry of another version, of another package version or
-# made with another BLAS is timed again (`stale`)
-CALIBRATION_VERSION = "6"
+CALIBRATION_VERSION = "6"    # bump when measure_costs changes: older entries are timed again
 
 
 def cache_file() -> Path:
@@ -98,18 +96,10 @@ def _read_table(path: Path) -> dict:
 
 
 def load_or_measure_costs(pipeline, max_width: int, fresh: bool = False) -> CostModel:
-    """Costs from the per-machine cache, measured on first use (at most
-    `calibration.CALIBRATION_BUDGET` seconds of rounds); verify costs up to `max_width` rows (or the
-    drafter's block size, if wider). fresh: measure whatever is stored (`calibrate`).
-
-    The cache is keyed on the machine, MLX, its BLAS, the model pair and how it was loaded
-    (dtypes, quantization, settings file and entry, verify mode, max_ctx). An entry that is
-    not `settled` (its rounds disagreed, its slopes fit nothing: taken beside other work) or is
-    `stale` is timed again at each load until one is; the better of the two (the narrower
-    spread) serves the process and is stored. Concurrent processes each replace the cache
-    atomically (`files.atomic_write`) after re-reading it, so neither truncates the other's
-    file (the last writer's other entries win).
-    """
+    """Costs from the per-machine cache (`calibration_key`), measured on first use; verify
+    costs up to `max_width` rows (or the drafter's block size). fresh: measure anyway.
+    An entry not `settled` or `stale` is timed again at each load; the better of the two (the
+    narrower spread) serves and is stored. Writers re-read and replace the file atomically."""
     path, key = cache_file(), calibration_key(pipeline)
     block = pipeline.drafter.args.block_size if pipeline.drafter is not None else 1
     entry = _read_table(path).get(key)
@@ -142,8 +132,8 @@ def load_or_measure_costs(pipeline, max_width: int, fresh: bool = False) -> Cost
 
 
 def store_correction(key: str, cost: CostModel) -> None:
-    """Replace the stored prices of entry `key` (`calibration_key`) with `cost`
-    (`AdaptiveWidth.corrected`), its calibration's record kept, the correction noted."""
+    """Replace the stored prices of entry `key` with `cost` (`AdaptiveWidth.corrected`),
+    its record kept, the correction noted."""
     path = cache_file()
     meta = dict((_read_table(path).get(key) or {}).get("meta") or {})
     if not meta:
@@ -182,8 +172,7 @@ def forget_calibrations(keys) -> None:
 
 def fit_slope(points: list[tuple[int, int, float]]) -> tuple[float, float]:
     """Least squares of extra = dn * (per_row * w + per_forward) over (w, dn, extra) points
-    (extra: seconds over the same width at base context, dn: context over base) -> the two
-    slopes, each >= 0 (noise must not make a longer context look cheaper)."""
+    (extra: seconds over the same width at base; dn: context over base) -> both slopes, >= 0."""
     sxx = sxy = syy = sx = sy = 0.0
     for w, dn, extra in points:
         x, y = dn * w, float(dn)
@@ -202,10 +191,9 @@ def fit_slope(points: list[tuple[int, int, float]]) -> tuple[float, float]:
 
 
 def grow_cache(cache: list, n: int) -> bool:
-    """Append n random keys and values to every attention cache of a target (in chunks, so no
-    huge temporary) -> False when some layer's cache is not a plain key/value store (a
-    recurrent state, quantized keys, a sliding window, which a one-row step rotates beyond
-    any rollback): its context cost is then left to the online timing."""
+    """Append n random keys and values to every attention cache of a target, in chunks ->
+    False where a layer's cache is not a plain key/value store (recurrent, quantized, a
+    sliding window): its context cost is then left to the timed cycles."""
     stores = [c for c in cache if isinstance(getattr(c, "keys", None), mx.array)
               and c.keys.ndim == 4 and hasattr(c, "update_and_fetch")
               and not hasattr(c, "max_size")]
@@ -225,14 +213,10 @@ def grow_cache(cache: list, n: int) -> bool:
 def measure_costs(pipeline, max_width: int, context: int = BASE_CONTEXT,
                   long: tuple[int, ...] = LONG_CONTEXTS, reps: int = 3,
                   budget: float = CALIBRATION_BUDGET) -> CostModel:
-    """Time a chain of plain steps, the drafter (widths up to its block size; none without a
-    drafter) and the verify forward at every width up to `max_width` after a `context`-token
-    prompt, all in each round (load that comes and goes shifts them alike), then
-    `SLOPE_WIDTHS` at each of the `long` contexts and at `context` again, to fit the context
-    slopes (`measure_slopes`). Rounds repeat, at least `reps`, until they agree within
-    `SPREAD` or `budget` seconds have passed (`_rounds`); the model keeps the wider spread of
-    the two. The fastest of the rounds (other work on the machine only ever adds time); the
-    tables are fitted nondecreasing in the width."""
+    """Time a chain of plain steps, the drafter (widths up to its block size) and the verify
+    (every width up to `max_width`) after a `context`-token prompt, all in each round, then
+    the context slopes (`measure_slopes`). Each is priced at its fastest round (other work only
+    adds time), the tables fitted nondecreasing; the spread is the wider of the two."""
     tic = time.perf_counter()
     target, drafter = pipeline.adapter, pipeline.drafter
     ids = _context_ids(target, context)
@@ -261,12 +245,9 @@ def measure_costs(pipeline, max_width: int, context: int = BASE_CONTEXT,
 
 def measure_slopes(pipeline, cost: CostModel, long: tuple[int, ...] = LONG_CONTEXTS,
                    reps: int = 3, budget: float = CALIBRATION_BUDGET / 2) -> CostModel:
-    """`cost` with its context slopes timed (`SLOPE_WIDTHS` at each of the `long` contexts
-    against its base, interleaved in rounds as `measure_costs`'s), up to `SLOPE_TRIES` times
-    while they fit no slope at all: then `fitted` is False, and the next load times them
-    again (a calibration beside two other servers loading fitted 0, 0 once, the file kept
-    it, and at long context the policy was priced by its timed cycles alone for good). The
-    model's spread: the rounds' (`_rounds`)."""
+    """`cost` with its context slopes timed (`SLOPE_WIDTHS` at each `long` context against
+    its base), up to `SLOPE_TRIES` times while they fit no slope: then `fitted` is False and
+    the next load times them again. Its spread: the rounds'."""
     target, context = pipeline.adapter, cost.base
     block = pipeline.drafter.args.block_size if pipeline.drafter is not None else 1
     ids = _context_ids(target, context)
@@ -282,7 +263,6 @@ def measure_slopes(pipeline, cost: CostModel, long: tuple[int, ...] = LONG_CONTE
         if sum(v_slope) > 0:
             return replace(cost, verify_slope=v_slope, draft_slope=d_slope, fitted=True,
                            spread=spread)
-        # a longer context always costs more: timings that say otherwise had other work in them
         again = attempt + 1 < SLOPE_TRIES
         log.get(__name__).warning(
             "calibration: the long-context forwards timed no slower than the short ones (a "
@@ -294,10 +274,9 @@ def measure_slopes(pipeline, cost: CostModel, long: tuple[int, ...] = LONG_CONTE
 
 
 def _rounds(jobs: dict, reps: int, budget: float, desc: str) -> tuple[dict, float]:
-    """Run every job (a callable returning the seconds it timed) once per round, after a
-    warm-up round, until at least `reps` rounds agree within `SPREAD` (`round_spread`) or
-    `budget` seconds have passed (at least two rounds, at most `MAX_ROUNDS`) -> ({job: its fastest
-    round}, the rounds' spread)."""
+    """Run every job (returning the seconds it timed) once per round, after a warm-up round,
+    until at least `reps` rounds agree within `SPREAD` or `budget` seconds have passed (2 to
+    `MAX_ROUNDS` rounds) -> ({job: its fastest round}, the rounds' spread)."""
     times: dict = {k: [] for k in jobs}
     for job in jobs.values():                          # warm-up: first-use compilation
         job()
@@ -322,10 +301,8 @@ def _rounds(jobs: dict, reps: int, budget: float, desc: str) -> tuple[dict, floa
 
 
 def round_spread(times: dict) -> float:
-    """How far the rounds disagree: per job, its second-fastest round over its fastest, less 1,
-    and of those the median (a calibration prices by the fastest round, which one more round
-    that agrees confirms; a stall in one job's rounds does not decide alone). Interleaved,
-    load that holds through a whole round shows in every job's round alike."""
+    """How far the rounds disagree: the median over jobs of its second-fastest round over its
+    fastest, less 1 (one more round confirms the fastest; one job's stall does not decide)."""
     gaps = sorted(sorted(v)[1] / sorted(v)[0] - 1.0 for v in times.values()
                   if len(v) >= 2 and min(v) > 0)
     return gaps[len(gaps) // 2] if gaps else 0.0
@@ -333,11 +310,9 @@ def round_spread(times: dict) -> float:
 
 def _width_jobs(target, drafter, cache, dcache, anchor, feats, width: int, block: int,
                 copy_cache: bool) -> dict:
-    """{("draft", width): time the drafter's pass (widths 2 .. block, with a drafter),
-    ("verify", width): time the verify}: each a callable returning the seconds of one forward
-    from `cache`: a deep copy of it (copy_cache: a one-row step rotates a sliding window in
-    place, which no rollback can undo), else rolled back (a long context is too big to copy
-    each time)."""
+    """{("draft", width): the drafter's pass (widths 2 .. block), ("verify", width)}: callables
+    timing one forward from `cache`, a deep copy of it (copy_cache: a sliding window rotates
+    beyond rollback) or rolled back after (a long context is too big to copy)."""
     greedy = Sampling()
 
     def draft():
@@ -367,10 +342,8 @@ def _context_ids(target, context: int) -> mx.array:
 
 
 def _time_chain(target, cache, anchor, steps: int = CHAIN_STEPS) -> float:
-    """Seconds per plain step of a greedy chain of `steps` launched ahead, as
-    `engine._plain_step` runs them (the next step's graph built and launched before the
-    token before it is read; its first build unhidden, as a chain's is), from a copy of
-    `cache`."""
+    """Seconds per plain step of a greedy chain of `steps` launched ahead from a copy of
+    `cache`, as `engine._plain_step` runs them (its first graph build unhidden)."""
     run = copy.deepcopy(cache)
     mx.eval([c.state for c in run])
     t0 = time.perf_counter()
@@ -387,11 +360,9 @@ def _time_chain(target, cache, anchor, steps: int = CHAIN_STEPS) -> float:
 
 
 def _measure_slopes(pipeline, widths, context, long, ids, block, reps, budget):
-    """(verify_slope, draft_slope, measured, spread) from the widths timed at each long
-    context against the same widths at `context`, every context in each round (`_rounds`);
-    zeros, measured False and spread 0 where the target's caches cannot be grown
-    (`grow_cache`), the target is pipeline-sharded (the other ranks' caches cannot be grown
-    from here: they would fall out of step) or no long context is asked for."""
+    """(verify_slope, draft_slope, measured, spread) from `widths` timed at each long context
+    against `context`; zeros and measured False where the caches cannot be grown
+    (`grow_cache`; a pipeline-sharded target's other ranks neither) or no `long` is asked."""
     target, drafter = pipeline.adapter, pipeline.drafter
     if not long or getattr(pipeline, "stage", None) is not None:
         return (0.0, 0.0), (0.0, 0.0), False, 0.0
