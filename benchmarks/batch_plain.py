@@ -28,7 +28,7 @@ from pathlib import Path
 
 import dflash2_mlx  # first: it picks the BLAS before MLX loads
 import mlx.core as mx
-from dflash2_mlx.adaptive import FixedWidth
+from dflash2_mlx.policy.adaptive import FixedWidth
 from dflash2_mlx.engine import Request
 from dflash2_mlx.sampling import Sampling
 

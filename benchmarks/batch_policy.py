@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 
 import dflash2_mlx
-from dflash2_mlx.adaptive import DRAFTER, LOOKUP, PLAIN
-from dflash2_mlx.costs import drafter_pass
+from dflash2_mlx.policy.adaptive import DRAFTER, LOOKUP, PLAIN
+from dflash2_mlx.policy.costs import drafter_pass
 from dflash2_mlx.sampling import Sampling
 
 ROOT = Path(__file__).resolve().parent.parent

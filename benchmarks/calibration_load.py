@@ -55,7 +55,7 @@ def main() -> None:
     os.environ["DFLASH2_CACHE"] = str(cache)
 
     import dflash2_mlx
-    from dflash2_mlx import adaptive
+    from dflash2_mlx.policy import calibration
 
     pipe = dflash2_mlx.load()
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
@@ -91,7 +91,7 @@ def main() -> None:
     print(f"governor: {gov.trips} trips, plain reference at context sizes "
           f"{sorted(gov.referenced)}")
     if a.settle:
-        path = adaptive.cache_file()
+        path = calibration.cache_file()
         table = json.loads(path.read_text())
         for entry in table.values():
             entry["spread"], entry["fitted"] = 0.0, True

@@ -4,16 +4,16 @@
                                     [--widths 1,2,4,8,16] [--real-up-to 1024] [--reps 3]
                                     [--slope-contexts 2048/4096/2048,8192]
 
-Calibrates (`costs.measure_costs`, timed: the calibration's own cost), then at each context
+Calibrates (`calibration.measure_costs`, timed: the calibration's own cost), then at each context
 builds the target's cache by a real prefill (contexts up to `--real-up-to`; longer ones take
-minutes here) or by `costs.grow_cache` (random keys and values), the drafter's from the
+minutes here) or by `calibration.grow_cache` (random keys and values), the drafter's from the
 prefill's features (or random ones), and times the verify of each width and the drafter's
 pass, round-robin, against what the model predicts. Prints ms measured / predicted and their
 ratio per context and width (verify), and the drafter's pass per context (point 4 of issue 21:
 how the drafter's cost grows with the context). Only ratios measured in one run mean anything
 on a shared machine; the load average is printed. `--slope-contexts`: the long contexts the
 slopes are fitted at, one fit per '/'-separated choice (the first is the package's
-`costs.LONG_CONTEXTS`), each priced against the same measured forwards.
+`calibration.LONG_CONTEXTS`), each priced against the same measured forwards.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import time
 import mlx.core as mx
 
 import dflash2_mlx
-from dflash2_mlx.costs import LONG_CONTEXTS, grow_cache, measure_costs, measure_slopes
+from dflash2_mlx.policy.calibration import LONG_CONTEXTS, grow_cache, measure_costs, measure_slopes
 from dflash2_mlx.sampling import Sampling
 
 

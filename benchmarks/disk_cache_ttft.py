@@ -37,7 +37,8 @@ from dflash2_mlx.state import DecodeState
 from dflash2_mlx.prompt_cache import PromptCache
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ["engine.py", "drafter.py", "target.py", "adaptive.py", "server/scheduler.py", "pipeline.py"]
+SOURCES = ["engine.py", "drafter.py", "target.py", "policy/adaptive.py", "server/scheduler.py",
+           "pipeline.py"]
 QUESTIONS = ["Which function of this code runs the draft-verify loop? Answer briefly.",
              "And which one rolls the target's cache back?"]
 

@@ -5,7 +5,7 @@ target step at the same context, and with a bounded attention window over the co
                                          [--window 1024] [--reps 3]
 
 At each context the target's cache is grown with random keys and values and the drafter's
-context with random target features (`costs.grow_cache`: attention's cost does not depend on
+context with random target features (`calibration.grow_cache`: attention's cost does not depend on
 the values), fed in chunks as decoding would; `--window` gives the drafter's context caches
 that bound (`drafter.ContextCache(window)`: older rows dropped), which measures the cost only,
 not what a window does to acceptance (the shipped drafter was trained with full context).
@@ -24,8 +24,8 @@ import time
 import mlx.core as mx
 
 import dflash2_mlx
-from dflash2_mlx.costs import grow_cache
 from dflash2_mlx.drafter import ContextCache
+from dflash2_mlx.policy.calibration import grow_cache
 from dflash2_mlx.sampling import Sampling
 
 

@@ -35,8 +35,10 @@ import json
 import os
 
 import dflash2_mlx
-from dflash2_mlx.adaptive import LOOKUP, PLAIN, AdaptiveWidth, Shadow, load_or_measure_costs
-from dflash2_mlx.costs import CostModel, measure_costs
+from dflash2_mlx.policy.adaptive import AdaptiveWidth, LOOKUP, PLAIN, Shadow
+from dflash2_mlx.policy.calibration import load_or_measure_costs
+from dflash2_mlx.policy.costs import CostModel
+from dflash2_mlx.policy.calibration import measure_costs
 from dflash2_mlx.sequence import PlainStepTimer
 from dflash2_mlx.lookup import LookupConfig, LookupIndex
 from dflash2_mlx.bench.prompt_sets import LONG_SIZES, PROMPT_SETS, _last_function, long_edit_prompts

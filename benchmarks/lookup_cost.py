@@ -36,7 +36,7 @@ def main() -> None:
     a = ap.parse_args()
 
     import dflash2_mlx
-    from dflash2_mlx.adaptive import load_or_measure_costs
+    from dflash2_mlx.policy.calibration import load_or_measure_costs
 
     pipe = dflash2_mlx.load()
     cycle_ms = a.cycle_ms or 1e3 * load_or_measure_costs(pipe, pipe.max_width(True)).cycle(

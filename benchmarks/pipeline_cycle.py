@@ -7,7 +7,7 @@ Runs the single process here, then itself under `mlx.launch --backend ring -n 2`
 ms per cycle, split by stage (drafter on rank 0; rank 0's layers and send; rank 1's layers;
 waiting and transfer; rank 0's head), and messages and bytes per cycle on each boundary.
 A cycle here is one drafter pass (w > 1) plus one verify forward of w rows after a
-`--context`-token prompt, rolled back each time (like `adaptive.measure_costs`).
+`--context`-token prompt, rolled back each time (like `calibration.measure_costs`).
 Writes `docs/bench/pipeline_cycle.json` (or `--out`) and prints a markdown table.
 """
 

@@ -22,7 +22,7 @@ import statistics
 import time
 
 import dflash2_mlx
-from dflash2_mlx.adaptive import DRAFTER, PLAIN
+from dflash2_mlx.policy.adaptive import DRAFTER, PLAIN
 from dflash2_mlx.state import DecodeState
 
 

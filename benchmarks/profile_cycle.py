@@ -25,7 +25,7 @@ import dflash2_mlx
 import mlx.core as mx
 
 from dflash2_mlx.assets import smollm2_gguf
-from dflash2_mlx.adaptive import FixedWidth
+from dflash2_mlx.policy.adaptive import FixedWidth
 from dflash2_mlx.state import DecodeState, prefill
 from dflash2_mlx.stats import GenerationStats
 from dflash2_mlx.engine import stream_tokens

@@ -19,7 +19,7 @@ import dflash2_mlx
 import mlx.core as mx
 
 from dflash2_mlx.assets import smollm2_gguf
-from dflash2_mlx.adaptive import FixedWidth
+from dflash2_mlx.policy.adaptive import FixedWidth
 from dflash2_mlx.stats import GenerationStats
 from dflash2_mlx.engine import stream_tokens
 from dflash2_mlx.loading import load_drafter, save_drafter

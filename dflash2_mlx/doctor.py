@@ -117,11 +117,11 @@ def _storage() -> Rows:
 
 
 def calibration_rows() -> list[str]:
-    """One line per stored cost calibration (`adaptive.cache_file()`): the pair, backend and
+    """One line per stored cost calibration (`policy.calibration.cache_file()`): the pair, backend and
     BLAS it was taken with, when, how long, how far its rounds disagreed, and whether the next
     load uses it or times it again."""
-    from .adaptive import cache_file, stale, stored_calibrations
-    from .costs import SPREAD
+    from .policy.calibration import cache_file, stale, stored_calibrations
+    from .policy.costs import SPREAD
 
     entries = stored_calibrations()
     if not entries:
@@ -151,10 +151,10 @@ def recalibrate(model: str | None = None, draft: str | None = None) -> None:
     given (the embedded default when neither is), or, with neither given and calibrations
     stored, of every stored pair; then the entries not timed again are forgotten (the next
     load with their settings times them). Progress: one log line per pair."""
-    from . import adaptive
+    from .policy import calibration
     from .pipeline import load
 
-    stored = adaptive.stored_calibrations()
+    stored = calibration.stored_calibrations()
     if model is not None or draft is not None or not stored:
         pairs = [(model, draft)]
     else:
@@ -170,9 +170,9 @@ def recalibrate(model: str | None = None, draft: str | None = None) -> None:
         except (OSError, ValueError) as e:
             _log.warning(f"{m}: not loaded ({e}); its calibration is removed")
             continue
-        adaptive.load_or_measure_costs(pipe, pipe.max_width(True), fresh=True)
-        done.add(adaptive.calibration_key(pipe))
+        calibration.load_or_measure_costs(pipe, pipe.max_width(True), fresh=True)
+        done.add(calibration.calibration_key(pipe))
     if model is None and draft is None:
         # entries of other load settings (dtype, oMLX entry) or of an older format: the
         # next load with those settings times them again
-        adaptive.forget_calibrations([k for k in stored if k not in done])
+        calibration.forget_calibrations([k for k in stored if k not in done])

@@ -25,10 +25,10 @@ from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 
-from .adaptive import LOOKUP, PLAIN
-from .batch import BatchAwareWidth, later_sums, plain_beats
+from .policy.adaptive import LOOKUP, PLAIN
+from .policy.batch import BatchAwareWidth, later_sums, plain_beats
 from .batch_cache import RaggedRows, SoloRows
-from .costs import drafter_pass
+from .policy.costs import drafter_pass
 from .drafter import Drafter
 from .lookup import LookupConfig, LookupIndex
 from .sampling import Sampling, greedy_accept, rejection_accept

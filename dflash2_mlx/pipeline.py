@@ -15,11 +15,11 @@ from mlx.utils import tree_flatten
 
 from . import blas, log, runtime, settings as check
 from .drafter import Drafter
-from .batch import BatchAwareWidth
+from .policy.batch import BatchAwareWidth
 from .engine import Engine, Request, stream_tokens
-from .costs import Correction
-from .adaptive import (DRAFTER, LOOKUP, AdaptiveWidth, FixedWidth, calibration_key,
-                       load_or_measure_costs, store_correction)
+from .policy.costs import Correction
+from .policy.adaptive import AdaptiveWidth, DRAFTER, FixedWidth, LOOKUP
+from .policy.calibration import calibration_key, load_or_measure_costs, store_correction
 from .state import DecodeState, common_prefix
 from .stats import GenerationStats
 from .kernels import resolve_kernel_path
@@ -157,7 +157,7 @@ class Pipeline:
     def width_policy(self) -> AdaptiveWidth:
         """The adaptive policy of this pipeline: its acceptance estimates (per source) carry
         over from one generation to the next; its costs are measured once per machine and
-        model pair (`adaptive.calibration_key`)."""
+        model pair (`calibration.calibration_key`)."""
         if self._policy is None:
             widths = {LOOKUP: self.lookup_config.max_width}
             if self.drafter is not None:

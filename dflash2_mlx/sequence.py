@@ -10,9 +10,10 @@ from typing import Callable, NamedTuple
 
 import mlx.core as mx
 
-from .adaptive import DRAFTER, LOOKUP, PLAIN, FixedWidth, Shadow
+from .policy.adaptive import DRAFTER, FixedWidth, LOOKUP, PLAIN, Shadow
 from .drafter import Draft, Drafter, Proposal
 from .lookup import LookupConfig, LookupIndex
+from .policy import WidthPolicy
 from .sampling import Sampling
 from .state import DecodeState
 from .stats import GenerationStats
@@ -22,8 +23,8 @@ STOP, LENGTH, CANCELLED = "stop", "length", "cancelled"
 
 @dataclass
 class Request:
-    """One sequence to generate. policy: its own width policy (`adaptive.FixedWidth`,
-    `AdaptiveWidth`, `BatchAwareWidth`; default FixedWidth(1), plain decoding); lookup: draft
+    """One sequence to generate. policy: its own width policy (`policy.adaptive.FixedWidth`,
+    `AdaptiveWidth`, `policy.batch.BatchAwareWidth`; default FixedWidth(1), plain decoding); lookup: draft
     from its context too; state: a `DecodeState` to start from (advanced in place);
     keep_state: keep its state when it leaves (`Engine.pop_state`); progress(done, total):
     called between the chunks of a long prefill; stats: the record to fill (default: new)."""
@@ -31,7 +32,7 @@ class Request:
     prompt: list[int]
     max_tokens: int = 256
     sampling: Sampling = field(default_factory=Sampling)
-    policy: object = None
+    policy: WidthPolicy | None = None
     stop_ids: frozenset = frozenset()
     lookup: bool = False
     seed: int | None = None

@@ -13,10 +13,11 @@ import pytest
 from mlx_lm.generate import generate_step
 
 import dflash2_mlx
-from dflash2_mlx.adaptive import (DRAFTER, LOOKUP, PLAIN, AdaptiveWidth, FixedWidth, Shadow,
-                                  load_or_measure_costs)
-from dflash2_mlx.costs import RELAUNCH, CostModel
 from dflash2_mlx.sequence import TRUSTED_CHAIN, PlainStepTimer
+from dflash2_mlx.policy.adaptive import DRAFTER, LOOKUP, PLAIN, AdaptiveWidth, FixedWidth, Shadow
+from dflash2_mlx.policy.calibration import load_or_measure_costs
+from dflash2_mlx.policy.costs import CostModel
+from dflash2_mlx.policy.fitted import FIT
 
 # A verify of w rows costs 100 + 5w ms, a draft 30 ms: roughly this CPU's shape.
 COST = CostModel(tuple([0.0] + [0.030] * 15), tuple(0.100 + 0.005 * w
@@ -113,7 +114,7 @@ def test_probes_cost_under_their_budget(context):
         plain = cost.verify(1, context) * (len(choices) - probes)
         extra = probes * (cost.cycle(2, DRAFTER, context) - cost.verify(1, context))
         if prior < 0.1:         # far from paying: a probe breaks a launch chain too
-            extra += probes * RELAUNCH * cost.verify(1, context)
+            extra += probes * FIT.relaunch * cost.verify(1, context)
             assert 0.5 * policy.budget[0] * plain < extra <= policy.budget[0] * plain, extra / plain
         else:
             assert extra <= policy.budget[1] * plain, extra / plain
@@ -270,11 +271,12 @@ def test_the_lookup_is_never_probed():
 
 
 def test_at_long_context_a_request_trusts_its_own_failures_over_what_others_taught():
-    """From LONG_BUCKET, the lookup's evidence from other sequences weighs as `CARRY` tries at
-    most beside a sequence's own: a request whose lookup fails drops from 16 rows at once
-    and to 2 within five failures, although the request before it (same suffix length, same
-    context size) copied for 40 cycles. One estimate for both, as before, kept verifying 16
-    rows after 12 such failures; a sequence alone still does (its own 40 copies)."""
+    """From LONG_BUCKET, the lookup's evidence from other sequences weighs as
+    `MachineFit.carry` tries at most beside a sequence's own: a request whose lookup fails
+    drops from 16 rows at once and to 2 within five failures, although the request before it
+    (same suffix length, same context size) copied for 40 cycles. One estimate for both, as
+    before, kept verifying 16 rows after 12 such failures; a sequence alone still does (its
+    own 40 copies)."""
     cost = CostModel(COST.draft_table, COST.verify_table, 128, (3e-6, 0.0), (4e-7, 0.0))
     n, offer = 4096, {LOOKUP: 16}
 
@@ -324,16 +326,16 @@ def test_auto_is_exact_and_costs_are_cached(pipe, tmp_path):
                                      '\xff\xfe not json'])
 def test_a_malformed_calibration_file_is_measured_again(pipe, tmp_path, monkeypatch, content):
     """A parseable but wrong calibration.json (a list, wrong types) used to crash."""
-    from dflash2_mlx import adaptive
+    from dflash2_mlx.policy import calibration
 
-    path = adaptive.cache_file()
+    path = calibration.cache_file()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(content.replace("KEY", adaptive.calibration_key(pipe)))
+    path.write_text(content.replace("KEY", calibration.calibration_key(pipe)))
     fake = CostModel((0.0,) + (0.01,) * 15, (0.02,) * 16)
-    monkeypatch.setattr(adaptive, "measure_costs", lambda _pipe, _widths: fake)
+    monkeypatch.setattr(calibration, "measure_costs", lambda _pipe, _widths: fake)
     assert load_or_measure_costs(pipe, 16) == fake
     assert load_or_measure_costs(pipe, 16) == fake              # and now read back from disk
-    assert json.loads(path.read_text())[adaptive.calibration_key(pipe)]["verify"] == [0.02] * 16
+    assert json.loads(path.read_text())[calibration.calibration_key(pipe)]["verify"] == [0.02] * 16
 
 
 def test_a_calibration_whose_slopes_fit_nothing_times_them_again_next_load(pipe, monkeypatch):
@@ -341,25 +343,25 @@ def test_a_calibration_whose_slopes_fit_nothing_times_them_again_next_load(pipe,
     times the slopes again, not the whole table, until they fit; an entry of an older version
     with zero slopes counts as not fitted. (Kept for good, such an entry left the policy blind
     to the context: a load run's servers calibrated while two others loaded, docs/server.md.)"""
-    from dflash2_mlx import adaptive
+    from dflash2_mlx.policy import calibration
 
-    path, key = adaptive.cache_file(), adaptive.calibration_key(pipe)
+    path, key = calibration.cache_file(), calibration.calibration_key(pipe)
     path.parent.mkdir(parents=True, exist_ok=True)
     blind = CostModel((0.0,) + (0.01,) * 15, (0.02,) * 16)
     old = {k: v for k, v in blind.to_dict().items() if k != "fitted"}
-    path.write_text(json.dumps({key: {**old, "meta": adaptive.calibration_meta(pipe, 1.0)}}))
-    monkeypatch.setattr(adaptive, "measure_costs", lambda *a: pytest.fail("measured whole"))
+    path.write_text(json.dumps({key: {**old, "meta": calibration.calibration_meta(pipe, 1.0)}}))
+    monkeypatch.setattr(calibration, "measure_costs", lambda *a: pytest.fail("measured whole"))
     timed = []
 
     def slopes(_pipe, cost, fit=False):
         timed.append(cost)
         return replace(cost, verify_slope=(3e-6, 1e-5) if fit else (0.0, 0.0), fitted=fit)
 
-    monkeypatch.setattr(adaptive, "measure_slopes", slopes)
+    monkeypatch.setattr(calibration, "measure_slopes", slopes)
     assert load_or_measure_costs(pipe, 16).fitted is False
     assert timed == [replace(blind, fitted=False)]          # read back as not fitted
     assert json.loads(path.read_text())[key]["fitted"] is False
-    monkeypatch.setattr(adaptive, "measure_slopes", lambda p, c: slopes(p, c, True))
+    monkeypatch.setattr(calibration, "measure_slopes", lambda p, c: slopes(p, c, True))
     got = load_or_measure_costs(pipe, 16)
     assert got.fitted and got.verify_slope == (3e-6, 1e-5) and len(timed) == 2
     assert load_or_measure_costs(pipe, 16) == got and len(timed) == 2     # from the file now
@@ -369,7 +371,7 @@ def test_concurrent_calibrations_do_not_collide(pipe, monkeypatch):
     """The temporary file had a fixed name, so two processes measuring at once raced."""
     import threading
 
-    from dflash2_mlx import adaptive
+    from dflash2_mlx.policy import calibration
 
     fake = CostModel((0.0,) + (0.01,) * 15, (0.02,) * 16)
     barrier = threading.Barrier(8)
@@ -378,7 +380,7 @@ def test_concurrent_calibrations_do_not_collide(pipe, monkeypatch):
         barrier.wait()
         return fake
 
-    monkeypatch.setattr(adaptive, "measure_costs", measure)
+    monkeypatch.setattr(calibration, "measure_costs", measure)
     errors = []
 
     def worker():
@@ -393,9 +395,9 @@ def test_concurrent_calibrations_do_not_collide(pipe, monkeypatch):
     for t in threads:
         t.join()
     assert not errors, errors
-    folder = adaptive.cache_file().parent
+    folder = calibration.cache_file().parent
     assert [p.name for p in folder.iterdir()] == ["calibration.json"]
-    assert adaptive.calibration_key(pipe) in json.loads(adaptive.cache_file().read_text())
+    assert calibration.calibration_key(pipe) in json.loads(calibration.cache_file().read_text())
 
 
 def test_auto_sampling_runs(pipe):
@@ -419,7 +421,7 @@ def test_cli_accepts_auto_and_rejects_junk(llama_dir, dflash2_dir, tmp_path):
 
 
 def test_monotone_fit_pools_violations():
-    from dflash2_mlx.costs import monotone
+    from dflash2_mlx.policy.costs import monotone
 
     assert monotone([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
     assert monotone([0.098, 0.095, 0.109]) == pytest.approx([0.0965, 0.0965, 0.109])
@@ -614,7 +616,7 @@ def test_cost_model_grows_with_the_context_and_the_rows():
 
 @pytest.mark.parametrize("per_row, per_forward", [(3e-6, 0.0), (2e-6, 5e-6), (0.0, 4e-6)])
 def test_slope_fit_recovers_a_synthetic_cost(per_row, per_forward):
-    from dflash2_mlx.costs import fit_slope
+    from dflash2_mlx.policy.calibration import fit_slope
 
     rng = random.Random(0)
     points = [(w, n, n * (per_row * w + per_forward) * rng.uniform(0.97, 1.03))
@@ -629,7 +631,7 @@ def test_calibration_measures_the_context_slope(pipe):
     """On the tiny fixture pair: the tables at the short context and a positive verify slope
     (a longer context is dearer; benchmarks/cost_model.py checks the figures on the real
     pair)."""
-    from dflash2_mlx.costs import measure_costs
+    from dflash2_mlx.policy.calibration import measure_costs
 
     model = measure_costs(pipe, 16, context=32, long=(8192,), reps=3)
     assert len(model.verify_table) == 16 and model.base == 32
@@ -641,7 +643,7 @@ def test_calibration_measures_the_context_slope(pipe):
 def test_calibration_times_the_long_context_again_when_it_fits_no_slope(pipe, monkeypatch):
     """Timings that make a longer context no dearer had other work in them: they are taken
     again (up to SLOPE_TRIES), and a target whose caches cannot be grown is not retried."""
-    from dflash2_mlx import costs
+    from dflash2_mlx.policy import calibration
 
     calls = []
 
@@ -649,19 +651,19 @@ def test_calibration_times_the_long_context_again_when_it_fits_no_slope(pipe, mo
         calls.append(args)
         return ((0.0, 0.0), (0.0, 0.0), True, 0.0) if len(calls) == 1 else \
             ((3e-6, 1e-5), (4e-7, 0.0), True, 0.0)
-    monkeypatch.setattr(costs, "_measure_slopes", slopes)
-    model = costs.measure_costs(pipe, 4, context=32, reps=1)
+    monkeypatch.setattr(calibration, "_measure_slopes", slopes)
+    model = calibration.measure_costs(pipe, 4, context=32, reps=1)
     assert len(calls) == 2 and model.verify_slope == (3e-6, 1e-5)
     calls.clear()
-    monkeypatch.setattr(costs, "_measure_slopes",
+    monkeypatch.setattr(calibration, "_measure_slopes",
                         lambda *a: calls.append(a) or ((0.0, 0.0), (0.0, 0.0), False, 0.0))
-    assert costs.measure_costs(pipe, 4, context=32, reps=1).verify_slope == (0.0, 0.0)
+    assert calibration.measure_costs(pipe, 4, context=32, reps=1).verify_slope == (0.0, 0.0)
     assert len(calls) == 1
     calls.clear()
-    monkeypatch.setattr(costs, "_measure_slopes",
+    monkeypatch.setattr(calibration, "_measure_slopes",
                         lambda *a: calls.append(a) or ((0.0, 0.0), (0.0, 0.0), True, 0.0))
-    costs.measure_costs(pipe, 4, context=32, reps=1)
-    assert len(calls) == costs.SLOPE_TRIES
+    calibration.measure_costs(pipe, 4, context=32, reps=1)
+    assert len(calls) == calibration.SLOPE_TRIES
 
 
 # CAL16 with this machine's context slopes (quiet machine, embedded pair: ~3 us per verified row
@@ -818,7 +820,7 @@ def test_drafting_that_delivers_less_than_plain_is_held_and_the_prices_written_b
     a window of them delivers less than plain decoding timed in the same process, so the
     governor holds the drafter for steps enough that the window's loss is 1% of them, and
     the corrected prices, dearer, go to the store."""
-    from dflash2_mlx.costs import GOVERNOR_WINDOW
+    from dflash2_mlx.policy.costs import GOVERNOR_WINDOW
 
     real = CostModel(CAL16.draft_table, CAL16.verify_table, plain_step=0.060)
     stored = replace(real, draft_table=tuple(d / 3 for d in real.draft_table),
@@ -849,7 +851,7 @@ def test_plain_decoding_never_timed_is_timed_once_per_context_size():
     """A calibration that priced plain steps at 3x: the policy drafts every cycle, so plain
     decoding's price is never timed; after a window of drafting cycles the governor asks for
     `REFERENCE_STEPS` plain steps, once."""
-    from dflash2_mlx.costs import REFERENCE_STEPS
+    from dflash2_mlx.policy.costs import REFERENCE_STEPS
 
     real = CostModel(CAL16.draft_table, CAL16.verify_table, plain_step=0.060)
     policy = AdaptiveWidth(replace(real, plain_step=0.18,
@@ -866,7 +868,7 @@ def test_plain_decoding_never_timed_is_timed_once_per_context_size():
 
 
 THREADS = ("MKL_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")
-CALIBRATE = ("import sys, dflash2_mlx\nfrom dflash2_mlx.costs import measure_costs\n"
+CALIBRATE = ("import sys, dflash2_mlx\nfrom dflash2_mlx.policy.calibration import measure_costs\n"
              "pipe = dflash2_mlx.load(sys.argv[1], sys.argv[2])\n"
              "m = measure_costs(pipe, 16, context=32, long=(1024,), budget=4.0)\n"
              "print(m.spread, m.settled)")
@@ -896,13 +898,13 @@ def test_an_unsettled_stale_or_other_blas_calibration_is_timed_again(pipe, monke
     """Stored with rounds that disagreed, by another package version or with another BLAS:
     the next load times it again; the better of an unsettled pair serves and is stored; a
     settled one is read back."""
-    from dflash2_mlx import adaptive
+    from dflash2_mlx.policy import calibration
 
-    path, key = adaptive.cache_file(), adaptive.calibration_key(pipe)
+    path, key = calibration.cache_file(), calibration.calibration_key(pipe)
     busy = CostModel((0.0,) + (0.01,) * 15, (0.02,) * 16, spread=0.5)
     quiet = replace(busy, spread=0.02)
     runs = []
-    monkeypatch.setattr(adaptive, "measure_costs", lambda *a: runs.append(1) or runs_model[0])
+    monkeypatch.setattr(calibration, "measure_costs", lambda *a: runs.append(1) or runs_model[0])
     runs_model = [busy]
     assert not load_or_measure_costs(pipe, 16).settled and len(runs) == 1
     entry = json.loads(path.read_text())[key]
@@ -922,11 +924,32 @@ def test_an_unsettled_stale_or_other_blas_calibration_is_timed_again(pipe, monke
 
 
 def test_corrected_prices_are_written_to_the_stored_calibration(pipe):
-    from dflash2_mlx import adaptive
+    from dflash2_mlx.policy import calibration
 
     cost = load_or_measure_costs(pipe, 16)
     dearer = replace(cost, verify_table=tuple(2 * v for v in cost.verify_table))
-    adaptive.store_correction(adaptive.calibration_key(pipe), dearer)
-    entry = json.loads(adaptive.cache_file().read_text())[adaptive.calibration_key(pipe)]
+    calibration.store_correction(calibration.calibration_key(pipe), dearer)
+    entry = json.loads(calibration.cache_file().read_text())[calibration.calibration_key(pipe)]
     assert entry["verify"] == list(dearer.verify_table) and entry["meta"]["corrected"]
     assert load_or_measure_costs(pipe, 16) == dearer
+
+
+def test_the_policies_are_what_the_engines_ask_for():
+    """`WidthPolicy`: every policy; `BatchPolicy` (the batched step's members): the batch-aware
+    one and `FixedWidth`, whose members say what the batch engine assumed of it."""
+    from dflash2_mlx.policy import BatchPolicy, WidthPolicy
+    from dflash2_mlx.policy.batch import BatchAwareWidth, _outlook
+
+    adaptive = AdaptiveWidth(COST)
+    for policy in (FixedWidth(1), FixedWidth(8), adaptive, BatchAwareWidth(adaptive)):
+        assert isinstance(policy, WidthPolicy)
+    assert isinstance(BatchAwareWidth(adaptive), BatchPolicy)
+    assert not isinstance(adaptive, BatchPolicy)
+    for width in (1, 8):
+        fixed = FixedWidth(width)
+        assert isinstance(fixed, BatchPolicy)
+        assert fixed.last == (1.0, 0.0) and not fixed.probing
+        assert fixed.outlook == _outlook(fixed)
+        fixed.set_batch([(2, 1.5, 0.01)], 3, 4096)
+        fixed.observe(4, 2, 4096, 0.5, 0.01, 6)
+        assert fixed.choose({DRAFTER: 16}) == ((DRAFTER, width) if width > 1 else (PLAIN, 1))

@@ -230,7 +230,7 @@ def test_quantized_caches_are_refused():
 # --------------------------------------------------------------------------- the engine
 
 import dflash2_mlx
-from dflash2_mlx.adaptive import FixedWidth
+from dflash2_mlx.policy.adaptive import FixedWidth
 from dflash2_mlx.engine import CANCELLED, Engine, Request
 from dflash2_mlx.sampling import Sampling
 from test_exactness import OracleDrafter, mlx_lm_greedy
@@ -506,9 +506,9 @@ def test_batch_aware_policy_narrows_as_rows_get_dearer():
     """Alone it chooses as its AdaptiveWidth; beside more and more rows it narrows the
     drafter's block, then stops drafting, while a long lookup match (acceptance near 1) still
     drafts. Costs: a fixed part plus a part per row, as a verify on a CPU."""
-    from dflash2_mlx.adaptive import DRAFTER, LOOKUP, PLAIN, AdaptiveWidth
-    from dflash2_mlx.batch import BatchAwareWidth
-    from dflash2_mlx.costs import CostModel
+    from dflash2_mlx.policy.adaptive import AdaptiveWidth, DRAFTER, LOOKUP, PLAIN
+    from dflash2_mlx.policy.batch import BatchAwareWidth
+    from dflash2_mlx.policy.costs import CostModel
 
     verify = tuple(0.05 + 0.012 * w for w in range(1, 17))
     cost = CostModel((0.0,) + (0.01,) * 15, verify)
@@ -544,9 +544,9 @@ def test_batch_aware_policy_narrows_as_rows_get_dearer():
 def test_a_batched_probe_due_on_a_launched_step_waits_for_the_next():
     """As alone (test_adaptive): a step launched ahead is plain whatever the policy says, so a
     probe falling due then is taken at the next step, not lost with the launch."""
-    from dflash2_mlx.adaptive import DRAFTER, PLAIN, AdaptiveWidth
-    from dflash2_mlx.batch import BatchAwareWidth
-    from dflash2_mlx.costs import CostModel
+    from dflash2_mlx.policy.adaptive import AdaptiveWidth, DRAFTER, PLAIN
+    from dflash2_mlx.policy.batch import BatchAwareWidth
+    from dflash2_mlx.policy.costs import CostModel
 
     cost = CostModel((0.0,) + (0.01,) * 7, tuple(0.05 + 0.012 * w for w in range(1, 9)))
     policy = BatchAwareWidth(AdaptiveWidth(cost, {DRAFTER: 8}, prior=0.01, strength=1e9))
@@ -565,8 +565,8 @@ def test_a_batched_probe_due_on_a_launched_step_waits_for_the_next():
 
 
 def test_batch_aware_policies_stay_exact(pipe):
-    from dflash2_mlx.batch import BatchAwareWidth
-    from dflash2_mlx.costs import Correction
+    from dflash2_mlx.policy.batch import BatchAwareWidth
+    from dflash2_mlx.policy.costs import Correction
 
     rng = random.Random(13)
     vocab = pipe.adapter.vocab_size
@@ -589,9 +589,9 @@ def test_a_batch_better_plain_than_its_drafting_stays_plain_in_one_chain(pipe):
     ahead; two steps in four they want cycles worth 1.95 tokens, which run when not launched. Greedy outputs
     are mlx-lm's, and every sequence's drafter context still covers each of its tokens once
     (the features of a drafter plan run plain go back to its state)."""
-    from dflash2_mlx.adaptive import DRAFTER, AdaptiveWidth
-    from dflash2_mlx.batch import BatchAwareWidth
-    from dflash2_mlx.costs import CostModel, Correction
+    from dflash2_mlx.policy.adaptive import AdaptiveWidth, DRAFTER
+    from dflash2_mlx.policy.batch import BatchAwareWidth
+    from dflash2_mlx.policy.costs import Correction, CostModel
 
     class Wants(BatchAwareWidth):
         calls = 0
@@ -625,8 +625,8 @@ def test_batch_aware_policies_decoding_plainly_launch_ahead_exactly(pipe):
     decode plainly after their first cycles: those steps are launched ahead as alone
     (`BatchAwareWidth.next_plain`), probes and lookup runs still happen between them, and
     every sequence is exact."""
-    from dflash2_mlx.batch import BatchAwareWidth
-    from dflash2_mlx.costs import Correction
+    from dflash2_mlx.policy.batch import BatchAwareWidth
+    from dflash2_mlx.policy.costs import Correction
 
     rng = random.Random(23)
     vocab = pipe.adapter.vocab_size
@@ -658,9 +658,9 @@ def _simulate_batch(B: int, steps: int = 400, warmup: int = 60, alpha: float = 0
     ONE drafter pass (`costs.drafter_pass`, as `Drafter.propose_batch` runs), else each its
     own. stored: the calibration the policies read, from the true one (a wrong one); the steps
     are then timed as the engine times them, the drafter's pass included."""
-    from dflash2_mlx.adaptive import DRAFTER, AdaptiveWidth
-    from dflash2_mlx.batch import BatchAwareWidth, plain_beats
-    from dflash2_mlx.costs import BASE_CONTEXT, CostModel, Correction, drafter_pass
+    from dflash2_mlx.policy.adaptive import AdaptiveWidth, DRAFTER
+    from dflash2_mlx.policy.batch import BatchAwareWidth, plain_beats
+    from dflash2_mlx.policy.costs import BASE_CONTEXT, Correction, CostModel, drafter_pass
 
     extra = 0 if context is None else context - BASE_CONTEXT
 
@@ -812,9 +812,9 @@ def _simulate_mixed(B: int, plain: bool = False, steps: int = 300, warmup: int =
     see their first steps); the sequence alone then runs as calibrated (the calibration timed
     one sequence alone), the batched steps as above. one_pass: the step's drafting sequences share one drafter pass
     (`costs.drafter_pass`, as the engine runs them), else each runs its own."""
-    from dflash2_mlx.adaptive import DRAFTER, LOOKUP, PLAIN, AdaptiveWidth
-    from dflash2_mlx.batch import BatchAwareWidth, plain_beats
-    from dflash2_mlx.costs import CostModel, Correction, drafter_pass
+    from dflash2_mlx.policy.adaptive import AdaptiveWidth, DRAFTER, LOOKUP, PLAIN
+    from dflash2_mlx.policy.batch import BatchAwareWidth, plain_beats
+    from dflash2_mlx.policy.costs import Correction, CostModel, drafter_pass
 
     cost = CostModel((0.0, .0134, .0142, .0219, .0239, .0239, .0255, .0291),
                      (.0707, .0871, .1234, .1369, .1462, .1462, .1681, .1681, .1791, .1791,
@@ -875,9 +875,9 @@ def test_batch_aware_policy_in_a_mixed_batch(B):
 @pytest.mark.parametrize("B", [4, 8, 16])
 def test_batch_aware_policy_prices_a_new_shape_like_its_neighbours(B):
     """Sequences joining one by one after one alone, every step counted: each new batch size
-    is a step shape (`batch.step_keys`) with no timing yet. Priced as calibrated (and taught
+    is a step shape (`policy.batch.step_keys`) with no timing yet. Priced as calibrated (and taught
     by every other shape's steps), its first drafting steps drafted at a loss; now it is
-    seeded from the timed shapes beside it (`batch.step_ratio`) and never below its own plain
+    seeded from the timed shapes beside it (`policy.batch.step_ratio`) and never below its own plain
     steps. Measured at B = 4, 8, 16: before 0.942, 0.956, 0.974 of plain; after 0.982, 0.979,
     0.988."""
     def ratio():
@@ -890,9 +890,9 @@ def test_later_outlooks_summed_once_choose_as_the_direct_sum():
     """`later_sums` (suffix sums, O(B W) per step) gives every policy the sums, and so the
     choices, that summing the outlooks of those after it directly gives, on random outlooks
     (some unknown, some plain)."""
-    from dflash2_mlx.adaptive import DRAFTER, LOOKUP, AdaptiveWidth
-    from dflash2_mlx.batch import BatchAwareWidth, Later, later_sums
-    from dflash2_mlx.costs import CostModel, Correction
+    from dflash2_mlx.policy.adaptive import AdaptiveWidth, DRAFTER, LOOKUP
+    from dflash2_mlx.policy.batch import BatchAwareWidth, Later, later_sums
+    from dflash2_mlx.policy.costs import Correction, CostModel
 
     rng = random.Random(5)
     cost = CostModel((0.0,) + tuple(0.01 + 0.001 * w for w in range(1, 8)),
@@ -943,7 +943,7 @@ def test_later_outlooks_summed_once_choose_as_the_direct_sum():
 
 
 def batch_outlook(policy):
-    from dflash2_mlx.batch import _outlook
+    from dflash2_mlx.policy.batch import _outlook
 
     return _outlook(policy)
 
@@ -951,8 +951,8 @@ def batch_outlook(policy):
 def test_sequences_share_estimates_not_probe_state():
     """`AdaptiveWidth.for_sequence`: what one sequence of a batch learns, every one uses (and
     the pipeline's policy keeps for the next request); each probes on its own."""
-    from dflash2_mlx.adaptive import DRAFTER, AdaptiveWidth
-    from dflash2_mlx.costs import CostModel
+    from dflash2_mlx.policy.adaptive import AdaptiveWidth, DRAFTER
+    from dflash2_mlx.policy.costs import CostModel
 
     base = AdaptiveWidth(CostModel((0.0, 0.01, 0.01), (0.05, 0.06, 0.07)))
     base.plain_run, base.probe_again = 7, True

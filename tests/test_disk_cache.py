@@ -18,7 +18,7 @@ from mlx_lm.utils import _get_classes
 
 import dflash2_mlx
 from dflash2_mlx import disk_file, disk_state, settings
-from dflash2_mlx.adaptive import FixedWidth
+from dflash2_mlx.policy.adaptive import FixedWidth
 from dflash2_mlx.disk_cache import DiskCache
 from dflash2_mlx.disk_file import entry_name, read_header, write_file
 from dflash2_mlx.drafter import Drafter

@@ -9,7 +9,7 @@ from mlx_lm.generate import generate_step
 
 import dflash2_mlx
 from dflash2_mlx.drafter import Proposal
-from dflash2_mlx.adaptive import FixedWidth
+from dflash2_mlx.policy.adaptive import FixedWidth
 from dflash2_mlx.stats import GenerationStats
 from dflash2_mlx.engine import stream_tokens
 from dflash2_mlx.sampling import Sampling

@@ -9,7 +9,8 @@ from mlx_lm.utils import _get_classes
 
 from types import SimpleNamespace
 
-from dflash2_mlx.adaptive import DRAFTER, LOOKUP, AdaptiveWidth, FixedWidth, measure_costs
+from dflash2_mlx.policy.adaptive import AdaptiveWidth, DRAFTER, FixedWidth, LOOKUP
+from dflash2_mlx.policy.calibration import measure_costs
 from dflash2_mlx.drafter import Drafter
 from dflash2_mlx.lookup import LookupConfig
 from dflash2_mlx.stats import GenerationStats

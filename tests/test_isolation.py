@@ -6,10 +6,11 @@ from pathlib import Path
 
 def test_the_tests_never_write_the_users_cache(test_cache):
     """Tests wrote calibration.json and downloads into the real $DFLASH2_CACHE default."""
-    from dflash2_mlx import adaptive, assets
+    from dflash2_mlx import assets
+    from dflash2_mlx.policy import calibration
 
     assert assets.resolve_cache_dir() == test_cache
-    assert adaptive.cache_file().parent == test_cache
+    assert calibration.cache_file().parent == test_cache
 
 
 def test_the_slow_list_names_tests_that_exist():

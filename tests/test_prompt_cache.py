@@ -113,7 +113,7 @@ def test_hybrid_target_reuses_exact_prefixes_and_recomputes_branches(caplog):
     import mlx.core as mx
     from mlx_lm.utils import _get_classes
 
-    from dflash2_mlx.adaptive import FixedWidth
+    from dflash2_mlx.policy.adaptive import FixedWidth
     from dflash2_mlx.engine import stream_tokens
     from dflash2_mlx.lookup import LookupConfig
     from dflash2_mlx.sampling import Sampling

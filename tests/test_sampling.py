@@ -13,7 +13,7 @@ from mlx_lm.sample_utils import make_sampler
 import dflash2_mlx.engine as engine
 import dflash2_mlx.state as state_mod
 from dflash2_mlx.drafter import Drafter, DraftVocab, Proposal
-from dflash2_mlx.adaptive import FixedWidth
+from dflash2_mlx.policy.adaptive import FixedWidth
 from dflash2_mlx.engine import stream_tokens
 from dflash2_mlx.stats import GenerationStats
 from dflash2_mlx.lookup import LookupConfig

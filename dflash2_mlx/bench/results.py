@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import log
-from ..adaptive import DRAFTER, LOOKUP
+from ..policy.adaptive import DRAFTER, LOOKUP
 from ..stats import Cycle, GenerationStats
 
 _log = log.get(__name__)

@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import log
-from ..adaptive import DRAFTER
+from ..policy.adaptive import DRAFTER
 from ..stats import Cycle
 from ..state import DecodeState
 from .results import PLAIN_NAME, Run, add_ratios, kept_parts, summarize

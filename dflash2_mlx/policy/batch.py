@@ -1,44 +1,28 @@
-"""The width policy of a sequence in a batch (`BatchAwareWidth`): its choice weighs the whole
-step's tokens per second, since a step verifies B x T rows for every sequence's widest block;
-and the batch's cost correction keyed by step shape (`step_keys`, `step_ratio`).
-docs/batching.md.
-"""
+"""The batch-aware width policy: a sequence's choice in a batched step, priced for the whole
+step (`BatchAwareWidth`), and the batched step's correction keys (`step_keys`, `step_ratio`).
+Why each rule: docs/batching.md and docs/decisions.md ("The width policy's rules")."""
 
 from __future__ import annotations
 
 import functools
 import math
 
-from .adaptive import DRAFTER, PLAIN, FixedWidth
+from .adaptive import DRAFTER, PLAIN, PLAIN_OUTLOOK, FixedWidth
 from .costs import Correction, context_bucket, drafter_pass, pass_seconds, probe_steps
 
 BATCH = "batch"                 # the batch governor's key (`costs.Governor`)
-# a batch's first drafting step at a context size, timed where drafting is priced at this
-# share of plain's rate or more (`BatchAwareWidth._reference`)
-REFERENCE_WORTH = 0.5
+REFERENCE_WORTH = 0.5           # `BatchAwareWidth._reference`
 
 
 class BatchAwareWidth:
-    """A sequence's policy in a batch: an `AdaptiveWidth` (its acceptance estimates, updates
-    and probes) whose choice weighs the whole step's tokens per second. A step verifies
-    B x T rows (T: the widest block), so a width w costs every row of the batch; the engine
-    tells the policy (`set_batch`) what the sequences planned before it this step chose
-    (width, expected tokens, draft seconds), which policies plan after it and the context the
-    step's attention reads. Those after it are expected to do what their latest choice said
-    they would within the step's widest block (`outlook`), one without an outlook as it does
-    itself. With n sequences, planned tokens E_p and draft seconds D_p, widest planned block
-    W, and the others' expected tokens F_e(T) and draft seconds F_d(T) within a widest block
-    T, w of expected E(w) and draft d(w) is worth
+    """A sequence's policy in a batch: its `AdaptiveWidth` (`inner`: estimates, updates,
+    probes), its choice priced by the whole step's tokens per second. A step verifies B x T
+    rows (T: the widest block), so whoever widens it pays for every row it pads. Given the
+    planned tokens E_p and draft seconds D_p of those before it (`set_batch`), and those after
+    it expected to do what their `outlook` said (F_e(T), F_d(T)), width w is worth
         (E_p + E(w) + F_e(T)) / step_cost(n, T, S, pass(D_p, d(w), F_d(T))),  T = max(W, w),
-    S the batch cache's slots, pass the step's ONE drafter pass for all of them
-    (`costs.drafter_pass`; docs/batching.md): whoever widens the step pays for every row
-    it pads (a later sequence's widening is not counted on: its outlook is from the step
-    before, and a lookup match may have ended since). Alone it chooses exactly as its AdaptiveWidth. `last`: (expected tokens, draft
-    seconds) of its latest choice; `outlook`: for T = 1, 2, ... the (expected tokens, draft
-    seconds) of its best choice within T at its latest batched rate (None: alone so far).
-
-    shared: the steps' correction (`costs.Correction`), one for every sequence of a batch:
-    each step is timed once (`observe`) and every sequence prices the next with it."""
+    S the batch cache's slots, pass the step's ONE drafter pass (`costs.drafter_pass`). Alone,
+    it chooses as `inner`. shared: the steps' `Correction`, one for the whole batch."""
 
     def __init__(self, inner, shared: Correction | None = None):
         self.inner = inner
@@ -46,19 +30,17 @@ class BatchAwareWidth:
         self.planned: list[tuple[int, float, float]] = []
         self.after = Later()                    # the outlooks of those planning after it
         self.slots = None
-        self.last = (1.0, 0.0)
+        self.last = (1.0, 0.0)                  # `BatchPolicy`
         self.outlook: tuple[tuple[float, float], ...] | None = None
         self.rate: float | None = None      # the step's tokens/s its latest batched choice saw
         self.plain_run = 0                  # batched plain choices since drafting or a probe
-        self.probing = self.probe_again = False     # a batched probe's outcome, as alone
+        self.probing = self.probe_again = False
         self.plain_next = False             # its latest batched choice: plain next step too
 
     def set_batch(self, planned: list[tuple[int, float, float]], after,
                   slots: int | None = None) -> None:
-        """planned: (width, expected tokens, draft seconds) of those planned before it this
-        step; after: the policies planning after it (a list, or their `Later`, summed once
-        per step by `later_sums`), or how many (each then expected to choose as it does);
-        slots: the keys each row's attention reads."""
+        """`BatchPolicy.set_batch`; after: the policies planning after it (a list, their
+        `Later`, or how many: each then expected to choose as it does)."""
         self.planned, self.slots = list(planned), slots
         if isinstance(after, int):
             after = Later(after, after)
@@ -67,20 +49,15 @@ class BatchAwareWidth:
     def step_cost(self, n: int, T: int, context: int | None = None,
                   drafts: float = 0.0) -> float:
         """Seconds of a batched step of n sequences x T rows over `context` slots after a
-        drafter pass of `drafts` seconds by the calibration: the cost model at n T rows,
-        corrected by the steps timed at that shape, or seeded from the nearest timed shapes
-        (`step_ratio`; a busy machine slows the drafter as it slows the verify: uncorrected,
-        drafting looked cheap beside a corrected verify)."""
+        drafter pass of `drafts` calibrated seconds: the verify and the pass alike corrected
+        by `step_ratio`."""
         return (self.inner.cost.verify(n * T, context) + drafts) * step_ratio(
             self.shared, n, T, context)
 
     def observe(self, n: int, T: int, context: int | None, seconds: float,
                 drafts: float = 0.0, tokens: int | None = None) -> None:
-        """A batched step of n sequences x T rows over `context` slots, after a drafter pass
-        of `drafts` seconds by the calibration (`costs.drafter_pass` of its sequences'
-        passes alone), took `seconds`. The stall guard caps it at twice the price the
-        policies saw (a seeded shape's too: else it learnt its first steps at twice the
-        calibration's ratio only). tokens: what the step committed (the governor's)."""
+        """A batched step (as `step_cost`) took `seconds`, at most twice the price the policies
+        saw counting; tokens: what it committed (for the governor)."""
         self.shared.observe(step_keys(n, T, context), seconds,
                             self.inner.cost.verify(n * T, context) + drafts,
                             step_ratio(self.shared, n, T, context))
@@ -89,10 +66,9 @@ class BatchAwareWidth:
 
     def _govern(self, n: int, T: int, context: int | None, seconds: float,
                 tokens: int) -> None:
-        """The batch's governor (`costs.Governor`, the shared correction's): each drafting
-        step of two or more sequences that no probe drafted in (`update` marks those; sent at
-        the next step) against their plain step's timed price; alone, its AdaptiveWidth
-        governs."""
+        """The batch's governor: each drafting step of two or more sequences with no probe in
+        it (`update` marks those, so it is sent a step late) against their plain step's timed
+        price."""
         gov = self.shared.governor
         if gov.pending is not None:
             made, took, m, slots, probe = gov.pending
@@ -121,8 +97,7 @@ class BatchAwareWidth:
 
     def choose(self, available: dict | None = None, match_n: int = 0,
                context: int | None = None, launched: bool = False) -> tuple[str, int]:
-        """As AdaptiveWidth.choose; `context`: this sequence's own tokens (its drafter pass,
-        and its verify when alone); launched: as AdaptiveWidth's (no probe now)."""
+        """As `AdaptiveWidth.choose`, priced for the step; `context`: this sequence's tokens."""
         available = dict(self.inner.widths) if available is None else available
         opts = list(self._options(available, match_n, context))
         options = {(s, w): (e, d) for s, w, e, d in opts}
@@ -161,8 +136,7 @@ class BatchAwareWidth:
         best = max(rates, key=rates.get)
         self.rate = rates[best]
         self.outlook = _best_within(opts, self.rate * rows[max(widest, best[1])][1])
-        # probe as AdaptiveWidth does (else a dip in the estimates would stop drafting for
-        # good), spaced by what a batched probe costs: it pads every row of the step
+        # probe as AdaptiveWidth does, spaced by what a batched probe costs
         near = any(r >= self.inner.far * rates[best] for c, r in rates.items() if c[1] > 1)
         self.plain_run = self.plain_run + 1 if best[1] == 1 else 0
         self.probing = False
@@ -182,11 +156,9 @@ class BatchAwareWidth:
         return best
 
     def _reference(self, slots: int | None, worth: float) -> bool:
-        """Whether to draft once, at this context size, where no batched drafting step has
-        been timed and drafting's best is priced at `REFERENCE_WORTH` of plain's rate or more
-        (`worth`): from plain steps alone, the step's ratio prices the drafter's pass too
-        (`step_ratio`), so where the calibration's verify is off the pass is priced off the
-        other way, and drafting might never run to show it."""
+        """Whether to draft once at this context size, where no batched drafting step has been
+        timed and drafting's best is priced at `REFERENCE_WORTH` of plain's rate or more
+        (`worth`): plain steps' ratio alone can misprice the drafter's pass for good."""
         bucket = context_bucket(slots)
         gov, key = self.shared.governor, ("draft", bucket)
         if worth < REFERENCE_WORTH or key in gov.referenced or any(
@@ -196,29 +168,23 @@ class BatchAwareWidth:
         return True
 
     def _probe_gap(self, n: int, slots: int | None, context: int | None, near: bool) -> float:
-        """Plain steps between this sequence's probes: a probe's extra seconds (its n more
-        rows, its drafter pass) over a plain step's, over AdaptiveWidth's budget (the near
-        one while drafting nearly pays), times the n sequences: each probe pads the whole
-        step, so the batch's probes together stay within the budget; far from paying, the
-        launch chain it breaks too (`costs.probe_steps`), as alone."""
+        """Plain steps between this sequence's probes: as alone (`costs.probe_steps` over the
+        budget), a probe's extra seconds being its n more rows and drafter pass, times n (the
+        batch's probes together stay within the budget)."""
         plain = self.step_cost(n, 1, slots)
         extra = self.step_cost(n, 2, slots, self.inner.cost.draft(2, context)) - plain
         return n * probe_steps(extra / plain, near) / self.inner.budget[near]
 
     def next_plain(self, available: dict, context: int | None = None) -> bool:
-        """Whether its next step will be plain (then the engine may launch it ahead, forced
-        plain, as alone): alone as AdaptiveWidth says; in a batch when its batched choice was
-        plain and no probe is due or asked for at the next step (`choose`). A batch that
-        changes before then (a sequence that starts drafting pads rows it could have used)
-        costs it one step's choice, as a lookup match found after a launch does alone."""
+        """Alone as `inner` says; in a batch when its latest choice was plain and no probe is
+        due or asked for at the next step."""
         alone = not self.planned and not self.after.count
         return self.inner.next_plain(available, context) if alone else self.plain_next
 
     def launch_next(self, choice: tuple[str, int], available: dict, match_n: int = 0,
                     context: int | None = None) -> bool:
-        """Whether its plain step launches the next one: alone as AdaptiveWidth says (a draft
-        it could not make on a launched step breaks the chain only when worth it); in a batch
-        when this step's choice was plain and `next_plain`."""
+        """Alone as `inner` says; in a batch when this step's choice was plain and
+        `next_plain`."""
         if not self.planned and not self.after.count:
             return self.inner.launch_next(choice, available, match_n, context)
         return choice[1] == 1 and self.plain_next
@@ -234,14 +200,10 @@ class BatchAwareWidth:
 
 def plain_beats(wants: list[tuple[object, tuple[int, float, float]]],
                 slots: int | None = None) -> bool:
-    """Whether every sequence of a step decoding plainly is worth more tokens per second than
-    what their policies want (policy, (width, expected tokens, draft seconds)), by the
-    batch's own prices (`BatchAwareWidth.step_cost`). Each policy chooses expecting those
-    planning after it to do what their last outlooks said; where every one expects the
-    others to draft, the batch drafts whatever that is worth: 16 code sequences ran steps
-    of 2 rows each planned at 49 tok/s beside plain steps priced at 55 (0.94x all-plain;
-    docs/batching.md). Never against a probe (its worth is what it shows) or a policy of
-    another kind (a fixed width drafts regardless)."""
+    """Whether every sequence decoding plainly is worth more tokens per second than what their
+    policies want (policy, (width, expected tokens, draft seconds)), by the batch's prices
+    (each chose expecting the others to draft). Never against a probe or a policy of another
+    kind."""
     wanting = [q for q, (w, _, _) in wants if w > 1]
     if len(wants) < 2 or not wanting or not all(
             isinstance(q, BatchAwareWidth) and not q.probing for q in wanting):
@@ -253,12 +215,9 @@ def plain_beats(wants: list[tuple[object, tuple[int, float, float]]],
     return sum(e for _, (_, e, _) in wants) / step < n / plain
 
 
-PLAIN_OUTLOOK = ((1.0, 0.0),)
-
-
 def _outlook(policy) -> tuple | None:
     """What a policy planning later in the step is expected to choose within each widest
-    block: a batch-aware one's latest outlook, plain decoding's, or None (unknown)."""
+    block (None: unknown)."""
     if isinstance(policy, BatchAwareWidth):
         return policy.outlook
     if isinstance(policy, FixedWidth) and policy.width == 1:
@@ -283,17 +242,16 @@ def _best_within(options: list, rate: float) -> tuple[tuple[float, float], ...]:
 
 
 class Later:
-    """What the policies planning after a sequence are expected to add to a step, summed once
-    per step (`later_sums`): count, how many; unknown, how many without an outlook (each then
-    expected to choose as the sequence itself); sums[T - 1], for a widest block T = 1 .. W,
-    the (expected tokens, draft seconds, dearest draft) of those with one (past W: at W)."""
+    """What the policies planning after a sequence are expected to add to a step: count;
+    unknown, those without an outlook (expected to choose as the sequence); sums[T - 1], for a
+    widest block T = 1 .. W, the (expected tokens, draft seconds, dearest draft) of the rest."""
 
     def __init__(self, count: int = 0, unknown: int = 0, sums: tuple = ()):
         self.count, self.unknown, self.sums = count, unknown, sums
 
     def within(self, T: int, mine: tuple) -> tuple[float, float, float]:
         """(tokens, draft seconds, dearest draft) of them within T; mine: the sequence's own
-        outlook, for those without one."""
+        outlook, for the unknown."""
         e, d, top = self.sums[min(T, len(self.sums)) - 1] if self.sums else (0.0, 0.0, 0.0)
         if self.unknown:
             me, md = mine[min(T, len(mine)) - 1]
@@ -303,7 +261,7 @@ class Later:
 
 def later_sums(policies: list) -> list[Later]:
     """[i]: the `Later` of policies[i:], for i = 0 .. len(policies): suffix sums of their
-    outlooks, O(B W) once per step (each policy summing those after it was O(B^2 W))."""
+    outlooks, O(B W) once per step."""
     outlooks = [_outlook(p) for p in policies]
     W = max((len(o) for o in outlooks if o), default=1)
     zeros = ((0.0, 0.0, 0.0),) * W
@@ -320,17 +278,9 @@ def later_sums(policies: list) -> list[Later]:
 
 
 def step_keys(n: int, T: int, context: int | None) -> tuple:
-    """A batched step's correction keys (`costs.Correction`: every key learns each step, the
-    first trusted one prices), most specific first: its octave of sequences (1, 2-3, 4-7, ...)
-    with its octave of width T (1, 2-3, 4-7, ...), then (T > 1) with every width above 1, at
-    its context size, then at any size. Only steps of its octave of sequences teach them
-    (listing the other octaves' keys too, as a first version did, taught every shape from
-    every step: a B = 1 step's ratio priced B = 8's). Plain steps (T = 1) and drafting ones
-    never share a key: a batched step of T > 1 rows per sequence costs per row far more than
-    one of a row per sequence, more than the single-sequence calibration shows (measured at
-    B = 8: T = 2 took 2.8x T = 1, priced 1.16x); keyed by rows alone, a policy that always
-    drafted priced plain steps at its drafting steps' ratio, and kept drafting at a loss. An
-    untimed shape is priced from its neighbours (`step_ratio`)."""
+    """A batched step's correction keys, most specific first: its octave of sequences (1,
+    2-3, 4-7, ...) with its octave of width T, then (T > 1) with every width above 1, at its
+    context size, then at any. Plain (T = 1) and drafting steps never share a key."""
     return _keys(int(n).bit_length(), int(T).bit_length(), context_bucket(context))
 
 
@@ -342,10 +292,8 @@ def _keys(n_octave: int, t_octave: int, bucket: int) -> tuple:
 
 def step_ratio(shared: Correction, n: int, T: int, context: int | None) -> float:
     """The correction of a batched step of this shape: its keys' (`step_keys`) once one is
-    trusted; before, a seed (`_seed`: its timed neighbours') with the shape's own first
-    timings blended in (`Correction.blend`). Priced as calibrated, an untimed drafting shape
-    at B = 8 looked 2-5x cheaper than it was, and the first steps of every new batch size
-    drafted at a loss."""
+    trusted; before, a seed from its timed neighbours (`_seed`) with its own first timings
+    blended in (`Correction.blend`)."""
     shape = (int(n).bit_length(), int(T).bit_length(), context_bucket(context))
     if shape not in shared.memo:          # every sequence of a step asks, for every width
         shared.memo[shape] = _seeded(shared, *shape)
@@ -360,9 +308,8 @@ def _seeded(shared: Correction, no: int, to: int, bucket: int) -> float:
 
 def _seed(shared: Correction, no: int, to: int, bucket: int) -> float:
     """An untrusted shape's prior: the nearest trusted octave of sequences' ratio (plain with
-    plain, drafting with drafting); a drafting one's scaled by the two octaves' plain steps'
-    ratios (where the neighbour's is timed), and never below its own octave's plain steps'
-    (a batched drafting step is dearer per row than a plain one, never cheaper)."""
+    plain, drafting with drafting), a drafting one scaled by the two octaves' plain ratios
+    and never below its own octave's plain ratio."""
     plain = 1.0 if to == 1 else _seeded(shared, no, 1, bucket)
     for o in _neighbours(no):
         r = shared.trusted(_keys(o, to, bucket))
