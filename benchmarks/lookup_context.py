@@ -7,7 +7,8 @@ context (`LookupConfig.grow_from`: one more per doubling from 2k or from 1k toke
 kept on the source being copied while it agrees (`LookupConfig.sticky`, the default), and the
 most recent occurrence of any suffix long enough (the shortest one's: every
 occurrence of a longer suffix is one of the shorter). The policy is `AdaptiveWidth` with the
-lookup alone, its estimates learnt from its cycles and from `Shadow` as in the engine, its plain
+lookup alone, its estimates learnt from its cycles and from `LookupShadow` as in the engine, its
+plain
 steps run in launch chains as the engine runs them (`AdaptiveWidth.launch_next`; a step that
 starts a chain pays `CostModel.relaunch`). Per set and rule: the lookup's cycles, tau, and the
 estimated speedup over plain decoding at that context (plain: one unbroken chain).
@@ -35,7 +36,7 @@ import json
 import os
 
 import dflash2_mlx
-from dflash2_mlx.policy.adaptive import AdaptiveWidth, LOOKUP, PLAIN, Shadow
+from dflash2_mlx.policy.adaptive import AdaptiveWidth, LOOKUP, PLAIN, LookupShadow
 from dflash2_mlx.policy.calibration import load_or_measure_costs
 from dflash2_mlx.policy.costs import CostModel
 from dflash2_mlx.policy.calibration import measure_costs
@@ -77,7 +78,7 @@ def replay(prompt, output, index, policy, cost):
     whatever the policy chooses, and a step not launched pays the graph build a chain hides
     (`CostModel.relaunch`)."""
     policy = policy.for_sequence()          # a request of its own (shared estimates)
-    shadow = Shadow(policy, LOOKUP)
+    shadow = LookupShadow(policy, LOOKUP)
     n, seconds, cycles, accepted, launched = 1, 0.0, 0, 0, False
     clock = PlainStepTimer()
     while n < len(output):

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 import mlx.core as mx
 
 from .policy.adaptive import LOOKUP, PLAIN
-from .policy.batch import BatchAwareWidth, later_sums, plain_beats
+from .policy.batch import BatchAwareWidth, outlooks_after, plain_is_better
 from .batch_cache import RaggedRows, SoloRows
 from .policy.costs import drafter_pass
 from .drafter import Drafter
@@ -51,7 +51,8 @@ class Engine:
 
     lookup: the lookup's settings for requests with `lookup=True`. max_batch: the most
     sequences decoding at once (the others wait); a target whose caches cannot hold ragged
-    rows decodes one at a time (`solo_why` says why: `solo_reason`). prefill_step_size: the prefill's chunk.
+    rows decodes one at a time (`solo_why` says why: `solo_reason`). prefill_step_size: the
+    prefill's chunk.
     launch: launch all-plain steps ahead (False: every step synchronous; same tokens)."""
 
     def __init__(self, target: Target, drafter: Drafter | None = None, *,
@@ -279,13 +280,13 @@ class Engine:
         them chose and what those after them are expected to -> (plans, whether plain
         decoding of every sequence beats what they wanted; then they decode plainly)."""
         plans, planned = [], []
-        later = later_sums([seq.policy for seq in self.rows])    # O(B W), once per step
+        later = outlooks_after([seq.policy for seq in self.rows])    # O(B W), once per step
         for i, seq in enumerate(self.rows):
             if isinstance(seq.policy, BatchAwareWidth):
                 seq.policy.set_batch(planned, later[i + 1], slots)
             plans.append(plan(seq, self.drafter))
             planned.append(plans[-1].want if plans[-1].width > 1 else PLAIN_WANT)
-        plain_wins = plain_beats([(p.seq.policy, p.want) for p in plans], slots)
+        plain_wins = plain_is_better([(p.seq.policy, p.want) for p in plans], slots)
         if plain_wins and any(p.width > 1 for p in plans):
             self._plain_instead(plans, contexts)
             self.vetoed += 1

@@ -10,7 +10,7 @@ from typing import Callable, NamedTuple
 
 import mlx.core as mx
 
-from .policy.adaptive import DRAFTER, FixedWidth, LOOKUP, PLAIN, Shadow
+from .policy.adaptive import DRAFTER, FixedWidth, LOOKUP, PLAIN, LookupShadow
 from .drafter import Draft, Drafter, Proposal
 from .lookup import LookupConfig, LookupIndex
 from .policy import WidthPolicy
@@ -24,10 +24,10 @@ STOP, LENGTH, CANCELLED = "stop", "length", "cancelled"
 @dataclass
 class Request:
     """One sequence to generate. policy: its own width policy (`policy.adaptive.FixedWidth`,
-    `AdaptiveWidth`, `policy.batch.BatchAwareWidth`; default FixedWidth(1), plain decoding); lookup: draft
-    from its context too; state: a `DecodeState` to start from (advanced in place);
-    keep_state: keep its state when it leaves (`Engine.pop_state`); progress(done, total):
-    called between the chunks of a long prefill; stats: the record to fill (default: new)."""
+    `AdaptiveWidth`, `policy.batch.BatchAwareWidth`; default FixedWidth(1), plain decoding);
+    lookup: draft from its context too; state: a `DecodeState` to start from (advanced in
+    place); keep_state: keep its state when it leaves (`Engine.pop_state`); progress(done,
+    total): called between the chunks of a long prefill; stats: the record to fill."""
 
     prompt: list[int]
     max_tokens: int = 256
@@ -89,7 +89,7 @@ class Sequence:
         self.stats.prompt_tokens, self.stats.cached_tokens = len(req.prompt), len(state.tokens)
         self.tokens: list[int] = []
         self.index: LookupIndex | None = None
-        self.shadow = Shadow(self.policy, LOOKUP)
+        self.shadow = LookupShadow(self.policy, LOOKUP)
         # the key of the plain step launched ahead for it (its next step is that one)
         self.launched: mx.array | None = None
         self.logits = None                     # the prefill's last row, until the first token

@@ -14,7 +14,8 @@ from mlx_lm.generate import generate_step
 
 import dflash2_mlx
 from dflash2_mlx.sequence import TRUSTED_CHAIN, PlainStepTimer
-from dflash2_mlx.policy.adaptive import DRAFTER, LOOKUP, PLAIN, AdaptiveWidth, FixedWidth, Shadow
+from dflash2_mlx.policy.adaptive import (DRAFTER, LOOKUP, PLAIN, AdaptiveWidth, FixedWidth,
+                                         LookupShadow)
 from dflash2_mlx.policy.calibration import load_or_measure_costs
 from dflash2_mlx.policy.costs import CostModel
 from dflash2_mlx.policy.fitted import FIT
@@ -217,7 +218,7 @@ def test_plain_decoding_is_priced_as_its_chain_not_as_steps_between_drafting_cyc
 
 def test_lookup_proposals_nobody_verified_are_scored_against_what_committed():
     policy = AdaptiveWidth(COST, {DRAFTER: 8, LOOKUP: 16}, decay=1.0)
-    shadow = Shadow(policy)
+    shadow = LookupShadow(policy)
     c = policy.counts_for(LOOKUP, 3)
     shadow.offer([5, 6, 7, 8], 3)
     shadow.offer([1, 2], 3)          # one proposal at a time: ignored while one is followed
@@ -241,7 +242,7 @@ def test_a_whole_lookup_run_is_followed_to_where_it_ends():
     the bonus's on, so a position past the chosen width that missed early is tried again
     whenever the run before it copies (else a copying lookup settled at 3 rows)."""
     policy = AdaptiveWidth(COST, {DRAFTER: 8, LOOKUP: 16}, decay=1.0)
-    shadow = Shadow(policy)
+    shadow = LookupShadow(policy)
     c = policy.counts_for(LOOKUP, 4)
     policy.update(LOOKUP, 3, 2, None, 4)                    # the verified cycle: 2 of 2
     shadow.follow(LOOKUP, 3, 2, [5, 6, 7, 8, 9, 1], 4)
@@ -710,11 +711,11 @@ def test_probes_survive_the_end_of_a_generation():
 
 
 def replay_lookup(policy, context, copies, tokens=96, seed=0):
-    """The lookup-or-plain policy after `context` tokens, as the engine runs it (`Shadow`
+    """The lookup-or-plain policy after `context` tokens, as the engine runs it (`LookupShadow`
     scores what no cycle verified), where every cycle has a 3-token match whose 15-token
     proposal is what follows (copies) or never right -> the (width, accepted) of each lookup
     cycle, and the seconds over a plain step's (LONG16)."""
-    rng, shadow = random.Random(seed), Shadow(policy)
+    rng, shadow = random.Random(seed), LookupShadow(policy)
     text = [rng.randrange(1000) for _ in range(tokens + 16)]
     n, cycles, seconds = 0, [], 0.0
     while n < tokens:

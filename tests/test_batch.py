@@ -659,7 +659,7 @@ def _simulate_batch(B: int, steps: int = 400, warmup: int = 60, alpha: float = 0
     own. stored: the calibration the policies read, from the true one (a wrong one); the steps
     are then timed as the engine times them, the drafter's pass included."""
     from dflash2_mlx.policy.adaptive import AdaptiveWidth, DRAFTER
-    from dflash2_mlx.policy.batch import BatchAwareWidth, plain_beats
+    from dflash2_mlx.policy.batch import BatchAwareWidth, plain_is_better
     from dflash2_mlx.policy.costs import BASE_CONTEXT, Correction, CostModel, drafter_pass
 
     extra = 0 if context is None else context - BASE_CONTEXT
@@ -693,7 +693,7 @@ def _simulate_batch(B: int, steps: int = 400, warmup: int = 60, alpha: float = 0
             e, d = policy.last
             planned.append((w, e if w > 1 else 1.0, d if source == DRAFTER else 0.0))
             chosen.append((source, w))
-        if plain_beats(list(zip(policies, planned)), context):     # as the engine
+        if plain_is_better(list(zip(policies, planned)), context):     # as the engine
             chosen = [("plain", 1)] * B
         T = max(w for _, w in chosen)
         took = verify(B * T)
@@ -813,7 +813,7 @@ def _simulate_mixed(B: int, plain: bool = False, steps: int = 300, warmup: int =
     one sequence alone), the batched steps as above. one_pass: the step's drafting sequences share one drafter pass
     (`costs.drafter_pass`, as the engine runs them), else each runs its own."""
     from dflash2_mlx.policy.adaptive import AdaptiveWidth, DRAFTER, LOOKUP, PLAIN
-    from dflash2_mlx.policy.batch import BatchAwareWidth, plain_beats
+    from dflash2_mlx.policy.batch import BatchAwareWidth, plain_is_better
     from dflash2_mlx.policy.costs import Correction, CostModel, drafter_pass
 
     cost = CostModel((0.0, .0134, .0142, .0219, .0239, .0239, .0255, .0291),
@@ -837,7 +837,7 @@ def _simulate_mixed(B: int, plain: bool = False, steps: int = 300, warmup: int =
             e, d = policy.last
             planned.append((w, e if w > 1 else 1.0, d if source == DRAFTER else 0.0))
             chosen.append((source, w))
-        if plain_beats(list(zip(policies, planned))):            # as the engine
+        if plain_is_better(list(zip(policies, planned))):            # as the engine
             chosen, planned = [(PLAIN, 1)] * b, [(1, 1.0, 0.0)] * b
         T = max(w for _, w in chosen)
         drafts = sum(d for _, _, d in planned)
@@ -887,11 +887,11 @@ def test_batch_aware_policy_prices_a_new_shape_like_its_neighbours(B):
 
 
 def test_later_outlooks_summed_once_choose_as_the_direct_sum():
-    """`later_sums` (suffix sums, O(B W) per step) gives every policy the sums, and so the
+    """`outlooks_after` (suffix sums, O(B W) per step) gives every policy the sums, and so the
     choices, that summing the outlooks of those after it directly gives, on random outlooks
     (some unknown, some plain)."""
     from dflash2_mlx.policy.adaptive import AdaptiveWidth, DRAFTER, LOOKUP
-    from dflash2_mlx.policy.batch import BatchAwareWidth, Later, later_sums
+    from dflash2_mlx.policy.batch import BatchAwareWidth, OutlookAfter, outlooks_after
     from dflash2_mlx.policy.costs import Correction, CostModel
 
     rng = random.Random(5)
@@ -915,14 +915,14 @@ def test_later_outlooks_summed_once_choose_as_the_direct_sum():
                     outlook.append((1.0 + e, d))
                 p.outlook = tuple(outlook)
             policies.append(p)
-        later = later_sums(policies)
+        later = outlooks_after(policies)
         for i, p in enumerate(policies):
             if not isinstance(p, BatchAwareWidth):
                 continue
             rest = policies[i + 1:]
             known = [o for o in map(batch_outlook, rest) if o is not None]
             W = max([len(o) for o in known] + [16])
-            direct = Later(len(rest), sum(batch_outlook(q) is None for q in rest), tuple(
+            direct = OutlookAfter(len(rest), sum(batch_outlook(q) is None for q in rest), tuple(
                 (sum(o[min(T, len(o)) - 1][0] for o in known),
                  sum(o[min(T, len(o)) - 1][1] for o in known),
                  max([o[min(T, len(o)) - 1][1] for o in known], default=0.0))

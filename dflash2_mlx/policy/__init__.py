@@ -1,8 +1,8 @@
 """Width policies: which source drafts each cycle and how many rows the target verifies.
 
-`adaptive`: one sequence's policies (`FixedWidth`, `AdaptiveWidth`) and `Shadow`; `batch`: the
-batch-aware policy; `costs`: the cost model and its online correction; `calibration`: timing
-the costs, and their per-machine cache; `fitted`: the constants fitted on one machine.
+`adaptive`: one sequence's policies (`FixedWidth`, `AdaptiveWidth`) and `LookupShadow`;
+`batch`: the batch-aware policy; `costs`: the cost model and its online correction;
+`calibration`: timing the costs, and their per-machine cache; `fitted`: the constants fitted on one machine.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ class WidthPolicy(Protocol):
 
     def update(self, source: str, width: int, accepted: int, seconds: float | None = None,
                match_n: int = 0, context: int | None = None, first: int = 1) -> None:
-        """A cycle's outcome: drafts accepted, seconds (None: untimed, or a `Shadow`'s score);
+        """A cycle's outcome: drafts accepted, seconds (None: untimed, or a `LookupShadow`'s
+        score);
         first: the first draft position to count."""
 
     def launch_next(self, choice: tuple[str, int], available: dict[str, int],

@@ -208,7 +208,7 @@ class AdaptiveWidth:
             return best
         if (DRAFTER, 2) in rate and not launched and (
                 self.plain_run >= self._probe_gap(rate, context) or self.probe_again):
-            self.plain_run, self.probe_again = 0, False   # the lookup needs none: see Shadow
+            self.plain_run, self.probe_again = 0, False   # the lookup needs none: see LookupShadow
             self.probing = True
             return DRAFTER, 2
         self.plain_run += 1
@@ -355,7 +355,7 @@ def price_keys(source: str, width: int, context: int | None) -> tuple:
     return keys[:2] if source == PLAIN else keys
 
 
-class Shadow:
+class LookupShadow:
     """Learns the lookup's acceptance for free: a proposal no cycle verified is scored against
     the tokens that commit, and the policy told what a cycle would have accepted (`update`
     without seconds). Unbiased when sampling too (a committed token equals a proposed one with

@@ -28,7 +28,7 @@ class BatchAwareWidth:
         self.inner = inner
         self.shared = shared if shared is not None else Correction(decay=0.9)
         self.planned: list[tuple[int, float, float]] = []
-        self.after = Later()                    # the outlooks of those planning after it
+        self.after = OutlookAfter()                    # the outlooks of those planning after it
         self.slots = None
         self.last = (1.0, 0.0)                  # `BatchPolicy`
         self.outlook: tuple[tuple[float, float], ...] | None = None
@@ -40,11 +40,11 @@ class BatchAwareWidth:
     def set_batch(self, planned: list[tuple[int, float, float]], after,
                   slots: int | None = None) -> None:
         """`BatchPolicy.set_batch`; after: the policies planning after it (a list, their
-        `Later`, or how many: each then expected to choose as it does)."""
+        `OutlookAfter`, or how many: each then expected to choose as it does)."""
         self.planned, self.slots = list(planned), slots
         if isinstance(after, int):
-            after = Later(after, after)
-        self.after = after if isinstance(after, Later) else later_sums(after)[0]
+            after = OutlookAfter(after, after)
+        self.after = after if isinstance(after, OutlookAfter) else outlooks_after(after)[0]
 
     def step_cost(self, n: int, T: int, context: int | None = None,
                   drafts: float = 0.0) -> float:
@@ -198,7 +198,7 @@ class BatchAwareWidth:
         self.inner.update(source, width, accepted, *args, **kwargs)
 
 
-def plain_beats(wants: list[tuple[object, tuple[int, float, float]]],
+def plain_is_better(wants: list[tuple[object, tuple[int, float, float]]],
                 slots: int | None = None) -> bool:
     """Whether every sequence decoding plainly is worth more tokens per second than what their
     policies want (policy, (width, expected tokens, draft seconds)), by the batch's prices
@@ -241,7 +241,7 @@ def _best_within(options: list, rate: float) -> tuple[tuple[float, float], ...]:
     return tuple(out)
 
 
-class Later:
+class OutlookAfter:
     """What the policies planning after a sequence are expected to add to a step: count;
     unknown, those without an outlook (expected to choose as the sequence); sums[T - 1], for a
     widest block T = 1 .. W, the (expected tokens, draft seconds, dearest draft) of the rest."""
@@ -259,20 +259,20 @@ class Later:
         return e, d, top
 
 
-def later_sums(policies: list) -> list[Later]:
-    """[i]: the `Later` of policies[i:], for i = 0 .. len(policies): suffix sums of their
+def outlooks_after(policies: list) -> list[OutlookAfter]:
+    """[i]: the `OutlookAfter` of policies[i:], for i = 0 .. len(policies): suffix sums of their
     outlooks, O(B W) once per step."""
     outlooks = [_outlook(p) for p in policies]
     W = max((len(o) for o in outlooks if o), default=1)
     zeros = ((0.0, 0.0, 0.0),) * W
-    out = [Later()]
+    out = [OutlookAfter()]
     for o in reversed(outlooks):
         prev = out[-1]
         if o is None:
-            out.append(Later(prev.count + 1, prev.unknown + 1, prev.sums))
+            out.append(OutlookAfter(prev.count + 1, prev.unknown + 1, prev.sums))
             continue
         o = o + (o[-1],) * (W - len(o))
-        out.append(Later(prev.count + 1, prev.unknown, tuple(
+        out.append(OutlookAfter(prev.count + 1, prev.unknown, tuple(
             (pe + e, pd + d, max(pt, d)) for (pe, pd, pt), (e, d) in zip(prev.sums or zeros, o))))
     return out[::-1]
 
@@ -292,25 +292,25 @@ def _keys(n_octave: int, t_octave: int, bucket: int) -> tuple:
 
 def step_ratio(shared: Correction, n: int, T: int, context: int | None) -> float:
     """The correction of a batched step of this shape: its keys' (`step_keys`) once one is
-    trusted; before, a seed from its timed neighbours (`_seed`) with its own first timings
+    trusted; before, a seed from its timed neighbours (`_prior_ratio`) with its own first timings
     blended in (`Correction.blend`)."""
     shape = (int(n).bit_length(), int(T).bit_length(), context_bucket(context))
     if shape not in shared.memo:          # every sequence of a step asks, for every width
-        shared.memo[shape] = _seeded(shared, *shape)
+        shared.memo[shape] = _shape_ratio(shared, *shape)
     return shared.memo[shape]
 
 
-def _seeded(shared: Correction, no: int, to: int, bucket: int) -> float:
+def _shape_ratio(shared: Correction, no: int, to: int, bucket: int) -> float:
     own = _keys(no, to, bucket)
     r = shared.trusted(own)
-    return r if r is not None else shared.blend(own, _seed(shared, no, to, bucket))
+    return r if r is not None else shared.blend(own, _prior_ratio(shared, no, to, bucket))
 
 
-def _seed(shared: Correction, no: int, to: int, bucket: int) -> float:
+def _prior_ratio(shared: Correction, no: int, to: int, bucket: int) -> float:
     """An untrusted shape's prior: the nearest trusted octave of sequences' ratio (plain with
     plain, drafting with drafting), a drafting one scaled by the two octaves' plain ratios
     and never below its own octave's plain ratio."""
-    plain = 1.0 if to == 1 else _seeded(shared, no, 1, bucket)
+    plain = 1.0 if to == 1 else _shape_ratio(shared, no, 1, bucket)
     for o in _neighbours(no):
         r = shared.trusted(_keys(o, to, bucket))
         if r is None:
