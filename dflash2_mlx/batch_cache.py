@@ -352,13 +352,6 @@ def batch_refusal(single: list) -> str | None:
     return None
 
 
-def check_batchable(single: list) -> None:
-    """ValueError with `batch_refusal`'s reason when there is one."""
-    why = batch_refusal(single)
-    if why is not None:
-        raise ValueError(why)
-
-
 class RaggedRows:
     """The engine's caches for a batch: one `RaggedKVCache` or `RecurrentRows` per layer,
     a row per sequence, in the order of the engine's rows."""

@@ -13,7 +13,7 @@ from mlx_lm.utils import _get_classes
 from dflash2_mlx.policy.adaptive import AdaptiveWidth, DRAFTER, FixedWidth, LOOKUP
 from dflash2_mlx.engine import CANCELLED, Engine, Request
 from dflash2_mlx.policy.batch import BatchAwareWidth
-from dflash2_mlx.batch_cache import RaggedKVCache, RecurrentRows, batch_cache, check_batchable
+from dflash2_mlx.batch_cache import RaggedKVCache, RecurrentRows, batch_cache, batch_refusal
 from dflash2_mlx.policy.costs import Correction, CostModel
 from dflash2_mlx.target import TargetAdapter
 from dflash2_mlx.testing import drafter_args, random_drafter
@@ -54,7 +54,7 @@ def auto_policy(shared: Correction) -> BatchAwareWidth:
 
 def test_hybrid_caches_are_batchable(target):
     single = target.make_cache()
-    check_batchable(single)
+    assert batch_refusal(single) is None
     target.forward(mx.array([[3, 4, 5]]), single)
     kinds = {type(c) for c in batch_cache(single)}
     assert kinds == {RaggedKVCache, RecurrentRows}
