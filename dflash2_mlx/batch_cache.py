@@ -399,7 +399,7 @@ class RaggedRows:
 
 class SoloRows:
     """The engine's caches for one sequence at a time: the sequence's own, of any kind
-    (quantized, sliding-window, a pipeline-sharded target's); a snapshot rolls them back."""
+    (quantized, sliding-window, any recurrent one); a snapshot rolls them back."""
 
     def __init__(self):
         self.cache: list | None = None

@@ -8,8 +8,8 @@ A step, for the running sequences s_1..s_B:
   verify   the target runs [B, T = max w_b]: row b is [anchor_b, drafts_b, padding]
   accept   per sequence, greedy prefix match or rejection sampling on its own rows -> a_b
            accepted drafts and a bonus token
-  commit   the caches keep each row's a_b + 1 rows (`batch_cache.RaggedRows` for a batch,
-           `SoloRows` for a sequence alone); the sequences take their tokens
+  commit   the caches keep each row's a_b + 1 rows (the target's `batch_rows()` for a batch,
+           `batch_cache.SoloRows` for a sequence alone); the sequences take their tokens
 A step whose sequences are all plain may launch the next one before its tokens are read
 (mlx-lm's double buffering). Greedy output equals the target's own greedy decoding token for
 token; seeded sampling draws the same sample alone or batched. docs/batching.md.
@@ -27,7 +27,7 @@ import mlx.core as mx
 
 from .policy.adaptive import LOOKUP, PLAIN
 from .policy.batch import BatchAwareWidth, outlooks_after, plain_is_better
-from .batch_cache import RaggedRows, SoloRows
+from .batch_cache import SoloRows
 from .policy.costs import drafter_pass
 from .drafter import Drafter
 from .lookup import LookupConfig, LookupIndex
@@ -62,7 +62,7 @@ class Engine:
         self.solo_why = self.solo_reason(target, max_batch)
         self.solo = self.solo_why is not None
         max_batch = 1 if self.solo else max_batch
-        self.caches = SoloRows() if self.solo else RaggedRows()
+        self.caches = SoloRows() if self.solo else target.batch_rows()
         self.lookup = lookup or LookupConfig()
         self.max_batch, self.prefill_step_size = max_batch, prefill_step_size
         self.launch = launch

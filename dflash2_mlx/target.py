@@ -16,7 +16,7 @@ from typing import Callable, Protocol, runtime_checkable
 import mlx.core as mx
 import mlx.nn as nn
 
-from .batch_cache import batch_refusal
+from .batch_cache import RaggedRows, batch_refusal
 from .views import (STACK_PATHS, LayerRange, LayerTap, RollbackRotatingKVCache, Snapshot,
                     TargetModel, find_stack_path)
 
@@ -51,6 +51,9 @@ class Target(Protocol):
     def batch_refusal(self) -> str | None:
         """Why its caches cannot hold a batch's ragged rows (then it decodes one sequence at
         a time), or None."""
+
+    def batch_rows(self) -> RaggedRows:
+        """An empty row set for a batch on its caches (when `batch_refusal()` is None)."""
 
     def snapshot(self, cache: list) -> Snapshot:
         """Take before a verify; its `rollback(kept, total)` drops the rejected rows."""
@@ -98,6 +101,9 @@ class TargetAdapter(TargetModel):
 
     def batch_refusal(self) -> str | None:
         return batch_refusal(self.make_cache())
+
+    def batch_rows(self) -> RaggedRows:
+        return RaggedRows()
 
     def snapshot(self, cache: list) -> Snapshot:
         """Take before a verify; its `rollback` is the only way to drop rejected rows, so a

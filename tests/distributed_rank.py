@@ -51,6 +51,19 @@ def run_case(pipe, case: dict) -> dict:
             "sent": delta(counts(target.link), before), "forwards": target.forwards - forwards}
 
 
+def run_batch(pipe, batch: dict) -> dict:
+    """The prompts of `batch` at once on rank 0's batch engine (`generate_batch`)."""
+    target = pipe.adapter
+    before, forwards = counts(target.link), target.forwards
+    gens = pipe.generate_batch(batch["prompts"], max_tokens=batch["max_tokens"],
+                               block_size=batch.get("block_size"), lookup=batch.get("lookup"),
+                               max_batch=batch.get("max_batch"),
+                               prefill_budget=batch.get("prefill_budget"))
+    return {"tokens": [g.tokens for g in gens], "forwards": target.forwards - forwards,
+            "cycles": sum(len(g.stats.steps) for g in gens),
+            "sent": delta(counts(target.link), before)}
+
+
 def main(plan_path: str) -> int:
     plan = json.loads(Path(plan_path).read_text())
     out = Path(plan_path).parent
@@ -69,6 +82,7 @@ def main(plan_path: str) -> int:
             die = job.get("die")
             if stage.leader:
                 done["cases"] = [run_case(pipe, case) for case in job["cases"]]
+                done["batches"] = [run_batch(pipe, b) for b in job.get("batches", [])]
                 stage.close()
             else:
                 if die and die["rank"] == rank:

@@ -5,6 +5,7 @@ pair) and the faults get one launch each."""
 
 import json
 import os
+import random
 import re
 import socket
 import subprocess
@@ -264,6 +265,18 @@ def single_process(model: str, draft: str, cases: list[dict]) -> list[list[int]]
     return out
 
 
+def batch_case(seed: int, **options) -> dict:
+    """Seven prompts of 3-30 ids (every third repetitive: the lookup has matches), 4-20 tokens
+    each: at most 3 decode at once, so rows join and leave mid-batch, prefilled 8 ids a step."""
+    rng = random.Random(seed)
+    prompts = []
+    for k in range(7):
+        p = [rng.randrange(300) for _ in range(rng.randint(3, 30))]
+        prompts.append((p[:5] * 6)[:len(p) + 5] if k % 3 == 0 else p)
+    return dict(prompts=prompts, max_tokens=[rng.randint(4, 20) for _ in prompts],
+                max_batch=3, prefill_budget=8, **options)
+
+
 @pytest.fixture(scope="module")
 def exactness_run(tmp_path_factory, llama_dir, dflash2_dir, qwen35_dir, monkeypatch_module):
     # The SmolLM2 pair from the session's cache (conftest links the user's copy there), found
@@ -288,6 +301,9 @@ def exactness_run(tmp_path_factory, llama_dir, dflash2_dir, qwen35_dir, monkeypa
         prompt = "Write a Python function that checks whether a number is prime."
         jobs.append(("smollm2", *pair, None, [
             dict(prompt=prompt, max_tokens=12, block_size=6, lookup=True)]))
+    batches = {"llama": [batch_case(1, block_size="auto", lookup=True),
+                         batch_case(2, block_size=5)],
+               "qwen3_5": [batch_case(3, block_size=4, lookup=True)]}
     plan = {"timeout": 30, "jobs": []}
     refs = {}
     for name, model, draft, split, cases in jobs:
@@ -296,8 +312,12 @@ def exactness_run(tmp_path_factory, llama_dir, dflash2_dir, qwen35_dir, monkeypa
         for case, ref in zip(cases, refs[name]):
             if case.pop("oracle", False):
                 case["truth"] = ref
+        for b in batches.get(name, []):             # plain greedy, one prompt at a time
+            b["truth"] = single_process(model, draft, [
+                dict(prompt=p, max_tokens=n, block_size=1)
+                for p, n in zip(b["prompts"], b["max_tokens"])])
         plan["jobs"].append({"name": name, "model": model, "draft": draft, "split": split,
-                             "cases": cases})
+                             "cases": cases, "batches": batches.get(name, [])})
     (tmp / "plan.json").write_text(json.dumps(plan))
     proc = launch([str(RANK_SCRIPT), str(tmp / "plan.json")], tmp)
     assert (tmp / "rank0.json").exists(), proc.stderr[-3000:]
@@ -336,6 +356,25 @@ def test_two_ranks_equal_one_process(exactness_run):
 
 
 @needs_launch
+def test_two_ranks_batch_concurrent_prompts_exactly(exactness_run):
+    """Rank 0's batch engine over the ranks: prompts joining and leaving a batch of 3, each
+    drafting, verified in shared forwards (fewer forwards than the prompts' steps), every
+    rank rolling its own rows back (qwen3_5: recurrent layers on rank 1): each prompt's
+    tokens are its plain greedy output alone."""
+    plan, _, (rank0, rank1) = exactness_run
+    seen = 0
+    for job, done in zip(plan["jobs"], rank0["jobs"]):
+        for batch, got in zip(job["batches"], done["batches"]):
+            seen += 1
+            assert got["tokens"] == batch["truth"], (job["name"], batch.get("block_size"))
+            assert got["forwards"] < got["cycles"], "the prompts never shared a forward"
+            assert got["sent"]["1/rows"][0] > 0, "no batch rows were sent to rank 1"
+    assert seen == 3
+    for r0, r1 in zip(rank0["jobs"], rank1["jobs"]):     # every forward ran on both ranks
+        assert r1["forwards"] == r0["sent"]["1/control"][0], r0["name"]
+
+
+@needs_launch
 def test_messages_per_cycle_and_boundary_do_not_depend_on_the_width(exactness_run):
     """Rank 0 -> 1: one control word and one hidden state per target forward; 1 -> 0: one
     hidden state (with the features). A forward is one per cycle, whatever its width."""
@@ -352,7 +391,8 @@ def test_messages_per_cycle_and_boundary_do_not_depend_on_the_width(exactness_ru
         assert per_forward == {(1.0, 1.0)}, job["name"]
         assert follower["sent"]["0/hidden"][0] == follower["forwards"], job["name"]
         assert "0/control" not in follower["sent"], "rank 1 is the last stage: no control"
-        assert follower["forwards"] == sum(c["forwards"] for c in done["cases"]), job["name"]
+        assert follower["forwards"] == sum(c["forwards"] for c in
+                                           done["cases"] + done["batches"]), job["name"]
     # widths 2, 5 and 8 all ran: the constant above covers several widths
     llama = rank0["jobs"][0]["cases"]
     assert {max(c["stats"]["widths"]) for c in llama[:3]} == {2, 5, 8}
@@ -488,9 +528,10 @@ def test_bad_split_refused_before_any_weight_loads(llama_dir, monkeypatch):
 def test_serve_pipeline_answers_like_one_process_and_stops_on_sigterm(tmp_path, llama_dir,
                                                                       dflash2_dir):
     """Rank 0 serves (prefix cache included: the second request reuses the first's rows on
-    both ranks); SIGTERM to rank 0 stops both ranks."""
+    both ranks; then three at once, batched on both ranks); SIGTERM to rank 0 stops both."""
     import signal
     import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
 
     pytest.importorskip("uvicorn")
     shim = tmp_path / "cli.py"              # each rank leaves its pid: rank{MLX_RANK}.pid
@@ -523,11 +564,17 @@ def test_serve_pipeline_answers_like_one_process_and_stops_on_sigterm(tmp_path, 
             except OSError:
                 time.sleep(0.5)
         first, second = complete("def add"), complete("def add(a, b)")
+        together = ["class Stack:", "for i in range(10):", "The quick brown fox"]
+        with ThreadPoolExecutor(len(together)) as pool:
+            replies = list(pool.map(complete, together))
+        health = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{http}/health",
+                                                   timeout=10).read())
         single = dflash2_mlx.load(str(llama_dir), str(dflash2_dir))
-        for got, prompt in ((first, "def add"), (second, "def add(a, b)")):
+        for got, prompt in zip([first, second] + replies, ["def add", "def add(a, b)"] + together):
             want = single.generate(prompt, max_tokens=10, block_size=4, chat_template=False)
-            assert got["choices"][0]["text"] == want.text
+            assert got["choices"][0]["text"] == want.text, prompt
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert health["batch"]["mode"] == "batch" and health["batch"]["why"] is None, health
         ranks = {r: int((tmp_path / f"rank{r}.pid").read_text()) for r in (0, 1)}
         os.kill(ranks[0], signal.SIGTERM)
         launcher.wait(timeout=30)

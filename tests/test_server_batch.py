@@ -393,15 +393,19 @@ def test_a_hybrid_gated_delta_net_target_is_batched_exactly(hybrid_pipe):
 
 
 def test_the_mode_and_the_batch_settings(pipe, monkeypatch):
-    from dflash2_mlx.distributed.stages import ShardedTarget
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    from dflash2_mlx.batch_cache import batch_refusal
 
     assert Scheduler(pipe).mode == "batch" and Scheduler(pipe).max_batch == check.MAX_BATCH
     single = Scheduler(pipe, max_batch=1)
     assert (single.mode, single.why, single.rows) == ("single", "max_batch is 1", 1)
-    # the engine decides from the target: a pipeline-sharded one refuses ragged rows
-    monkeypatch.setattr(pipe.adapter, "batch_refusal", lambda: ShardedTarget.batch_refusal(None))
-    sharded = Scheduler(pipe)
-    assert sharded.mode == "single" and "--pipeline" in sharded.why and sharded.rows == 1
+    # the engine decides from the target: one with quantized caches refuses ragged rows
+    monkeypatch.setattr(pipe.adapter, "batch_refusal",
+                        lambda: batch_refusal([QuantizedKVCache()]))
+    quantized = Scheduler(pipe)
+    assert (quantized.mode == "single" and "QuantizedKVCache" in quantized.why
+            and quantized.rows == 1)
     assert pipe.batch_engine(8).max_batch == 1
     monkeypatch.undo()
     for field, value, words in (("max_batch", 0, "integer >= 1"),

@@ -14,6 +14,7 @@ from . import watchdog
 
 DEFAULT_TIMEOUT = 60.0
 FORWARD, CLONE, FREE, STOP = 1, 2, 3, 4      # control word ops
+JOIN, KEEP, RELEASE, FILTER = 5, 6, 7, 8     # a batch's rows changed (`stages.ShardedRows`)
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 WORDS = 8            # int32 words on the wire: the fields of `Control`, then zeros
 
@@ -26,7 +27,11 @@ class Control(NamedTuple):
     """What rank 0 sends before each step, passed on hop by hop (int32 [8] on the wire).
     FORWARD: the shape and dtype of the hidden state that follows, and `position`, the rows
     rank 0's cache held before this forward; CLONE: `cache` becomes a copy of `source`; FREE:
-    drop `cache`; STOP: return from `follow()`."""
+    drop `cache`; STOP: return from `follow()`. A batch's rows (`cache`: the batch's id), each
+    with an int32 payload after the word (`payload_shape`): JOIN `batch` sequences (payload
+    [batch, 2]: their cache ids and positions); KEEP, after a forward of `rows` rows per row,
+    each row's first keep[b] (payload [batch]); RELEASE row `position` of batch `source` as
+    cache `cache`, of `rows` rows; FILTER: keep rows stay (payload [batch]), in that order."""
 
     op: int
     cache: int = 0                   # the id of one of rank 0's caches (`StageCache.id`)
@@ -40,6 +45,10 @@ class Control(NamedTuple):
         word = [self.op, self.cache, self.batch, self.rows, self.position,
                 DTYPES.index(self.dtype), self.source]
         return mx.array(word + [0] * (WORDS - len(word)), dtype=mx.int32)
+
+    def payload_shape(self) -> tuple[int, ...] | None:
+        """The shape of the int32 array that follows this word, or None."""
+        return {JOIN: (self.batch, 2), KEEP: (self.batch,), FILTER: (self.batch,)}.get(self.op)
 
     @classmethod
     def decode(cls, word: mx.array) -> "Control":
@@ -95,7 +104,8 @@ class Link:
     group: mx.distributed.Group
     timeout: float = DEFAULT_TIMEOUT
     # (destination rank, kind) -> [messages, bytes]; kinds: "control" and "hidden" (one each
-    # per forward and boundary), "op" (a cache copied or dropped, "stop")
+    # per forward and boundary), "op" (a cache copied or dropped, a batch's rows changed,
+    # "stop"), "rows" (the payload of a batch's change)
     sent: dict = field(default_factory=dict)
     seconds: dict = field(default_factory=dict)   # "send hidden", "recv hidden", ...: time
     broken: bool = False                          # a peer went away: nothing more to send
@@ -146,13 +156,21 @@ class Link:
         self._clock(f"recv {kind}", tic)
         return out
 
-    def send_control(self, word: Control, dst: int, what: str) -> None:
+    def send_control(self, word: Control, dst: int, what: str,
+                     payload: mx.array | None = None) -> None:
+        """The word, then its payload (int32, of `word.payload_shape()`) when it has one."""
         self.send(word.encode(), dst, what, "control" if word.op == FORWARD else "op")
+        if payload is not None:
+            self.send(payload, dst, what, "rows")
 
-    def recv_control(self, src: int, what: str) -> Control:
-        """Unbounded: between requests rank 0 may wait as long as it likes (a server)."""
-        return Control.decode(self.recv((WORDS,), mx.int32, src, what, bounded=False,
+    def recv_control(self, src: int, what: str) -> tuple[Control, mx.array | None]:
+        """-> (the word, its payload or None). Unbounded: between requests rank 0 may wait as
+        long as it likes (a server)."""
+        word = Control.decode(self.recv((WORDS,), mx.int32, src, what, bounded=False,
                                         kind="control"))
+        shape = word.payload_shape()
+        return word, (None if shape is None else
+                      self.recv(shape, mx.int32, src, what, kind="rows"))
 
     def _clock(self, key: str, tic: float) -> None:
         self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - tic

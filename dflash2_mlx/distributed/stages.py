@@ -19,10 +19,12 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..batch_cache import RaggedRows, batch_refusal
 from ..target import rollback_error
 from ..views import (Incoming, LayerRange, Snapshot, StandIn, TargetModel, run_to_stand_in,
                      stop)
-from .link import CLONE, FORWARD, FREE, STOP, Control, Link, PipelineError
+from .link import (CLONE, FILTER, FORWARD, FREE, JOIN, KEEP, RELEASE, STOP, Control, Link,
+                   PipelineError)
 from .plan import StagePlan
 
 
@@ -48,7 +50,7 @@ class StageCache(list):
     def __deepcopy__(self, memo):
         twin = StageCache([copy.deepcopy(c, memo) for c in self], self.owner)
         twin.rows = self.rows
-        self.owner._ops.append(Control(CLONE, twin.id, source=self.id))
+        self.owner._ops.append((Control(CLONE, twin.id, source=self.id), None))
         return twin
 
 
@@ -59,6 +61,45 @@ class StageSnapshot(Snapshot):
     def rollback(self, kept: int, total: int) -> None:
         super().rollback(kept, total)
         self.cache.rows -= total - kept
+
+
+class ShardedRows(RaggedRows):
+    """Rank 0's rows of a batch (the engine's `caches`): `RaggedRows` of rank 0's layers in a
+    `StageCache`, whose id names the batch to the other ranks. Each change of the rows is
+    queued for them (a control word and its payload, sent before the next forward, in order),
+    and they make it to their own `RaggedRows` (`Follower`)."""
+
+    def __init__(self, owner: "ShardedTarget"):
+        super().__init__()
+        self.owner = owner
+
+    def _queue(self, word: Control, payload: list | None = None) -> None:
+        self.owner._ops.append((word, None if payload is None
+                                else mx.array(payload, dtype=mx.int32)))
+
+    def join(self, states: list) -> None:
+        joining = [s.cache for s in states]       # held: their FREEs follow the JOIN
+        super().join(states)
+        if not isinstance(self.cache, StageCache):
+            self.cache = StageCache(self.cache, self.owner)
+        self._queue(Control(JOIN, self.cache.id, len(joining)),
+                    [[c.id, c.position] for c in joining])
+
+    def kept(self, keep: list[int], total: int, snapshot=None) -> None:
+        super().kept(keep, total, snapshot)
+        self._queue(Control(KEEP, self.cache.id, len(keep), total), list(keep))
+
+    def release(self, row: int, state) -> None:
+        super().release(row, state)
+        state.cache = StageCache(state.cache, self.owner)
+        state.cache.rows = len(state.tokens)
+        self._queue(Control(RELEASE, state.cache.id, rows=state.cache.rows, position=row,
+                            source=self.cache.id))
+
+    def filter(self, stay: list[int]) -> None:
+        super().filter(stay)            # none stay: the batch's cache goes, and its FREE
+        if stay:
+            self._queue(Control(FILTER, self.cache.id, len(stay)), list(stay))
 
 
 # --------------------------------------------------------------------------- rank 0
@@ -80,10 +121,11 @@ class ShardedTarget(TargetModel):
         self.range = LayerRange(self, plan.start, plan.end, plan.layer_ids)
         remote = LayerRange(self, plan.end, self.num_layers)    # cache types of the others
         self._remote_unrollable = remote.unrollable(remote.make_cache())
+        self._remote_refusal = batch_refusal(remote.make_cache())
         self.remote_features = plan.features_after(plan.size - 1)
         self._view = self.range.view(end=StandIn(self.layers[plan.end - 1], self._round_trip))
         self._ids = 0
-        self._ops: list[Control] = []              # CLONE / FREE for the other ranks
+        self._ops: list[tuple] = []     # (word, payload): caches and rows for the others
         self._back: mx.array | None = None
         self._cache: StageCache | None = None     # the cache of the forward under way
         self._closed = False
@@ -92,7 +134,7 @@ class ShardedTarget(TargetModel):
     # ---- caches: local caches, mirrored on the other ranks under the same id
     def _register(self, cache: StageCache) -> int:
         self._ids += 1
-        weakref.finalize(cache, self._ops.append, Control(FREE, self._ids))
+        weakref.finalize(cache, self._ops.append, (Control(FREE, self._ids), None))
         return self._ids
 
     def make_cache(self) -> StageCache:
@@ -105,18 +147,21 @@ class ShardedTarget(TargetModel):
             raise rollback_error(bad)
 
     def batch_refusal(self) -> str | None:
-        return "the target is pipeline-sharded (--pipeline): its ranks follow one sequence"
+        return batch_refusal(self.range.make_cache()) or self._remote_refusal
+
+    def batch_rows(self) -> "ShardedRows":
+        return ShardedRows(self)
 
     def snapshot(self, cache: StageCache) -> StageSnapshot:
         return StageSnapshot(self.range, cache)
 
     # ---- messages
-    def _send(self, word: Control) -> None:
-        self.link.send_control(word, 1, "sending a step to rank 1")
+    def _send(self, word: Control, payload: mx.array | None = None) -> None:
+        self.link.send_control(word, 1, "sending a step to rank 1", payload)
 
     def _flush_ops(self) -> None:
         while self._ops:
-            self._send(self._ops.pop(0))
+            self._send(*self._ops.pop(0))
 
     def _round_trip(self, x: mx.array) -> mx.array:
         """x [B, T, H] after rank 0's layers -> the hidden state after the last layer, and the
@@ -161,12 +206,17 @@ class ShardedTarget(TargetModel):
 
 @dataclass
 class _Mirror:
-    """A follower's copy of one of rank 0's caches."""
+    """A follower's copy of one of rank 0's caches: a sequence's, or a batch's rows."""
 
-    caches: list
+    cache: list | None
     rows: int = 0
     last: int = 0                         # rows of the last forward
     snapshot: Snapshot | None = None      # taken before the last forward
+    batch: RaggedRows | None = None       # a batch's rows (`ShardedRows` on rank 0)
+
+    @property
+    def layers(self) -> list:
+        return self.batch.cache if self.batch is not None else self.cache
 
 
 class Follower:
@@ -186,25 +236,45 @@ class Follower:
         r, n = self.plan.rank, self.plan.size
         prev, nxt = r - 1, (r + 1) % n
         while True:
-            word = self.link.recv_control(prev, "waiting for rank 0")
+            word, payload = self.link.recv_control(prev, "waiting for rank 0")
             if nxt != 0:
-                self.link.send_control(word, nxt, f"passing a step to rank {nxt}")
+                self.link.send_control(word, nxt, f"passing a step to rank {nxt}", payload)
             if word.op == STOP:
                 return
             if word.op == FREE:
                 self.mirrors.pop(word.cache, None)
             elif word.op == CLONE:
                 src = self.mirrors.get(word.source)
-                self.mirrors[word.cache] = (_Mirror(copy.deepcopy(src.caches), src.rows) if src
+                self.mirrors[word.cache] = (_Mirror(copy.deepcopy(src.cache), src.rows) if src
                                             else _Mirror(self.range.make_cache()))
             elif word.op == FORWARD:
                 m = self.mirrors.get(word.cache)
                 if m is None:
                     m = self.mirrors[word.cache] = _Mirror(self.range.make_cache())
-                self._catch_up(m, word.position)
-                m.snapshot = self.range.snapshot(m.caches)
-                self._forward(m.caches, word, prev, nxt)
+                if m.batch is None:
+                    self._catch_up(m, word.position)
+                m.snapshot = self.range.snapshot(m.layers)
+                self._forward(m.layers, word, prev, nxt)
                 m.rows, m.last = m.rows + word.rows, word.rows
+            else:
+                self._rows(word, [] if payload is None else payload.tolist())
+
+    def _rows(self, word: Control, payload: list) -> None:
+        """A batch's rows changed on rank 0 (`ShardedRows`): the same change to this rank's."""
+        if word.op == JOIN:
+            m = self.mirrors.setdefault(word.cache, _Mirror(None, batch=RaggedRows()))
+            joining = [self.mirrors[i] for i, _ in payload]
+            for j, (_, position) in zip(joining, payload):
+                self._catch_up(j, position)
+            m.batch.join(joining)
+        elif word.op == KEEP:
+            m = self.mirrors[word.cache]
+            m.batch.kept(payload, word.rows, m.snapshot)
+        elif word.op == RELEASE:
+            out = self.mirrors[word.cache] = _Mirror(None, word.rows)
+            self.mirrors[word.source].batch.release(word.position, out)
+        elif word.op == FILTER:
+            self.mirrors[word.cache].batch.filter(payload)
 
     def _catch_up(self, m: _Mirror, position: int) -> None:
         """Drop the rows rank 0 dropped since the last forward (a rejected draft suffix, a
@@ -219,7 +289,7 @@ class Follower:
                 m.snapshot.rollback(keep_last, m.last)
             else:                                     # past the last forward: trims only
                 try:
-                    self.range.trim(m.caches, drop)
+                    self.range.trim(m.cache, drop)
                 except RuntimeError as e:
                     raise PipelineError(f"pipeline: {e}") from None
             m.rows, m.last, m.snapshot = position, max(keep_last, 0), None
@@ -268,6 +338,9 @@ class FollowerTarget:
         self._refuse()
 
     def batch_refusal(self) -> str | None:
+        self._refuse()
+
+    def batch_rows(self) -> RaggedRows:
         self._refuse()
 
     def snapshot(self, cache: list) -> Snapshot:
