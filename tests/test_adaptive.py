@@ -710,17 +710,20 @@ def test_probes_survive_the_end_of_a_generation():
     assert probes >= 600 // (2 * policy._probe_gap(policy._rates({DRAFTER: 8}, 0, None), None))
 
 
-def replay_lookup(policy, context, copies, tokens=96, seed=0):
+def replay_lookup(policy, context, copies, tokens=96, seed=0, first=None):
     """The lookup-or-plain policy after `context` tokens, as the engine runs it (`LookupShadow`
     scores what no cycle verified), where every cycle has a 3-token match whose 15-token
-    proposal is what follows (copies) or never right -> the (width, accepted) of each lookup
-    cycle, and the seconds over a plain step's (LONG16)."""
+    proposal is what follows (copies) or never right (first: its first token right with this
+    chance, the rest never) -> the (width, accepted) of each lookup cycle, and the seconds
+    over a plain step's (LONG16)."""
     rng, shadow = random.Random(seed), LookupShadow(policy)
     text = [rng.randrange(1000) for _ in range(tokens + 16)]
     n, cycles, seconds = 0, [], 0.0
     while n < tokens:
         at = context + n
         guess = text[n + 1: n + 16] if copies else [-1] * 15
+        if first is not None:
+            guess = [text[n + 1] if rng.random() < first else -1] + [-1] * 14
         source, w = policy.choose({LOOKUP: 16}, 3, at)
         a = 0
         if source == LOOKUP:
@@ -754,6 +757,19 @@ def test_lookup_that_copies_at_long_context_goes_wide_at_once(context):
     cycles, seconds = replay_lookup(AdaptiveWidth(LONG16, {LOOKUP: 16}), context, True)
     assert max(w for w, _ in cycles[:5]) == 16, cycles
     assert seconds <= 0.5 * 96, seconds
+
+
+@pytest.mark.parametrize("context", [2000, 8000])
+def test_a_lookup_proven_one_draft_deep_at_long_context_widens_a_step_at_a_time(context):
+    """The explain ask at 2.1k tokens (issue 42): its answer quotes a name of the file, so a
+    recurring suffix's next token is often right and the rest of its proposal rarely. Once
+    the first draft had been tried, every untried position copied its estimate and a 7- to
+    16-row cycle followed (~3 plain steps that accepted a token or none); now a position is
+    offered only while no more than half the offered ones are untried."""
+    for seed in range(5):
+        policy = AdaptiveWidth(LONG16, {LOOKUP: 16}, prior=0.95)
+        cycles, seconds = replay_lookup(policy, context, False, seed=seed, first=0.9)
+        assert all(w <= 3 for w, _ in cycles), (seed, cycles)
 
 
 def test_an_unproven_drafter_probes_narrow_at_long_context():
