@@ -169,7 +169,7 @@ def plan(seq: Sequence, drafter: Drafter | None) -> Plan:
     if source != LOOKUP:
         seq.shadow.offer(choice.guess, choice.match, context)
     seq.key, k_draft, k_accept = mx.random.split(seq.key, 3)
-    e, d = getattr(seq.policy, "last", (1.0, 0.0))
+    e, d = seq.policy.last
     want = PLAIN_WANT if choice.source == PLAIN else \
         Want(choice.width, e, d if choice.source == DRAFTER else 0.0)
     if source == PLAIN:

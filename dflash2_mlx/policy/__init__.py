@@ -17,6 +17,8 @@ class WidthPolicy(Protocol):
     now; match_n: the lookup's recurring suffix length (0: none); context: the tokens the
     target's cache holds (None: the calibration's short context)."""
 
+    last: tuple[float, float]        # (expected tokens, draft seconds) of its latest choice
+
     def choose(self, available: dict[str, int], match_n: int = 0, context: int | None = None,
                launched: bool = False) -> tuple[str, int]:
         """(source, width) of this cycle: ("plain", 1) or a source and the rows to verify.
@@ -40,7 +42,6 @@ class WidthPolicy(Protocol):
 class BatchPolicy(WidthPolicy, Protocol):
     """What `engine.Engine` asks besides of a policy in a batched step."""
 
-    last: tuple[float, float]        # (expected tokens, draft seconds) of its latest choice
     probing: bool                    # its latest choice is a drafter probe
     # per widest block T = 1, 2, ...: the (expected tokens, draft seconds) it would choose
     # within T; None: unknown

@@ -49,7 +49,7 @@ class FixedWidth:
     """Every cycle verifies `width` rows (fewer where a source cannot draft that many),
     drafted by the lookup when the context has a match, else by the drafter."""
 
-    last = (1.0, 0.0)           # `BatchPolicy`: what a batch assumes of a policy that says none
+    last = (1.0, 0.0)           # `WidthPolicy`: what a batch assumes of a policy that says none
     probing = False
 
     def __init__(self, width: int):
@@ -94,6 +94,8 @@ class AdaptiveWidth:
     prior: alpha_1 before any evidence, worth `strength` tries; decay: the weight of older
     tries (0.95: ~20 tries of memory); far, budget: the probes' budget (`_probe_gap`); store:
     writes corrected prices back to the stored calibration."""
+
+    last = (1.0, 0.0)           # `WidthPolicy`: alone it tells a batch nothing of its choices
 
     def __init__(self, cost: CostModel, widths: dict[str, int] | None = None,
                  prior: float = 0.8, strength: float = 2.0, decay: float = 0.95,
