@@ -19,10 +19,11 @@ from .fitted import FIT
 DRAFTER, LOOKUP, PLAIN = "drafter", "lookup", "plain"     # the sources of a cycle's drafts
 MATCH_BUCKETS = (1, 2, 3, 4, 8)     # lookup suffix lengths tracked apart: n, or the largest <= n
 PLAIN_OUTLOOK = ((1.0, 0.0),)       # plain decoding's `BatchPolicy.outlook`
-# from this context bucket (1024 tokens) estimates are kept per context size, and offer at
-# most as many untried positions as tried ones (`prior_at`, `alphas`): a wide cycle that fails
-# costs plain steps
+# from this context bucket (1024 tokens) estimates are kept per context size, and offer
+# positions up to UNTRIED_REACH times the deepest tried one (`prior_at`, `alphas`): a wide
+# cycle that fails costs plain steps; docs/decisions.md, "Untried positions at long context"
 LONG_BUCKET = 2
+UNTRIED_REACH = 4
 
 
 class PositionCounts:
@@ -150,15 +151,16 @@ class AdaptiveWidth:
                context: int | None = None) -> list[float]:
         """Estimated alpha_k of a source: position 1's prior is `prior_at`, each later one's the
         estimate before it (a rarely reached position keeps no optimistic prior). From
-        `LONG_BUCKET`, positions up to twice the deepest one with evidence (alpha_1 only
-        where none has any: 2 rows): an untried position only copies the estimate before it."""
+        `LONG_BUCKET`, positions up to `UNTRIED_REACH` times the deepest one with evidence
+        (alpha_1 only where none has any: 2 rows): an untried position only copies the
+        estimate before it."""
         c = self.counts_for(source, match_n, context)
         out, prior, tried = [], self.prior_at(source, context), 0
         for k, (h, t) in enumerate(self._evidence(c, source, match_n, context), 1):
             prior = (h + prior * self.prior_tries) / (t + self.prior_tries)
             out.append(prior)
             tried = k if t > 0 else tried
-        return out[:max(2 * tried, 1)] if context_bucket(context) >= LONG_BUCKET else out
+        return out[:max(UNTRIED_REACH * tried, 1)] if context_bucket(context) >= LONG_BUCKET else out
 
     def _evidence(self, c: PositionCounts, source: str, match_n: int, context: int | None):
         """(hits, tries) per position: the shared counts `c`; the lookup's from `LONG_BUCKET`
