@@ -160,7 +160,9 @@ class AdaptiveWidth:
             prior = (h + prior * self.prior_tries) / (t + self.prior_tries)
             out.append(prior)
             tried = k if t > 0 else tried
-        return out[:max(UNTRIED_REACH * tried, 1)] if context_bucket(context) >= LONG_BUCKET else out
+        if context_bucket(context) < LONG_BUCKET:
+            return out
+        return out[:max(UNTRIED_REACH * tried, 1)]
 
     def _evidence(self, c: PositionCounts, source: str, match_n: int, context: int | None):
         """(hits, tries) per position: the shared counts `c`; the lookup's from `LONG_BUCKET`
