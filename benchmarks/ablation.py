@@ -26,11 +26,11 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from dflash2_mlx import assets, loading
-from dflash2_mlx.config import DrafterArgs
-from dflash2_mlx.drafter import Drafter, DraftVocab
-from dflash2_mlx.sampling import Sampling
-from dflash2_mlx.target import TargetAdapter
+from dflash2_mlx.loading.checkpoint import assets, checkpoint as loading
+from dflash2_mlx.model.config import DrafterArgs
+from dflash2_mlx.model.drafter import Drafter, DraftVocab
+from dflash2_mlx.decode.sampling import Sampling
+from dflash2_mlx.model.target import TargetAdapter
 from dflash2_mlx.train import data as D
 from dflash2_mlx.train.evaluate import offline_eval
 from dflash2_mlx.train.trainer import latest_checkpoint
@@ -54,7 +54,7 @@ def without_selector(drafter: Drafter) -> Drafter:
     """The same body as a drafter without the selector (DFlash when it has no convolution)."""
     from dataclasses import replace
 
-    from dflash2_mlx.config import DFLASH
+    from dflash2_mlx.model.config import DFLASH
 
     a = drafter.args
     args = replace(a, selector_rank=0, selector_top_k=0,

@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 
 import dflash2_mlx
-from dflash2_mlx.assets import smollm2_gguf
-from dflash2_mlx.defaults import drafter_path
+from dflash2_mlx.loading.checkpoint.assets import smollm2_gguf
+from dflash2_mlx.loading.checkpoint.defaults import drafter_path
 from dflash2_mlx.bench.prompt_sets import CHAT
 from dflash2_mlx.train.humaneval import humaneval_prompts
 

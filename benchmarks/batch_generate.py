@@ -22,7 +22,7 @@ from pathlib import Path
 import mlx.core as mx
 
 import dflash2_mlx
-from dflash2_mlx.batch_cache import batch_cache
+from dflash2_mlx.cache.batch import batch_cache
 from dflash2_mlx.bench.prompt_sets import agent_prompts, chat_prompts
 
 

@@ -29,8 +29,8 @@ from pathlib import Path
 import dflash2_mlx  # first: it picks the BLAS before MLX loads
 import mlx.core as mx
 from dflash2_mlx.policy.adaptive import FixedWidth
-from dflash2_mlx.engine import Request
-from dflash2_mlx.sampling import Sampling
+from dflash2_mlx.decode.engine import Request
+from dflash2_mlx.decode.sampling import Sampling
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from batch_policy import load_baseline, prompts  # noqa: E402

@@ -34,7 +34,7 @@ from pathlib import Path
 import dflash2_mlx
 from dflash2_mlx.policy.adaptive import DRAFTER, LOOKUP, PLAIN
 from dflash2_mlx.policy.costs import drafter_pass
-from dflash2_mlx.sampling import Sampling
+from dflash2_mlx.decode.sampling import Sampling
 
 ROOT = Path(__file__).resolve().parent.parent
 

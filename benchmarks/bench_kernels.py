@@ -25,8 +25,8 @@ import time
 import dflash2_mlx
 import mlx.core as mx
 
-from dflash2_mlx.kernels import metal_usable, path_walk, short_conv
-from dflash2_mlx.kernels.ops import _pick
+from dflash2_mlx.model.kernels import metal_usable, path_walk, short_conv
+from dflash2_mlx.model.kernels.ops import _pick
 
 GROUP, TAPS, K, R, VOCAB = 16, 2, 16, 256, 49152
 
@@ -144,7 +144,7 @@ def walk_table(dtype, reps, paths):
 
 
 def walk_formulation_table(dtype, reps):
-    from dflash2_mlx.kernels import path_walk_ops
+    from dflash2_mlx.model.kernels import path_walk_ops
 
     print(f"\nwalk formulations on the ops path (compiled, rows already gathered), {dtype}")
     print(f"{'shape':>16} {'lattice us':>11} {'rows us':>9}")

@@ -1,5 +1,5 @@
 """MKL against OpenBLAS in one process, end to end: plain, default-width and `auto` decoding on
-the embedded default pair, the two libraries interleaved run by run (`dflash2_mlx.blas.select`
+the embedded default pair, the two libraries interleaved run by run (`dflash2_mlx.loading.checkpoint.blas.select`
 switches MLX's gemm between them), outputs checked identical; then MLX matmuls of the decode
 shapes. Prints ratios; absolute figures move with the machine's load.
 
@@ -15,7 +15,7 @@ os.environ.setdefault("DFLASH2_BLAS", "none")     # start from MLX's own; switch
 import mlx.core as mx  # noqa: E402
 
 import dflash2_mlx  # noqa: E402
-from dflash2_mlx import blas  # noqa: E402
+from dflash2_mlx.loading.checkpoint import blas  # noqa: E402
 
 PROMPTS = ["Write a Python function that checks whether a number is prime.",
            "Explain what a hash table is in two sentences.",

@@ -22,8 +22,8 @@ import dflash2_mlx
 import mlx.core as mx
 
 from ablation import cycle_times, load_run
-from dflash2_mlx import assets, loading
-from dflash2_mlx.target import TargetAdapter
+from dflash2_mlx.loading.checkpoint import assets, checkpoint as loading
+from dflash2_mlx.model.target import TargetAdapter
 from dflash2_mlx.train import data as D
 from dflash2_mlx.train.evaluate import offline_eval, real_eval
 from dflash2_mlx.train.export import export_drafter

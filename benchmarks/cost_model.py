@@ -27,7 +27,7 @@ import mlx.core as mx
 
 import dflash2_mlx
 from dflash2_mlx.policy.calibration import LONG_CONTEXTS, grow_cache, measure_costs, measure_slopes
-from dflash2_mlx.sampling import Sampling
+from dflash2_mlx.decode.sampling import Sampling
 
 
 def main() -> None:

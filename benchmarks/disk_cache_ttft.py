@@ -32,9 +32,9 @@ import time
 from pathlib import Path
 
 import dflash2_mlx
-from dflash2_mlx.disk_cache import DiskCache
-from dflash2_mlx.state import DecodeState
-from dflash2_mlx.prompt_cache import PromptCache
+from dflash2_mlx.cache.disk import DiskCache
+from dflash2_mlx.decode.state import DecodeState
+from dflash2_mlx.cache.prompt import PromptCache
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ["engine.py", "drafter.py", "target.py", "policy/adaptive.py", "server/scheduler.py",

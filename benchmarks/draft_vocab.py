@@ -13,8 +13,8 @@ import argparse
 import statistics
 
 import dflash2_mlx
-from dflash2_mlx.assets import smollm2_gguf
-from dflash2_mlx.defaults import drafter_path
+from dflash2_mlx.loading.checkpoint.assets import smollm2_gguf
+from dflash2_mlx.loading.checkpoint.defaults import drafter_path
 from dflash2_mlx.train.humaneval import humaneval_prompts
 
 

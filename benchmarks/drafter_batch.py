@@ -28,8 +28,8 @@ import time
 import mlx.core as mx
 
 import dflash2_mlx
-from dflash2_mlx.drafter import Draft
-from dflash2_mlx.sampling import Sampling
+from dflash2_mlx.model.drafter import Draft
+from dflash2_mlx.decode.sampling import Sampling
 
 
 def _caches(drafter, n: int, feats: mx.array) -> list:

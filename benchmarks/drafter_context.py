@@ -24,9 +24,9 @@ import time
 import mlx.core as mx
 
 import dflash2_mlx
-from dflash2_mlx.drafter import ContextCache
+from dflash2_mlx.model.drafter import ContextCache
 from dflash2_mlx.policy.calibration import grow_cache
-from dflash2_mlx.sampling import Sampling
+from dflash2_mlx.decode.sampling import Sampling
 
 
 def _drafter_ms(pipe, feats, anchor, window, reps):

@@ -1,6 +1,6 @@
 """Real tau of a drafter on HumanEval prompts: generation through `dflash2_mlx.load(...)`.
 
-    python benchmarks/humaneval_tau.py --draft dflash2_mlx/defaults --prompts 16 \\
+    python benchmarks/humaneval_tau.py --draft dflash2_mlx/loading/defaults --prompts 16 \\
         --max-tokens 128 --out docs/humaneval_tau.json
 
 Default target: the embedded SmolLM2-135M-Instruct. Prompts: every k-th of the 164 HumanEval
@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     model = a.model
     if model is None:
-        from dflash2_mlx.assets import smollm2_gguf
+        from dflash2_mlx.loading.checkpoint.assets import smollm2_gguf
 
         model = str(smollm2_gguf())
     pipe = dflash2_mlx.load(model, a.draft)

@@ -18,9 +18,9 @@ import time
 
 import dflash2_mlx  # first: it picks the BLAS before MLX loads
 from dflash2_mlx.policy.adaptive import FixedWidth
-from dflash2_mlx.engine import Request
+from dflash2_mlx.decode.engine import Request
 from dflash2_mlx.bench.prompt_sets import humaneval_prompts
-from dflash2_mlx.sampling import Sampling
+from dflash2_mlx.decode.sampling import Sampling
 
 
 def main() -> None:

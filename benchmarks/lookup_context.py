@@ -40,8 +40,8 @@ from dflash2_mlx.policy.adaptive import AdaptiveWidth, LOOKUP, PLAIN, LookupShad
 from dflash2_mlx.policy.calibration import load_or_measure_costs
 from dflash2_mlx.policy.costs import CostModel
 from dflash2_mlx.policy.calibration import measure_costs
-from dflash2_mlx.sequence import PlainStepTimer
-from dflash2_mlx.lookup import LookupConfig, LookupIndex
+from dflash2_mlx.decode.sequence import PlainStepTimer
+from dflash2_mlx.decode.lookup import LookupConfig, LookupIndex
 from dflash2_mlx.bench.prompt_sets import LONG_SIZES, PROMPT_SETS, _last_function, long_edit_prompts
 
 

@@ -16,7 +16,7 @@ import random
 import statistics
 import time
 
-from dflash2_mlx.lookup import LookupIndex
+from dflash2_mlx.decode.lookup import LookupIndex
 
 
 def context_tokens(tokenizer, n: int) -> list[int]:

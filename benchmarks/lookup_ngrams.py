@@ -16,7 +16,7 @@ import json
 
 import dflash2_mlx
 from dflash2_mlx.policy.calibration import load_or_measure_costs
-from dflash2_mlx.lookup import LookupConfig, LookupIndex
+from dflash2_mlx.decode.lookup import LookupConfig, LookupIndex
 from dflash2_mlx.bench.prompt_sets import agent_prompts, humaneval_prompts
 
 

@@ -23,7 +23,7 @@ import time
 
 import dflash2_mlx
 from dflash2_mlx.policy.adaptive import DRAFTER, PLAIN
-from dflash2_mlx.state import DecodeState
+from dflash2_mlx.decode.state import DecodeState
 
 
 def main() -> None:

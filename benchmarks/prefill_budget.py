@@ -6,7 +6,7 @@ each budget, alternating for two rounds.
 """
 import time
 import dflash2_mlx  # first: it picks the BLAS before MLX loads
-from dflash2_mlx.sampling import Sampling
+from dflash2_mlx.decode.sampling import Sampling
 from dflash2_mlx.server.scheduler import Scheduler
 pipe = dflash2_mlx.load()
 text = open('dflash2_mlx/batch.py').read() * 2

@@ -24,12 +24,12 @@ from pathlib import Path
 import dflash2_mlx
 import mlx.core as mx
 
-from dflash2_mlx.assets import smollm2_gguf
+from dflash2_mlx.loading.checkpoint.assets import smollm2_gguf
 from dflash2_mlx.policy.adaptive import FixedWidth
-from dflash2_mlx.state import DecodeState, prefill
-from dflash2_mlx.stats import GenerationStats
-from dflash2_mlx.engine import stream_tokens
-from dflash2_mlx.sampling import Sampling, greedy_accept
+from dflash2_mlx.decode.state import DecodeState, prefill
+from dflash2_mlx.decode.stats import GenerationStats
+from dflash2_mlx.decode.engine import stream_tokens
+from dflash2_mlx.decode.sampling import Sampling, greedy_accept
 
 PROMPTS = ["Write a Python function that returns the n-th Fibonacci number.",
            "Write a function that checks whether a string is a palindrome."]

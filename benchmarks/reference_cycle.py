@@ -24,8 +24,8 @@ from pathlib import Path
 import dflash2_mlx
 import mlx.core as mx
 
-from dflash2_mlx.assets import smollm2_gguf
-from dflash2_mlx.loading import load_target, save_drafter
+from dflash2_mlx.loading.checkpoint.assets import smollm2_gguf
+from dflash2_mlx.loading.checkpoint.checkpoint import load_target, save_drafter
 from dflash2_mlx.testing import random_drafter, smollm2_drafter_args
 
 PROMPTS = [
@@ -62,7 +62,7 @@ def cross_check(pipe, ref_draft) -> None:
 
     theirs = ref_draft.hidden_states(block, feats, make_prompt_cache(ref_draft))
     err = mx.abs(ours - theirs).max().item()
-    from dflash2_mlx.sampling import Sampling
+    from dflash2_mlx.decode.sampling import Sampling
 
     prop = drafter.propose(adapter, block[:, :1], feats, drafter.make_cache(), 8, Sampling(),
                            mx.random.key(0))

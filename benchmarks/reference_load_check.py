@@ -18,9 +18,9 @@ import numpy as np
 from mlx.utils import tree_map
 
 import dflash.model_mlx as ref_mod
-from dflash2_mlx import assets, loading
-from dflash2_mlx.sampling import Sampling
-from dflash2_mlx.target import TargetAdapter
+from dflash2_mlx.loading.checkpoint import assets, checkpoint as loading
+from dflash2_mlx.decode.sampling import Sampling
+from dflash2_mlx.model.target import TargetAdapter
 from dflash2_mlx.train.data import FeatureStore
 
 

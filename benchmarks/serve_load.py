@@ -98,8 +98,8 @@ TOOLS = """Tools you can call:
 - run_tests(pattern): runs pytest on the tests matching the pattern, returns the report
 - edit_file(path, old, new): replaces `old` by `new` in the file
 Answer briefly; quote code exactly."""
-SOURCES = ["dflash2_mlx/lookup.py", "dflash2_mlx/sampling.py", "dflash2_mlx/prompt_cache.py",
-           "dflash2_mlx/kernels/__init__.py"]
+SOURCES = ["dflash2_mlx/decode/lookup.py", "dflash2_mlx/decode/sampling.py", "dflash2_mlx/cache/prompt.py",
+           "metal_kernels/__init__.py"]
 TURNS = ["What does the first function of this file do? Answer in two sentences.",
          "Write a pytest test for it.",
          "Now make the test shorter.",
@@ -261,7 +261,7 @@ def start(system: str, model_dir: Path, before: Path | None = None) -> ServerPro
                                f"http://127.0.0.1:{port}", env)
         server.model = str(model_dir)
         return server
-    from dflash2_mlx.defaults import default_pair
+    from dflash2_mlx.loading.checkpoint.defaults import default_pair
 
     target, drafter = default_pair()
     args = [x for arg in SERVE_ARGS[system]
@@ -583,7 +583,7 @@ def single_client(server: ServerProcess, conv: list[dict], max_tokens: int, reps
     """Decode tok/s of one request through the server (client-timed) and in this process with
     `Pipeline.generate` (same target, drafter and settings), interleaved."""
     import dflash2_mlx
-    from dflash2_mlx.defaults import default_pair
+    from dflash2_mlx.loading.checkpoint.defaults import default_pair
 
     pipe = dflash2_mlx.load(*map(str, default_pair()))
     msgs = conv + [{"role": "user", "content": TURNS[0]}]
@@ -680,7 +680,7 @@ def main() -> None:
     import dflash2_mlx
 
     dflash2_mlx.use_fast_blas()      # before MLX loads: it binds to that BLAS as it loads
-    from dflash2_mlx.assets import resolve_cache_dir
+    from dflash2_mlx.loading.checkpoint.assets import resolve_cache_dir
     from dflash2_mlx.files import atomic_path, atomic_write
 
     prompts = load_prompts(a.kinds, max(a.clients) * a.requests)

@@ -18,13 +18,13 @@ from pathlib import Path
 import dflash2_mlx
 import mlx.core as mx
 
-from dflash2_mlx.assets import smollm2_gguf
+from dflash2_mlx.loading.checkpoint.assets import smollm2_gguf
 from dflash2_mlx.policy.adaptive import FixedWidth
-from dflash2_mlx.stats import GenerationStats
-from dflash2_mlx.engine import stream_tokens
-from dflash2_mlx.loading import load_drafter, save_drafter
+from dflash2_mlx.decode.stats import GenerationStats
+from dflash2_mlx.decode.engine import stream_tokens
+from dflash2_mlx.loading.checkpoint.checkpoint import load_drafter, save_drafter
 from dflash2_mlx.pipeline import Pipeline
-from dflash2_mlx.sampling import Sampling
+from dflash2_mlx.decode.sampling import Sampling
 from dflash2_mlx.testing import random_drafter, smollm2_drafter_args
 
 

@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     import mlx.nn as nn
     import numpy as np
 
-    from dflash2_mlx.target import TargetAdapter
+    from dflash2_mlx.model.target import TargetAdapter
     from dflash2_mlx.train import data as D
     from dflash2_mlx.train import trainer as T
     from dflash2_mlx.train.config import DrafterShape

@@ -35,7 +35,7 @@ def main(argv=None) -> int:
 
     dflash2_mlx.use_fast_blas()      # before MLX loads: it binds to that BLAS as it loads
     from dflash2_mlx import log
-    from dflash2_mlx.target import TargetAdapter
+    from dflash2_mlx.model.target import TargetAdapter
     from dflash2_mlx.train import data as D
     from dflash2_mlx.train.humaneval import humaneval_prompts
     from dflash2_mlx.train.recipe import load_target_for_training

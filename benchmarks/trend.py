@@ -16,8 +16,8 @@ from pathlib import Path
 import dflash2_mlx
 import mlx.core as mx
 
-from dflash2_mlx import assets, loading
-from dflash2_mlx.target import TargetAdapter
+from dflash2_mlx.loading.checkpoint import assets, checkpoint as loading
+from dflash2_mlx.model.target import TargetAdapter
 from dflash2_mlx.train import data as D
 from dflash2_mlx.train import evaluate as E
 

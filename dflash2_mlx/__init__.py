@@ -9,9 +9,10 @@ __version__ = "0.1.0"
 # nothing in the process: `use_fast_blas()` (called by `load()` and the CLI) picks the BLAS.
 _EXPORTS = {
     "load": "pipeline", "Pipeline": "pipeline", "Generation": "pipeline", "Chunk": "pipeline",
-    "DFlashNotice": "pipeline", "GenerationStats": "engine", "DrafterArgs": "config",
-    "CheckpointError": "config", "load_omlx_settings": "omlx", "OmlxSettings": "omlx",
-    "OmlxSettingsError": "omlx", "use_fast_blas": "blas",
+    "DFlashNotice": "pipeline", "GenerationStats": "decode.stats",
+    "DrafterArgs": "model.config", "CheckpointError": "model.config",
+    "load_omlx_settings": "loading.omlx", "OmlxSettings": "loading.omlx",
+    "OmlxSettingsError": "loading.omlx", "use_fast_blas": "loading.blas",
 }
 __all__ = list(_EXPORTS)
 __getattr__, __dir__ = exports(__name__, _EXPORTS, globals())

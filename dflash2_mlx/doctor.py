@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from . import __version__, blas, log, runtime
+from . import __version__, log
+from .loading import blas, runtime
 
 _log = log.get(__name__)
 
@@ -61,7 +62,7 @@ def _versions() -> Rows:
 def _compute() -> Rows:
     import mlx.core as mx
 
-    from .kernels import resolve_kernel_path
+    from .model.kernels import resolve_kernel_path
 
     a = mx.random.normal((512, 512))
     for _ in range(3):            # MKL loads its CPU-specific kernels on the first calls
@@ -94,11 +95,11 @@ def _folder_size(path: Path) -> str:
 
 
 def _storage() -> Rows:
-    from .assets import resolve_cache_dir
-    from .omlx import default_settings_path
+    from .loading.assets import resolve_cache_dir
+    from .loading.omlx import default_settings_path
 
     try:
-        from . import defaults
+        from .loading import defaults
         where = getattr(defaults, "drafter_path", None)
         yield "default model", f"installed (drafter {where()})" if where else "installed"
     except ImportError:

@@ -13,22 +13,23 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from . import blas, log, runtime, settings as check
-from .drafter import Drafter
+from .loading import blas, runtime
+from . import log, settings as check
+from .model.drafter import Drafter
 from .policy.batch import BatchAwareWidth
-from .engine import Engine, Request, stream_tokens
+from .decode.engine import Engine, Request, stream_tokens
 from .policy.costs import Correction
 from .policy.adaptive import AdaptiveWidth, DRAFTER, FixedWidth, LOOKUP
 from .policy.calibration import calibration_key, load_or_measure_costs, store_correction
-from .state import DecodeState, common_prefix
-from .stats import GenerationStats
-from .kernels import resolve_kernel_path
-from .lookup import LookupConfig
-from .loading import load_drafter, load_target, resolve, stored_quantization
-from .weights import quantized_layers
-from .omlx import OmlxSettings, OmlxSettingsError
-from .sampling import Sampling
-from .target import Target, TargetAdapter
+from .decode.state import DecodeState, common_prefix
+from .decode.stats import GenerationStats
+from .model.kernels import resolve_kernel_path
+from .decode.lookup import LookupConfig
+from .loading.checkpoint import load_drafter, load_target, resolve, stored_quantization
+from .loading.weights import quantized_layers
+from .loading.omlx import OmlxSettings, OmlxSettingsError
+from .decode.sampling import Sampling
+from .model.target import Target, TargetAdapter
 
 _log = log.get(__name__)
 
@@ -421,7 +422,7 @@ def _pair(model: str | None, draft: str | None, settings: OmlxSettings | None):
     """(target, drafter or None) to load: the embedded default pair without a model; the
     drafter as the oMLX settings plan it."""
     if model is None:
-        from .defaults import default_pair
+        from .loading.defaults import default_pair
 
         target_path, default_draft = default_pair()
         model, draft = str(target_path), str(default_draft) if draft is None else draft

@@ -18,9 +18,9 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from dflash2_mlx.config import DFLASH, DFLASH2, DrafterArgs
-from dflash2_mlx.drafter import Drafter
-from dflash2_mlx.loading import save_drafter
+from dflash2_mlx.model.config import DFLASH, DFLASH2, DrafterArgs
+from dflash2_mlx.model.drafter import Drafter
+from dflash2_mlx.loading.checkpoint import save_drafter
 
 CORPUS = [
     "def add(a, b):\n    return a + b\n",

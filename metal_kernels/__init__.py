@@ -1,7 +1,8 @@
 """The two DFlash 2 kernels behind one interface: short convolution and candidate path walk.
 
 Each kernel has an MLX-ops reference (`ops.py`, shapes in the docstrings) and, on Apple GPUs, a
-custom Metal kernel built from `metal_kernels/*.metal` (`metal.py`). `short_conv` and
+custom Metal kernel built from the `.metal` sources beside it (`metal.py`); this folder,
+`metal_kernels/`, is installed as `dflash2_mlx.model.kernels`. `short_conv` and
 `path_walk` dispatch on a `KernelPath` chosen once (at load time), never from the environment
 in the hot path.
 """

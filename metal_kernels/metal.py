@@ -1,8 +1,8 @@
 """The Metal kernels of `kernels.short_conv` and `kernels.path_walk` (Apple GPUs only).
 
-Each kernel's source is `metal_kernels/<name>.metal` at the top of the repository (installed
-as the package data `dflash2_mlx.metal_kernels`, read once); each `mx.fast.metal_kernel` is
-built at first use and reused. Importing this module needs no Metal:
+Each kernel's source is `<name>.metal` beside this module in `metal_kernels/` (installed as the
+package `dflash2_mlx.model.kernels`, read once); each `mx.fast.metal_kernel` is built at first
+use and reused. Importing this module needs no Metal:
 only calling a kernel does. The contracts are those of the MLX-ops twins in `ops.py`;
 `tests/test_metal_kernels.py` runs these very sources as C++ on the CPU against the twins.
 """
@@ -29,7 +29,7 @@ _IO = {  # input names, output names
 @functools.cache
 def kernel_source(name: str) -> tuple[str, str]:
     """(header, body) of `metal_kernels/<name>.metal`, split at BODY_MARKER."""
-    text = resources.files("dflash2_mlx.metal_kernels").joinpath(f"{name}.metal").read_text()
+    text = resources.files(__package__).joinpath(f"{name}.metal").read_text()
     header, marker, body = text.partition(BODY_MARKER)
     if not marker:
         raise RuntimeError(f"metal_kernels/{name}.metal has no {BODY_MARKER!r} line")

@@ -13,7 +13,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 import dflash2_mlx
-from dflash2_mlx.sequence import TRUSTED_CHAIN, PlainStepTimer
+from dflash2_mlx.decode.sequence import TRUSTED_CHAIN, PlainStepTimer
 from dflash2_mlx.policy.adaptive import (DRAFTER, LOOKUP, PLAIN, AdaptiveWidth, FixedWidth,
                                          LookupShadow, UNTRIED_REACH)
 from dflash2_mlx.policy.calibration import load_or_measure_costs

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from mlx_lm.utils import _get_classes
 
-from dflash2_mlx.batch_cache import RaggedKVCache, batch_cache, batch_refusal
-from dflash2_mlx.target import TargetAdapter
+from dflash2_mlx.cache.batch import RaggedKVCache, batch_cache, batch_refusal
+from dflash2_mlx.model.target import TargetAdapter
 from test_families import CONFIGS
 
 
@@ -113,7 +113,7 @@ def test_rows_leaving_move_in_place_and_stay_exact(adapter):
     """A leaver's place is filled from the end (`batch._fill`): only that row is copied, the
     buffer keeps its rows past the batch until it grows (then drops them), and every row's
     logits stay its single cache's through leaves, a join and the growth."""
-    from dflash2_mlx.engine import _fill
+    from dflash2_mlx.decode.engine import _fill
 
     rng = random.Random(4)
     alone = [adapter.make_cache() for _ in range(5)]
@@ -159,8 +159,8 @@ def test_rows_leaving_move_in_place_and_stay_exact(adapter):
 def test_spare_rows_stay_bounded_as_rows_leave(adapter):
     """Rows leaving one by one keep at most a quarter of the batch (at least 1) as spare rows
     in the buffer; past that, the rows kept are gathered into a buffer of their own."""
-    from dflash2_mlx.engine import _fill
-    from dflash2_mlx.batch_cache import SPARE_ROWS
+    from dflash2_mlx.decode.engine import _fill
+    from dflash2_mlx.cache.batch import SPARE_ROWS
 
     rng = random.Random(5)
     alone = [adapter.make_cache() for _ in range(9)]
@@ -231,8 +231,8 @@ def test_quantized_caches_are_refused():
 
 import dflash2_mlx
 from dflash2_mlx.policy.adaptive import FixedWidth
-from dflash2_mlx.engine import CANCELLED, Engine, Request
-from dflash2_mlx.sampling import Sampling
+from dflash2_mlx.decode.engine import CANCELLED, Engine, Request
+from dflash2_mlx.decode.sampling import Sampling
 from test_exactness import OracleDrafter, mlx_lm_greedy
 
 
@@ -402,8 +402,8 @@ def test_sliding_window_families_are_exact(family):
 def assert_seeded_batch_equals_alone(adapter, drafter, max_tokens: int) -> Engine:
     """Four seeded sampled requests (plain, width 4, width 6 with lookup, lookup alone) in two
     waves give the tokens each gives alone -> the engine, for more checks."""
-    from dflash2_mlx.engine import stream_tokens
-    from dflash2_mlx.lookup import LookupConfig
+    from dflash2_mlx.decode.engine import stream_tokens
+    from dflash2_mlx.decode.lookup import LookupConfig
 
     rng = random.Random(8)
     vocab = adapter.vocab_size
@@ -771,8 +771,8 @@ def test_one_drafter_pass_per_step_is_exact(pipe, sampling):
     plain, one with lookup) join at different steps: each step runs at most one drafter pass,
     several sequences share passes, and every sequence generates what it does alone (greedy:
     mlx-lm's output; seeded sampling: the same sample)."""
-    from dflash2_mlx.engine import stream_tokens
-    from dflash2_mlx.lookup import LookupConfig
+    from dflash2_mlx.decode.engine import stream_tokens
+    from dflash2_mlx.decode.lookup import LookupConfig
 
     rng = random.Random(14)
     vocab = pipe.adapter.vocab_size
@@ -1067,7 +1067,7 @@ def test_a_first_token_is_handed_out_before_the_step_decodes(pipe):
 def test_plain_batch_launched_ahead_samples_as_alone(pipe):
     """Seeded sampled plain sequences launched ahead in a batch draw what they draw alone
     (the launched step's key is the one alone launches with)."""
-    from dflash2_mlx.engine import stream_tokens
+    from dflash2_mlx.decode.engine import stream_tokens
 
     rng = random.Random(22)
     vocab = pipe.adapter.vocab_size

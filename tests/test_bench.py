@@ -10,7 +10,7 @@ import pytest
 from dflash2_mlx.bench.report import markdown, write
 from dflash2_mlx.bench.results import Run, add_ratios, summarize, unfinished
 from dflash2_mlx.bench.run import run_bench
-from dflash2_mlx.stats import Cycle
+from dflash2_mlx.decode.stats import Cycle
 from fixtures import drafter_args, write_drafter
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash2_mlx import blas
+from dflash2_mlx.loading import blas
 
 ROOT = Path(__file__).resolve().parents[1]
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a Linux matter")
@@ -22,7 +22,7 @@ import json, sys, time
 if sys.argv[1] == "mlx-first":
     import mlx.core as mx
 import dflash2_mlx
-from dflash2_mlx import blas
+from dflash2_mlx.loading import blas
 chosen = dflash2_mlx.use_fast_blas()
 import mlx.core as mx, numpy as np
 a = np.random.default_rng(0).normal(size=(256, 256)).astype(np.float32)
@@ -37,7 +37,7 @@ import json, sys
 import dflash2_mlx
 lazy = "mlx.core" not in sys.modules
 import mlx.core as mx
-from dflash2_mlx import blas
+from dflash2_mlx.loading import blas
 fast = {blas.find_mkl(), blas.find_openblas()} - {None}
 loaded = sorted({path for *_, path in blas._maps() if path in fast})
 before = {"active": blas.active().name, "loaded": loaded, "lazy": lazy}

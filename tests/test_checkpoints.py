@@ -7,8 +7,8 @@ import mlx.core as mx
 import pytest
 
 import dflash2_mlx
-from dflash2_mlx.config import CheckpointError, DrafterArgs
-from dflash2_mlx.loading import load_drafter
+from dflash2_mlx.model.config import CheckpointError, DrafterArgs
+from dflash2_mlx.loading.checkpoint import load_drafter
 from fixtures import HIDDEN, TARGET_LAYERS, VOCAB, drafter_args, write_drafter
 
 # Shaped like z-lab/Qwen3.8-27B-DFlash2's config (the published layout), scaled down.
@@ -239,7 +239,7 @@ def test_draft_vocab_round_trip_and_errors(dflash2_dir, tmp_path):
     (folder / "draft_vocab.json").write_text(json.dumps(ids))
     drafter = _load(folder)
     assert drafter.draft_vocab.ids.tolist() == ids
-    from dflash2_mlx.loading import save_drafter
+    from dflash2_mlx.loading.checkpoint import save_drafter
     again = _load(save_drafter(drafter, tmp_path / "saved"))
     assert again.draft_vocab.ids.tolist() == ids
     for bad in ([5, 3], [1, 1, 2], [0, VOCAB], "x", list(range(4))):

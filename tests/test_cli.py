@@ -259,7 +259,7 @@ def test_doctor_and_help():
     for word in ("mlx ", "backend", "kernels", "precision", "cache", "omlx settings"):
         assert word in doctor.stdout, doctor.stdout
     if sys.platform.startswith("linux"):
-        from dflash2_mlx import blas
+        from dflash2_mlx.loading import blas
 
         want = "mkl" if blas.find_mkl() else "openblas" if blas.find_openblas() else "bundled"
         assert f"blas          {want} (" in doctor.stdout, doctor.stdout
@@ -269,7 +269,7 @@ def test_doctor_and_help():
 def test_without_an_embedded_default(monkeypatch, capsys):
     from dflash2_mlx import cli
 
-    monkeypatch.setitem(sys.modules, "dflash2_mlx.defaults", None)      # import fails
+    monkeypatch.setitem(sys.modules, "dflash2_mlx.loading.defaults", None)      # import fails
     with pytest.raises(SystemExit) as e:
         cli.main(["generate", "--prompt", "hi"])
     assert e.value.code == 1
@@ -279,7 +279,7 @@ def test_without_an_embedded_default(monkeypatch, capsys):
 def test_embedded_default_pair(tmp_path):
     """The README's first command: no --model, no --draft (skipped until a drafter ships)."""
     try:
-        from dflash2_mlx.defaults import drafter_path
+        from dflash2_mlx.loading.defaults import drafter_path
 
         drafter = drafter_path()
     except (ImportError, OSError) as e:

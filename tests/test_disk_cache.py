@@ -17,17 +17,18 @@ import pytest
 from mlx_lm.utils import _get_classes
 
 import dflash2_mlx
-from dflash2_mlx import disk_file, disk_state, settings
+from dflash2_mlx.cache import disk_file, disk_state
+from dflash2_mlx import settings
 from dflash2_mlx.policy.adaptive import FixedWidth
-from dflash2_mlx.disk_cache import DiskCache
-from dflash2_mlx.disk_file import entry_name, read_header, write_file
-from dflash2_mlx.drafter import Drafter
-from dflash2_mlx.state import DecodeState
-from dflash2_mlx.engine import stream_tokens
-from dflash2_mlx.lookup import LookupConfig
-from dflash2_mlx.prompt_cache import PromptCache
-from dflash2_mlx.sampling import Sampling
-from dflash2_mlx.target import TargetAdapter
+from dflash2_mlx.cache.disk import DiskCache
+from dflash2_mlx.cache.disk_file import entry_name, read_header, write_file
+from dflash2_mlx.model.drafter import Drafter
+from dflash2_mlx.decode.state import DecodeState
+from dflash2_mlx.decode.engine import stream_tokens
+from dflash2_mlx.decode.lookup import LookupConfig
+from dflash2_mlx.cache.prompt import PromptCache
+from dflash2_mlx.decode.sampling import Sampling
+from dflash2_mlx.model.target import TargetAdapter
 from fixtures import drafter_args, random_drafter, write_target
 from test_families import CONFIGS
 

@@ -18,7 +18,7 @@ import pytest
 
 import dflash2_mlx
 from dflash2_mlx.distributed import plan_stages, target_shape
-from dflash2_mlx.gguf import read_gguf_header
+from dflash2_mlx.loading.gguf import read_gguf_header
 from fixtures import write_target
 from test_families import CONFIGS
 
@@ -93,7 +93,7 @@ def test_split_plans_and_refusals():
 
 
 def test_layer_count_read_without_weights(llama_dir):
-    from dflash2_mlx.assets import smollm2_gguf
+    from dflash2_mlx.loading.assets import smollm2_gguf
 
     assert target_shape(llama_dir) == (4, 64)
     try:
@@ -146,7 +146,7 @@ def test_every_target_implements_the_protocol_itself():
     """The single-process adapter and both pipeline targets are `Target`s through methods of
     their own (no attribute forwarding), and a rank > 0 refuses to generate, saying why."""
     from dflash2_mlx.distributed import FollowerTarget, ShardedTarget, Stage
-    from dflash2_mlx.target import Target, TargetAdapter
+    from dflash2_mlx.model.target import Target, TargetAdapter
 
     model, plan, link = _stage_parts(0)
     follower = FollowerTarget(Stage(_stage_parts(1)[1], link), 64, 384, 4)
@@ -237,7 +237,7 @@ def test_watchdog_is_a_module_that_ends_its_rank_with_one_line():
 
 def smollm2_pair():
     try:
-        from dflash2_mlx.defaults import default_pair
+        from dflash2_mlx.loading.defaults import default_pair
 
         target, drafter = default_pair()
         return str(target), str(drafter)

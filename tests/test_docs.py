@@ -65,7 +65,7 @@ def test_every_command_is_documented():
 
 
 def test_omlx_key_table_matches_what_omlx_reads():
-    from dflash2_mlx import omlx
+    from dflash2_mlx.loading import omlx
 
     read = set(re.findall(r'"(dflash_[a-z_]+)"', inspect.getsource(omlx.parse_entry)))
     text = (DOCS / "omlx.md").read_text()
@@ -87,8 +87,9 @@ def test_layout_table_matches_the_package():
     actual = {f"dflash2_mlx/{p.name}" for p in pkg.glob("*.py") if p.name != "__init__.py"}
     actual |= {f"dflash2_mlx/{p.name}/" for p in pkg.iterdir()
                if p.is_dir() and (p / "__init__.py").is_file()}
-    assert documented == actual, (f"docs/api.md layout: missing {actual - documented}, "
-                                  f"stale {documented - actual}")
+    stale = {p for p in documented if not (ROOT / p).exists()}
+    assert actual <= documented and not stale, (f"docs/api.md layout: missing "
+                                                 f"{actual - documented}, stale {stale}")
 
 
 def test_relative_links_resolve():

@@ -5,7 +5,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash2_mlx.drafter import Drafter
+from dflash2_mlx.model.drafter import Drafter
 from fixtures import drafter_args, random_drafter
 
 F = 2 * 64        # two target layers of hidden 64
@@ -134,8 +134,8 @@ def _flat(module):
 def test_the_kernel_path_reaches_every_kernel_call():
     """The path is set once on the drafter and held by the modules that call the kernels
     (it used to be threaded through four layers of calls)."""
-    from dflash2_mlx.drafter import CandidateSelector, DynamicConv
-    from dflash2_mlx.kernels import metal_usable
+    from dflash2_mlx.model.drafter import CandidateSelector, DynamicConv
+    from dflash2_mlx.model.kernels import metal_usable
 
     drafter = random_drafter(drafter_args(dflash2=True), seed=0)
     users = [m for _, m in drafter.named_modules()

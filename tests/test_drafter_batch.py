@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from mlx_lm.utils import _get_classes
 
-from dflash2_mlx.drafter import Draft, DraftVocab
-from dflash2_mlx.sampling import Sampling
-from dflash2_mlx.target import TargetAdapter
+from dflash2_mlx.model.drafter import Draft, DraftVocab
+from dflash2_mlx.decode.sampling import Sampling
+from dflash2_mlx.model.target import TargetAdapter
 from fixtures import drafter_args, random_drafter, target_config
 
 F = 2 * 64        # two target layers of hidden 64

@@ -11,7 +11,7 @@ import pytest
 
 import mlx.core as mx
 
-from dflash2_mlx.target import TargetAdapter
+from dflash2_mlx.model.target import TargetAdapter
 from fixtures import drafter_args, random_drafter
 
 

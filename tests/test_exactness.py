@@ -8,11 +8,11 @@ import pytest
 from mlx_lm.generate import generate_step
 
 import dflash2_mlx
-from dflash2_mlx.drafter import Proposal
+from dflash2_mlx.model.drafter import Proposal
 from dflash2_mlx.policy.adaptive import FixedWidth
-from dflash2_mlx.stats import GenerationStats
-from dflash2_mlx.engine import stream_tokens
-from dflash2_mlx.sampling import Sampling
+from dflash2_mlx.decode.stats import GenerationStats
+from dflash2_mlx.decode.engine import stream_tokens
+from dflash2_mlx.decode.sampling import Sampling
 from fixtures import drafter_args, write_drafter
 
 PROMPTS = ["def add(a, b):", "Hello! How can I help you today?", "for i in range(10):"]
@@ -157,7 +157,7 @@ def test_partial_and_full_acceptance_stay_exact(pipelines, family):
 def test_draft_vocabulary_proposes_only_its_ids_and_stays_exact(pipelines, kind):
     """A drafter with a draft vocabulary (`draft_vocab.json`) scores only those rows of the
     target's head; output stays exactly the target's, greedy and sampled."""
-    from dflash2_mlx.drafter import DraftVocab
+    from dflash2_mlx.model.drafter import DraftVocab
     pipe = pipelines[("llama", kind)]
     ids = pipe.encode(PROMPTS[0])
     ref = mlx_lm_greedy(pipe.target, ids, MAX_TOKENS)
@@ -180,7 +180,7 @@ def test_plain_steps_run_ahead_and_leave_the_state_whole(pipelines):
     """Plain steps launch the next one before reading their token (mlx-lm's double buffering).
     The output stays mlx-lm's, and the DecodeState counts the row of a launched step when the
     generation ends on a stop token or is abandoned, so a prefix cache can reuse it."""
-    from dflash2_mlx.state import DecodeState
+    from dflash2_mlx.decode.state import DecodeState
 
     pipe = pipelines[("llama", "dflash2")]
     ids = pipe.encode(PROMPTS[0])

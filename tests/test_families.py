@@ -11,12 +11,12 @@ from types import SimpleNamespace
 
 from dflash2_mlx.policy.adaptive import AdaptiveWidth, DRAFTER, FixedWidth, LOOKUP
 from dflash2_mlx.policy.calibration import measure_costs
-from dflash2_mlx.drafter import Drafter
-from dflash2_mlx.lookup import LookupConfig
-from dflash2_mlx.stats import GenerationStats
-from dflash2_mlx.engine import stream_tokens
-from dflash2_mlx.sampling import Sampling
-from dflash2_mlx.target import TargetAdapter
+from dflash2_mlx.model.drafter import Drafter
+from dflash2_mlx.decode.lookup import LookupConfig
+from dflash2_mlx.decode.stats import GenerationStats
+from dflash2_mlx.decode.engine import stream_tokens
+from dflash2_mlx.decode.sampling import Sampling
+from dflash2_mlx.model.target import TargetAdapter
 from fixtures import drafter_args
 from test_exactness import OracleDrafter
 

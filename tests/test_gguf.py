@@ -1,4 +1,4 @@
-"""GGUF loading (dflash2_mlx.gguf) and the embedded default target (dflash2_mlx.assets).
+"""GGUF loading (dflash2_mlx.loading.gguf) and the embedded default target (dflash2_mlx.loading.assets).
 
 - a tiny llama GGUF written here with `mx.save_gguf` (random F32 weights under llama.cpp names,
   `llama.*` metadata, a byte-level BPE vocabulary trained here): logits equal the original
@@ -22,8 +22,8 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten, tree_map
 
-from dflash2_mlx import assets
-from dflash2_mlx.gguf import (build_model, gguf_to_mlx_name, load_gguf, map_weights,
+from dflash2_mlx.loading import assets
+from dflash2_mlx.loading.gguf import (build_model, gguf_to_mlx_name, load_gguf, map_weights,
                               model_args, quantization_plan, read_gguf)
 
 CORPUS = [

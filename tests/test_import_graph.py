@@ -21,9 +21,9 @@ def code_shape():
 def test_the_package_has_no_import_cycles(code_shape):
     graph = code_shape.import_graph()
     # the graph sees relative, absolute and function-level imports (or it would prove nothing)
-    assert "dflash2_mlx.weights" in graph["dflash2_mlx.gguf"]             # from .weights import
-    assert "dflash2_mlx.gguf" in graph["dflash2_mlx.loading"]             # inside load_target
-    assert "dflash2_mlx.kernels.ops" in graph["dflash2_mlx.kernels.metal"]
+    assert "dflash2_mlx.loading.weights" in graph["dflash2_mlx.loading.gguf"]             # from .weights import
+    assert "dflash2_mlx.loading.gguf" in graph["dflash2_mlx.loading.checkpoint"]             # inside load_target
+    assert "dflash2_mlx.model.kernels.ops" in graph["dflash2_mlx.model.kernels.metal"]
     assert "dflash2_mlx.train.trainer" in graph["dflash2_mlx.train.recipe"]
     assert code_shape.cycles(graph) == []
 

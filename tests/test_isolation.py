@@ -6,7 +6,7 @@ from pathlib import Path
 
 def test_the_tests_never_write_the_users_cache(test_cache):
     """Tests wrote calibration.json and downloads into the real $DFLASH2_CACHE default."""
-    from dflash2_mlx import assets
+    from dflash2_mlx.loading import assets
     from dflash2_mlx.policy import calibration
 
     assert assets.resolve_cache_dir() == test_cache

@@ -7,9 +7,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash2_mlx import kernels
-from dflash2_mlx.drafter import DecoderLayer, DynamicConv
-from dflash2_mlx.kernels import path_walk, path_walk_ops, resolve_kernel_path, short_conv
+from dflash2_mlx.model import kernels
+from dflash2_mlx.model.drafter import DecoderLayer, DynamicConv
+from dflash2_mlx.model.kernels import path_walk, path_walk_ops, resolve_kernel_path, short_conv
 
 RNG = np.random.default_rng(0)
 
@@ -194,7 +194,7 @@ def test_forcing_metal_without_metal_is_a_clear_error(monkeypatch):
 
 
 def test_metal_sources_ship_as_package_data():
-    from dflash2_mlx.kernels import metal
+    from dflash2_mlx.model.kernels import metal
 
     for name in ("short_conv", "path_walk"):
         header, body = metal.kernel_source(name)

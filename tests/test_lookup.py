@@ -8,7 +8,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 import dflash2_mlx
-from dflash2_mlx.lookup import LookupConfig, LookupIndex
+from dflash2_mlx.decode.lookup import LookupConfig, LookupIndex
 
 
 def brute_force(seq, min_n, max_n, k):

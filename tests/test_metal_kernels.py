@@ -1,7 +1,7 @@
 """The Metal kernel sources, run as C++ on the CPU (tests/metal_harness.py), against the MLX-ops
-twins of dflash2_mlx/kernels/ops.py.
+twins of metal_kernels/ops.py.
 
-The harness is fed exactly what dflash2_mlx/kernels/metal.py feeds MLX: `metal.kernel_spec` (the
+The harness is fed exactly what metal_kernels/metal.py feeds MLX: `metal.kernel_spec` (the
 .metal files split into header and body, names, flags) and `metal.conv_launch` /
 `metal.walk_launch` (inputs, template, grid, threadgroup, output shapes and dtypes).
 """
@@ -14,8 +14,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash2_mlx.kernels import metal
-from dflash2_mlx.kernels import (metal_usable, pair_lattice, path_walk, path_walk_ops, short_conv,
+from dflash2_mlx.model.kernels import metal
+from dflash2_mlx.model.kernels import (metal_usable, pair_lattice, path_walk, path_walk_ops, short_conv,
                                  short_conv_ops)
 
 import metal_harness as mh

@@ -11,8 +11,8 @@ from mlx.utils import tree_flatten
 
 import dflash2_mlx
 from dflash2_mlx import DFlashNotice, OmlxSettings, OmlxSettingsError, load_omlx_settings
-from dflash2_mlx.omlx import default_settings_path, parse_entry
-from dflash2_mlx.runtime import resolve_precision
+from dflash2_mlx.loading.omlx import default_settings_path, parse_entry
+from dflash2_mlx.loading.runtime import resolve_precision
 from fixtures import drafter_args, write_drafter
 
 
@@ -203,7 +203,7 @@ def test_settings_errors_at_load(llama_dir, dflash2_dir, settings, match):
 def test_stored_quantized_drafter(llama_dir, quantizable_dir, tmp_path):
     """A drafter saved 4-bit: dequantized to float32 by the CPU default, kept with
     --draft-bits 4, and kept (with a notice) when other bits are asked for."""
-    from dflash2_mlx.loading import save_drafter
+    from dflash2_mlx.loading.checkpoint import save_drafter
 
     q4 = save_drafter(dflash2_mlx.load(str(llama_dir), str(quantizable_dir),
                                        draft_bits=4).drafter, tmp_path / "q4")

@@ -4,8 +4,8 @@ output with a hit (real DecodeStates on the tiny fixtures)."""
 import pytest
 
 import dflash2_mlx
-from dflash2_mlx.state import DecodeState
-from dflash2_mlx.prompt_cache import PromptCache
+from dflash2_mlx.decode.state import DecodeState
+from dflash2_mlx.cache.prompt import PromptCache
 
 
 @pytest.fixture(scope="module")
@@ -114,10 +114,10 @@ def test_hybrid_target_reuses_exact_prefixes_and_recomputes_branches(caplog):
     from mlx_lm.utils import _get_classes
 
     from dflash2_mlx.policy.adaptive import FixedWidth
-    from dflash2_mlx.engine import stream_tokens
-    from dflash2_mlx.lookup import LookupConfig
-    from dflash2_mlx.sampling import Sampling
-    from dflash2_mlx.target import TargetAdapter
+    from dflash2_mlx.decode.engine import stream_tokens
+    from dflash2_mlx.decode.lookup import LookupConfig
+    from dflash2_mlx.decode.sampling import Sampling
+    from dflash2_mlx.model.target import TargetAdapter
     from test_families import CONFIGS
 
     cfg = CONFIGS["qwen3_5"]
@@ -143,6 +143,6 @@ def test_hybrid_target_reuses_exact_prefixes_and_recomputes_branches(caplog):
     hit, n = cache.fetch(longer)
     assert n == len(prompt) + len(answer) - 1
     assert gen(longer, hit) == gen(longer)
-    with caplog.at_level(logging.DEBUG, logger="dflash2_mlx.prompt_cache"):
+    with caplog.at_level(logging.DEBUG, logger="dflash2_mlx.cache.prompt"):
         assert cache.fetch(prompt[:6] + [1, 2, 3]) == (None, 0)
     assert cache.stats.recomputed == 1 and "cannot be trimmed" in caplog.text

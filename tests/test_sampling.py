@@ -10,15 +10,15 @@ import pytest
 from mlx_lm.models import llama
 from mlx_lm.sample_utils import make_sampler
 
-import dflash2_mlx.engine as engine
-import dflash2_mlx.state as state_mod
-from dflash2_mlx.drafter import Drafter, DraftVocab, Proposal
+import dflash2_mlx.decode.engine as engine
+import dflash2_mlx.decode.state as state_mod
+from dflash2_mlx.model.drafter import Drafter, DraftVocab, Proposal
 from dflash2_mlx.policy.adaptive import FixedWidth
-from dflash2_mlx.engine import stream_tokens
-from dflash2_mlx.stats import GenerationStats
-from dflash2_mlx.lookup import LookupConfig
-from dflash2_mlx.sampling import Sampling, rejection_accept
-from dflash2_mlx.target import TargetAdapter
+from dflash2_mlx.decode.engine import stream_tokens
+from dflash2_mlx.decode.stats import GenerationStats
+from dflash2_mlx.decode.lookup import LookupConfig
+from dflash2_mlx.decode.sampling import Sampling, rejection_accept
+from dflash2_mlx.model.target import TargetAdapter
 from fixtures import drafter_args
 
 V = 16          # tiny vocabulary so the joint of three tokens has few cells
@@ -350,7 +350,7 @@ def test_joint_distribution_batched_unseeded(tiny, kind):
     beside them (plain, wider drafter blocks, lookup on another prompt) that join and leave
     at other steps (the per-step prefill budget staggers the joins). Chi-square at alpha=1e-3 on
     the joint of the first three tokens, as for the single-sequence engine."""
-    from dflash2_mlx.engine import Engine, Request
+    from dflash2_mlx.decode.engine import Engine, Request
 
     model, drafters = tiny
     sampling = Sampling(1.0)

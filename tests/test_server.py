@@ -183,7 +183,7 @@ def test_anthropic_messages_system_stream_and_stop(pipe, an):
 # --------------------------------------------------------------------------- prefix cache
 
 def test_three_turns_reuse_the_prefix_and_match_uncached_output(pipe, oa, an):
-    from dflash2_mlx.prompt_cache import common_prefix
+    from dflash2_mlx.cache.prompt import common_prefix
 
     msgs = [{"role": "system", "content": "You are a small assistant, turn by turn."}]
     cached, prompts = [], []
@@ -768,7 +768,7 @@ def test_shutdown_answers_the_running_and_the_queued_requests_with_503(pipe):
 def test_health_reads_the_figures_the_worker_published(pipe):
     """The prompt cache is only touched on the worker's thread: /health, on the HTTP thread,
     reads what the worker published after its last job."""
-    from dflash2_mlx.prompt_cache import PromptCache
+    from dflash2_mlx.cache.prompt import PromptCache
 
     touched = set()
 

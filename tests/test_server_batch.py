@@ -26,7 +26,7 @@ from test_server import (ENDLESS, LIMIT, _sse_lines, _until, asgi_completion,  #
                          chat_ids, in_process)
 
 from dflash2_mlx import settings as check  # noqa: E402
-from dflash2_mlx.state import common_prefix  # noqa: E402
+from dflash2_mlx.decode.state import common_prefix  # noqa: E402
 from dflash2_mlx.server import Scheduler, ServerConfig  # noqa: E402
 
 
@@ -395,7 +395,7 @@ def test_a_hybrid_gated_delta_net_target_is_batched_exactly(hybrid_pipe):
 def test_the_mode_and_the_batch_settings(pipe, monkeypatch):
     from mlx_lm.models.cache import QuantizedKVCache
 
-    from dflash2_mlx.batch_cache import batch_refusal
+    from dflash2_mlx.cache.batch import batch_refusal
 
     assert Scheduler(pipe).mode == "batch" and Scheduler(pipe).max_batch == check.MAX_BATCH
     single = Scheduler(pipe, max_batch=1)
@@ -486,8 +486,8 @@ LONG_TEXT = "the quick brown fox jumps over the lazy dog, and then it runs away.
 def test_a_prompt_cancelled_mid_prefill_is_resumed_by_its_retry_exactly(pipe):
     """An agent whose request timed out during a long prefill sends it again: what was
     prefilled went to the prefix cache, the retry resumes there, and its text is the text."""
-    from dflash2_mlx.prompt_cache import PromptCache
-    from dflash2_mlx.sampling import Sampling
+    from dflash2_mlx.cache.prompt import PromptCache
+    from dflash2_mlx.decode.sampling import Sampling
 
     prompt = pipe.encode(LONG_TEXT, chat_template=False)
     assert len(prompt) > 300

@@ -7,7 +7,7 @@ import pytest
 
 import dflash2_mlx
 from dflash2_mlx import settings as check
-from dflash2_mlx.state import DecodeState
+from dflash2_mlx.decode.state import DecodeState
 
 
 @pytest.mark.parametrize("fn, bad", [
@@ -93,7 +93,7 @@ def test_api_errors_name_the_argument(pipe, options, words):
 
 
 def test_omlx_uses_the_shared_validators():
-    from dflash2_mlx.omlx import OmlxSettingsError, parse_entry
+    from dflash2_mlx.loading.omlx import OmlxSettingsError, parse_entry
 
     for entry in ({"dflash_block_size": True}, {"dflash_draft_quant_group_size": 48}):
         with pytest.raises(OmlxSettingsError, match="is not allowed"):

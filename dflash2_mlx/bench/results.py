@@ -12,7 +12,7 @@ import numpy as np
 
 from .. import log
 from ..policy.adaptive import DRAFTER, LOOKUP
-from ..stats import Cycle, GenerationStats
+from ..decode.stats import Cycle, GenerationStats
 
 _log = log.get(__name__)
 

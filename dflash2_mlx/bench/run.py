@@ -13,8 +13,8 @@ import numpy as np
 
 from .. import log
 from ..policy.adaptive import DRAFTER
-from ..stats import Cycle
-from ..state import DecodeState
+from ..decode.stats import Cycle
+from ..decode.state import DecodeState
 from .results import PLAIN_NAME, Run, add_ratios, kept_parts, summarize
 
 _log = log.get(__name__)
@@ -65,7 +65,7 @@ class Reference:
     def __init__(self, model: str, draft: str):
         import dflash.model_mlx as ref
 
-        from ..loading import load_target
+        from ..loading.checkpoint.checkpoint import load_target
 
         self.ref = ref
         self.target, self.tokenizer, _ = load_target(model, mx.float32)
@@ -106,7 +106,7 @@ def _load(model: str, draft: str, reference: bool):
     bench runs) and the reference (None without it)."""
     import dflash2_mlx
 
-    from ..loading import resolve, save_drafter, stored_quantization
+    from ..loading.checkpoint.checkpoint import resolve, save_drafter, stored_quantization
 
     pipe = dflash2_mlx.load(model, draft)
     tmp = None

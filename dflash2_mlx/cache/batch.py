@@ -27,7 +27,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, RotatingKVCache
 
-from .views import RollbackRotatingKVCache
+from ..model.views import RollbackRotatingKVCache
 
 COMPACT_MIN = 64          # slots of holes before a compaction is worth its gather
 SPARE_ROWS = 4            # a buffer keeps at most 1/4 of its rows (at least 1) past the batch

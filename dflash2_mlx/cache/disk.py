@@ -26,15 +26,15 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from . import __version__
-from .disk_file import (FORMAT, NAME, PART, Header, entry_name, identity, read_header,
-                        read_state, write_file)
+from .. import __version__
+from .disk_file import (FORMAT, NAME, PART, Header, entry_name, identity, read_header, read_state,
+                        write_file)
 from .disk_state import SAFETENSORS_DTYPE, Rejected, Unserializable, encode_state, host
-from .drafter import Drafter
-from .state import DecodeState
-from .log import get
-from .settings import PROMPT_CACHE_DISK_BYTES
-from .target import TargetAdapter
+from ..model.drafter import Drafter
+from ..decode.state import DecodeState
+from ..log import get
+from ..settings import PROMPT_CACHE_DISK_BYTES
+from ..model.target import TargetAdapter
 
 log = get(__name__)
 

@@ -18,12 +18,12 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from . import __version__
+from .. import __version__
 from .disk_state import DTYPES, Rejected, decode_state, expect, host
-from .drafter import Drafter
-from .state import DecodeState
-from .files import atomic_path
-from .target import TargetAdapter
+from ..model.drafter import Drafter
+from ..decode.state import DecodeState
+from ..files import atomic_path
+from ..model.target import TargetAdapter
 
 FORMAT = 1
 NAME = re.compile(r"^[0-9a-f]{32}\.safetensors$")

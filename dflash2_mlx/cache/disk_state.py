@@ -9,9 +9,9 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from .drafter import Drafter
-from .state import DecodeState
-from .target import RollbackRotatingKVCache, TargetAdapter
+from ..model.drafter import Drafter
+from ..decode.state import DecodeState
+from ..model.target import RollbackRotatingKVCache, TargetAdapter
 
 DTYPES = {"F32": (mx.float32, "<f4"), "F16": (mx.float16, "<f2"), "BF16": (mx.bfloat16, "<u2"),
           "I32": (mx.int32, "<i4"), "U32": (mx.uint32, "<u4"), "I64": (mx.int64, "<i8"),

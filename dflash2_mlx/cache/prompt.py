@@ -16,11 +16,11 @@ from collections import OrderedDict
 from dataclasses import dataclass
 import numpy as np
 
-from .disk_cache import DiskCache
+from .disk import DiskCache
 from .disk_file import entry_name
-from .state import DecodeState, common_prefix
+from ..decode.state import DecodeState, common_prefix
 
-log = logging.getLogger("dflash2_mlx.prompt_cache")
+log = logging.getLogger("dflash2_mlx.cache.prompt")
 
 
 @dataclass

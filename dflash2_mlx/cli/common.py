@@ -96,11 +96,11 @@ def read_stdin() -> str:
 
 
 def default_pair() -> tuple[str, str]:
-    """The embedded default (target, drafter), from `dflash2_mlx.defaults`."""
+    """The embedded default (target, drafter), from `dflash2_mlx.loading.defaults`."""
     try:
-        from ..defaults import default_pair as embedded_pair
+        from ..loading.defaults import default_pair as embedded_pair
     except ImportError as e:
-        if e.name and not e.name.startswith("dflash2_mlx.defaults"):
+        if e.name and not e.name.startswith("dflash2_mlx.loading.defaults"):
             raise
         raise ValueError("no --model given and no embedded default model is installed in this "
                          "version; pass --model (and --draft)") from e
@@ -135,7 +135,7 @@ def load_pipeline(model, draft, omlx_settings, model_id, block_size, lookup, **o
     if model is None:
         model, default_draft = default_pair()
     if omlx_settings is not None:
-        from ..omlx import load_omlx_settings
+        from ..loading.omlx import load_omlx_settings
 
         settings = load_omlx_settings(omlx_settings or None, model_id=model_id or model)
         if default_draft and settings.draft_model is None:

@@ -7,7 +7,8 @@ import logging
 import sys
 import warnings
 
-from .. import blas, log
+from ..loading import blas
+from .. import log
 from .common import PROG, app, run_app
 
 _log = log.get(__name__)

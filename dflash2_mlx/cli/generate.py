@@ -13,9 +13,8 @@ from .. import log
 from .. import settings as check
 from ..files import atomic_write
 from .common import (BLOCK_SIZE, DRAFT, DRAFT_BITS, DRAFT_GROUP_SIZE, DTYPE, LOOKUP, MODEL,
-                     MODEL_ID, OMLX_SETTINGS, PIPELINE_SPLIT, PIPELINE_TIMEOUT, app, errors,
-                     flag, load_pipeline, pipeline_group, prompt_flag, read_stdin, summary,
-                     writable)
+                     MODEL_ID, OMLX_SETTINGS, PIPELINE_SPLIT, PIPELINE_TIMEOUT, app, errors, flag,
+                     load_pipeline, pipeline_group, prompt_flag, read_stdin, summary, writable)
 
 _log = log.get(__name__)
 

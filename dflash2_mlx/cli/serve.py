@@ -12,8 +12,8 @@ import typer
 from .. import log
 from .. import settings as check
 from .common import (BLOCK_SIZE, DRAFT, DRAFT_BITS, DRAFT_GROUP_SIZE, DTYPE, LOOKUP, MODEL,
-                     MODEL_ID, OMLX_SETTINGS, PIPELINE_SPLIT, PIPELINE_TIMEOUT, app, errors,
-                     flag, load_pipeline, pipeline_group)
+                     MODEL_ID, OMLX_SETTINGS, PIPELINE_SPLIT, PIPELINE_TIMEOUT, app, errors, flag,
+                     load_pipeline, pipeline_group)
 
 _log = log.get(__name__)
 
@@ -145,7 +145,7 @@ def _server(prompt_cache_dir: Path | None, prompt_cache_disk_bytes: str | None):
         raise ValueError(f"serve needs the serve extra ({e.name} is missing): pip install "
                          "'dflash2-mlx[serve]'") from None
     if prompt_cache_dir is not None:
-        from ..disk_cache import prepare_folder
+        from ..cache.disk import prepare_folder
 
         prepare_folder(prompt_cache_dir)
     elif prompt_cache_disk_bytes is not None:

@@ -25,18 +25,18 @@ from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 
-from .policy.adaptive import LOOKUP, PLAIN
-from .policy.batch import BatchAwareWidth, outlooks_after, plain_is_better
-from .batch_cache import SoloRows
-from .policy.costs import drafter_pass
-from .drafter import Drafter
+from ..policy.adaptive import LOOKUP, PLAIN
+from ..policy.batch import BatchAwareWidth, outlooks_after, plain_is_better
+from ..cache.batch import SoloRows
+from ..policy.costs import drafter_pass
+from ..model.drafter import Drafter
 from .lookup import LookupConfig, LookupIndex
 from .sampling import Sampling, greedy_accept, rejection_accept
 from .sequence import (CANCELLED, LENGTH, PLAIN_WANT, STOP, Event, LaunchedStep, Plan,
                        PlainStepTimer, Request, Sequence, commit, plan)
 from .state import DecodeState, prefill, reuse
 from .stats import Cycle, GenerationStats
-from .target import Target
+from ..model.target import Target
 
 __all__ = ["Engine", "Request", "Event", "stream_tokens", "STOP", "LENGTH", "CANCELLED"]
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
-from . import settings    # the validators the CLI, the API and the settings file share
+from .. import settings  # the validators the CLI, the API and the settings file share
 
 
 @dataclass(frozen=True)

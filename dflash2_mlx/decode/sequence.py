@@ -10,10 +10,10 @@ from typing import Callable, NamedTuple
 
 import mlx.core as mx
 
-from .policy.adaptive import DRAFTER, FixedWidth, LOOKUP, PLAIN, LookupShadow
-from .drafter import Draft, Drafter, Proposal
+from ..policy.adaptive import DRAFTER, FixedWidth, LOOKUP, PLAIN, LookupShadow
+from ..model.drafter import Draft, Drafter, Proposal
 from .lookup import LookupConfig, LookupIndex
-from .policy import WidthPolicy
+from ..policy import WidthPolicy
 from .sampling import Sampling
 from .state import DecodeState
 from .stats import GenerationStats

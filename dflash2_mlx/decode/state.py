@@ -10,8 +10,8 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from .drafter import Drafter
-from .target import Target
+from ..model.drafter import Drafter
+from ..model.target import Target
 
 
 @dataclass

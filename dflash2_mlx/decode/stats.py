@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .policy.adaptive import DRAFTER, LOOKUP, PLAIN, PositionCounts
+from ..policy.adaptive import DRAFTER, LOOKUP, PLAIN, PositionCounts
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ Modules: `plan` (the split, and the check that every rank loads the same thing),
 (connecting, the control word, bounded sends and receives), `watchdog` (the child process that
 bounds them), `stages` (rank 0's target, the followers' loop), `shard` (loading a rank's share
 of the weights: `keep_only_stage` empties, in the model object, the weights the rank does not
-run). Views and rollbacks come from `dflash2_mlx.views`, as for the single process.
+run). Views and rollbacks come from `dflash2_mlx.model.views`, as for the single process.
 """
 
 from ..lazy import exports

@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..gguf import read_gguf_header
+from ..loading.gguf import read_gguf_header
 from .link import Link, PipelineError
 
 

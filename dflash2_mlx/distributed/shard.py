@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 
-from ..views import TargetModel, find_stack_path
+from ..model.views import TargetModel, find_stack_path
 from .link import DEFAULT_TIMEOUT, Link
 from .plan import (StagePlan, check_same_everywhere, config_text, parse_split, plan_stages,
                    target_shape)
@@ -33,7 +33,7 @@ def prepare(group, target_path: Path, draft_dir: Path | None, split: str | tuple
             precision: str, timeout: float = DEFAULT_TIMEOUT) -> tuple[StagePlan, Link]:
     """Before any weight loads: plan the split from the target's config and check that every
     rank is about to load the same target, drafter, split and precision."""
-    from ..config import DrafterArgs
+    from ..model.config import DrafterArgs
 
     split = parse_split(split) if isinstance(split, (str, type(None))) else tuple(split)
     num_layers, hidden = target_shape(target_path)

@@ -19,10 +19,10 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..batch_cache import RaggedRows, batch_refusal
-from ..target import rollback_error
-from ..views import (Incoming, LayerRange, Snapshot, StandIn, TargetModel, run_to_stand_in,
-                     stop)
+from ..cache.batch import RaggedRows, batch_refusal
+from ..model.target import rollback_error
+from ..model.views import (Incoming, LayerRange, Snapshot, StandIn, TargetModel, run_to_stand_in,
+                           stop)
 from .link import (CLONE, FILTER, FORWARD, FREE, JOIN, KEEP, RELEASE, STOP, Control, Link,
                    PipelineError)
 from .plan import StagePlan

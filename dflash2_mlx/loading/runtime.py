@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import settings
+from .. import settings
 
 
 def on_metal() -> bool:

@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map
 
-from .config import CheckpointError
+from ..model.config import CheckpointError
 
 
 def read_safetensors(folder: Path) -> dict[str, mx.array]:

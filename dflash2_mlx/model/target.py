@@ -16,7 +16,7 @@ from typing import Callable, Protocol, runtime_checkable
 import mlx.core as mx
 import mlx.nn as nn
 
-from .batch_cache import RaggedRows, batch_refusal
+from ..cache.batch import RaggedRows, batch_refusal
 from .views import (STACK_PATHS, LayerRange, LayerTap, RollbackRotatingKVCache, Snapshot,
                     TargetModel, find_stack_path)
 

@@ -20,7 +20,7 @@ import mlx.core as mx
 
 from .. import log
 from ..files import atomic_write
-from ..sampling import Sampling
+from ..decode.sampling import Sampling
 from .costs import BASE_CONTEXT, SPREAD, CostModel, monotone
 
 _log = log.get(__name__)
@@ -38,7 +38,7 @@ CALIBRATION_VERSION = "6"    # bump when measure_costs changes: older entries ar
 
 def cache_file() -> Path:
     """`$DFLASH2_CACHE/calibration.json` (default cache: `~/.cache/dflash2-mlx`)."""
-    from ..assets import resolve_cache_dir
+    from ..loading.assets import resolve_cache_dir
 
     return resolve_cache_dir() / "calibration.json"
 
@@ -48,7 +48,7 @@ def calibration_key(pipeline) -> str:
     d = pipeline.describe() if hasattr(pipeline, "describe") else {}
     drafter = pipeline.drafter
     vocab = drafter.draft_vocab if drafter is not None else None
-    from .. import blas
+    from ..loading import blas
 
     parts = [platform.machine(), platform.processor(),
              str(mx.default_device()), mx.__version__, blas.active().name,
@@ -62,7 +62,8 @@ def calibration_key(pipeline) -> str:
 def calibration_meta(pipeline, seconds: float) -> dict:
     """What `doctor` shows of an entry and `stale` checks: when and how long, the package,
     calibration and BLAS it was made with, and the pair as `load` was given it."""
-    from .. import __version__, blas
+    from .. import __version__
+    from ..loading import blas
 
     d = pipeline.describe() if hasattr(pipeline, "describe") else {}
     return {"when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -75,7 +76,8 @@ def calibration_meta(pipeline, seconds: float) -> dict:
 def stale(entry) -> str | None:
     """Why a stored entry is timed again though well formed (None: it is not): made by
     another calibration or package version, or with another BLAS."""
-    from .. import __version__, blas
+    from .. import __version__
+    from ..loading import blas
 
     meta = entry.get("meta") if isinstance(entry, dict) else None
     if not isinstance(meta, dict) or meta.get("calibration") != CALIBRATION_VERSION:

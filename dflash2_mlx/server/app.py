@@ -12,7 +12,7 @@ from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse
 
 from ..pipeline import Pipeline
-from ..prompt_cache import PromptCache
+from ..cache.prompt import PromptCache
 from . import anthropic_routes, openai_routes, responses
 from .config import ServerConfig
 from .errors import add_handlers
@@ -46,7 +46,7 @@ def create_app(pipe: Pipeline, config: ServerConfig, *, worker_thread: bool = Tr
     `scheduler.work()` (as `serve` does, on the main thread). It stops with the lifespan."""
     disk = None
     if config.prompt_cache_dir is not None:
-        from ..disk_cache import DiskCache
+        from ..cache.disk import DiskCache
 
         disk = DiskCache(config.prompt_cache_dir, config.prompt_cache_disk_bytes,
                          target=pipe.adapter, drafter=pipe.drafter)

@@ -16,10 +16,10 @@ import threading
 from dataclasses import dataclass, field
 
 from .. import log as logs, settings as check
-from ..engine import Engine
-from ..stats import GenerationStats
+from ..decode.engine import Engine
+from ..decode.stats import GenerationStats
 from ..pipeline import Pipeline, SequenceText
-from ..sampling import Sampling
+from ..decode.sampling import Sampling
 
 log = logs.get(__name__)
 

@@ -13,8 +13,7 @@ from fastapi import Request
 
 from .. import log as logs
 from ..pipeline import Pipeline
-from .chat_prompt import (TOOL_MARKERS, TemplateTraits, fold_system, parse_tool_call,
-                          tools_in_text)
+from .chat_prompt import TOOL_MARKERS, TemplateTraits, fold_system, parse_tool_call, tools_in_text
 from .config import ServerConfig
 from .errors import APIError
 from .scheduler import SHUTDOWN, GenerationRequest, Job, QueueFull, Scheduler, ShuttingDown

@@ -137,7 +137,7 @@ class Recipe:
     init_layers: tuple[int, ...] | None = option(
         None, "Target layers the drafter's layers start from (one each; default: the last ones).")
     init_from: str | None = option(None, "Start from a drafter folder's weights instead "
-                                   "(fine-tuning; e.g. the shipped one, dflash2_mlx/defaults).",
+                                   "(fine-tuning; e.g. the shipped one, dflash2_mlx/loading/defaults).",
                                    metavar="DRAFTER")
     train: TrainConfig = field(default_factory=TrainConfig)
     # export

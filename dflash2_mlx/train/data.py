@@ -61,7 +61,7 @@ def _topk(logits, k: int):
     """logits [B, V] (mx) -> ids [B, k] uint16, log-probs [B, k] fp16, as numpy; descending."""
     import mlx.core as mx
 
-    from ..topk import top_k_indices
+    from ..model.topk import top_k_indices
 
     logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     ids = top_k_indices(logp, k)

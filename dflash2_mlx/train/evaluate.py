@@ -29,8 +29,8 @@ import mlx.core as mx
 import numpy as np
 
 from .. import log
-from ..drafter import Drafter
-from ..topk import top_k_indices
+from ..model.drafter import Drafter
+from ..model.topk import top_k_indices
 from .config import TrainConfig
 from .data import FeatureStore
 from .trainer import Batcher, head_matrix, windows_of

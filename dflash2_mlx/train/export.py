@@ -8,8 +8,8 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ..drafter import Drafter
-from ..loading import quantize_drafter, save_drafter
+from ..model.drafter import Drafter
+from ..loading.checkpoint import quantize_drafter, save_drafter
 
 
 def export_drafter(drafter: Drafter, folder: str | Path, *, bits: int | None = None,

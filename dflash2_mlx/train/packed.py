@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..drafter import DecoderLayer, Drafter
+from ..model.drafter import DecoderLayer, Drafter
 from . import host_exp
 
 NEG = -1e9

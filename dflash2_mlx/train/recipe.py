@@ -25,15 +25,15 @@ LOG = log.get(__name__)
 def load_target_for_training(model: str | None):
     """(target model, tokenizer, model path): the target in float32 (on the fast BLAS, as
     `load()` puts it)."""
-    from ..blas import use_fast_blas
+    from ..loading.blas import use_fast_blas
 
     use_fast_blas()
     import mlx.core as mx
 
-    from ..loading import load_target
+    from ..loading.checkpoint import load_target
 
     if model is None:
-        from ..assets import smollm2_gguf
+        from ..loading.assets import smollm2_gguf
 
         model = str(smollm2_gguf())
     target, tokenizer, path = load_target(model, mx.float32)
@@ -59,7 +59,7 @@ def drafter_to_continue(folder: str, args, adapter):
     a run: fine-tuning the shipped drafter on new data. Its shape must be the recipe's."""
     import mlx.core as mx
 
-    from ..loading import load_drafter
+    from ..loading.checkpoint import load_drafter
 
     drafter = load_drafter(folder, hidden_size=adapter.hidden_size, vocab_size=adapter.vocab_size,
                            num_layers=adapter.num_layers, dtype=mx.float32)
@@ -85,7 +85,7 @@ def run_recipe(recipe: Recipe) -> Path:
     logger (`dflash2_mlx.log.setup()` prints them)."""
     import mlx.core as mx
 
-    from ..target import TargetAdapter
+    from ..model.target import TargetAdapter
     from . import data as D
     from .export import export_drafter, folder_megabytes
     from .init import drafter_args_for, init_drafter
@@ -137,7 +137,7 @@ def _generate_data(recipe: Recipe, target, capture: list[int], tokenizer, model_
     """The data stage: the prompts (`<run>/prompts.jsonl`), then the target's greedy answers
     to all of them and sampled ones to `recipe.sampled_fraction` of them, with the features
     of the `capture` layers -> the new `FeatureStore` in `<run>/data`."""
-    from ..target import TargetAdapter
+    from ..model.target import TargetAdapter
     from . import data as D
 
     adapter = TargetAdapter(target, tuple(capture))

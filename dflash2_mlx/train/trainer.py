@@ -27,11 +27,11 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .. import log
-from ..config import DrafterArgs
-from ..drafter import Drafter, DraftVocab
+from ..model.config import DrafterArgs
+from ..model.drafter import Drafter, DraftVocab
 from ..files import atomic_path
-from ..lookup import LookupConfig, LookupIndex
-from ..topk import top_k_indices
+from ..decode.lookup import LookupConfig, LookupIndex
+from ..model.topk import top_k_indices
 from . import host_exp
 from .config import TrainConfig
 from .data import FeatureStore
