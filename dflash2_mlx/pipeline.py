@@ -13,23 +13,21 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .loading import blas, runtime
 from . import log, settings as check
-from .model.drafter import Drafter
-from .policy.batch import BatchAwareWidth
-from .decode.engine import Engine, Request, stream_tokens
-from .policy.costs import Correction
-from .policy.adaptive import AdaptiveWidth, DRAFTER, FixedWidth, LOOKUP
-from .policy.calibration import calibration_key, load_or_measure_costs, store_correction
-from .decode.state import DecodeState, common_prefix
-from .decode.stats import GenerationStats
-from .model.kernels import resolve_kernel_path
+from .decode.engine import Engine, Request
 from .decode.lookup import LookupConfig
-from .loading.checkpoint import load_drafter, load_target, resolve, stored_quantization
-from .loading.weights import quantized_layers
-from .loading.omlx import OmlxSettings, OmlxSettingsError
 from .decode.sampling import Sampling
+from .decode.state import DecodeState, common_prefix
+from .decode.stats import DRAFTER, LOOKUP, GenerationStats
+from .loading import blas, runtime
+from .loading.checkpoint import load_drafter, load_target, resolve, stored_quantization
+from .loading.omlx import OmlxSettings, OmlxSettingsError
+from .loading.weights import quantized_layers
+from .model.drafter import Drafter
+from .model.kernels import resolve_kernel_path
 from .model.target import Target, TargetAdapter
+from .policy.adaptive import AdaptiveWidth
+from .policy.calibration import calibration_key, load_or_measure_costs, store_correction
 
 _log = log.get(__name__)
 
@@ -207,22 +205,18 @@ class Pipeline:
             _notice(f"the prompt has {len(ids)} tokens, at or beyond max_ctx={self.max_ctx}: "
                     "plain target decoding")
             b = 1
-        policy = self.width_policy().for_sequence() if b == "auto" else FixedWidth(b)
         stop_ids = self.stop_ids(stop_tokens)
-        stats = GenerationStats(block_size=b)
         text = SequenceText(self.tokenizer, stop_ids)
         bar = _PrefillBar()
-        steps = stream_tokens(self.adapter, self.drafter, ids, max_tokens=max_tokens,
-                              sampling=sampling, policy=policy, stop_ids=stop_ids,
-                              lookup=self.lookup_config if lookup and b != 1 else None,
-                              seed=seed, prefill_step_size=self.prefill_step_size,
-                              stats=stats, state=state, progress=bar)
+        engine = self.engine(max_batch=1)
+        request = self.request(engine, ids, max_tokens, sampling, b, lookup=lookup,
+                               stop_ids=stop_ids, seed=seed, state=state,
+                               keep_state=state is not None, progress=bar)
         try:
-            for new in steps:
+            for ev in engine.run(request):
                 bar.close()                  # the prefill is done once a token is out
-                finish = ("stop" if new[-1] in stop_ids else
-                          "length" if stats.generated_tokens >= max_tokens else None)
-                yield Chunk(text(new, finish), new, stats.copy(), finish)
+                yield Chunk(text(ev.tokens, ev.finish), ev.tokens, request.stats.copy(),
+                            ev.finish)
         finally:
             bar.close()
 
@@ -260,51 +254,43 @@ class Pipeline:
             raise ValueError(f"max_tokens: {len(limits)} values for {len(prompts)} prompts")
         seed = check.seed(seed)
         stop_ids = self.stop_ids(stop_tokens)
-        engine = self.batch_engine(max_batch)
+        engine = self.engine(max_batch)
         index, texts = {}, {}
-        shared = self.batch_correction()
         for i, prompt in enumerate(prompts):
-            rid = self.add_to_batch(engine, self.encode(prompt, chat_template, system),
-                                    check.max_tokens(limits[i]), sampling, b, shared,
-                                    lookup=lookup, stop_ids=stop_ids,
-                                    seed=None if seed is None else seed + i)
+            rid = engine.add(self.request(engine, self.encode(prompt, chat_template, system),
+                                          check.max_tokens(limits[i]), sampling, b,
+                                          lookup=lookup, stop_ids=stop_ids,
+                                          seed=None if seed is None else seed + i))
             index[rid], texts[rid] = i, SequenceText(self.tokenizer, stop_ids)
         while engine.running or engine.waiting:
             for ev in engine.step(prefill_budget):
                 yield index[ev.id], Chunk(texts[ev.id](ev.tokens, ev.finish), ev.tokens,
                                           engine.stats[ev.id].copy(), ev.finish)
 
-    # ---- what stream_batch and the server's scheduler share
+    # ---- what stream, stream_batch and the server's scheduler share
     def stop_ids(self, stop_tokens: Sequence[int] = ()) -> frozenset:
         """The ids that end a generation: the tokenizer's end tokens and `stop_tokens`."""
         return frozenset(self.tokenizer.eos_token_ids) | {int(t) for t in stop_tokens}
 
-    def batch_engine(self, max_batch: int | None = None) -> Engine:
-        """An `Engine` on this pipeline's target and drafter (one sequence at a time where
-        the target cannot batch: `Engine.solo_reason`)."""
+    def engine(self, max_batch: int | None = None) -> Engine:
+        """An `Engine` on this pipeline's target and drafter, decoding up to `max_batch`
+        sequences at once (one at a time where the target cannot batch:
+        `Engine.solo_reason`)."""
         return Engine(self.adapter, self.drafter, lookup=self.lookup_config,
                       max_batch=max_batch, prefill_step_size=self.prefill_step_size)
 
-    @staticmethod
-    def batch_correction() -> Correction:
-        """The online cost correction the batch-aware policies of one batch share: the batch's
-        steps, timed once for every sequence."""
-        return Correction(decay=0.9)
-
-    def add_to_batch(self, engine: Engine, ids: list[int], max_tokens: int,
-                     sampling: Sampling, b: int | str, shared: Correction, *, lookup: bool,
-                     stop_ids: frozenset, seed: int | None, state: DecodeState | None = None,
-                     keep_state: bool = False) -> int:
-        """Add one prompt (ids) to `engine` with its policy for the checked block size `b`
-        (`block_size`; a prompt at or past max_ctx runs plain) -> its id. state, keep_state:
-        as `engine.Request`'s (the prefix cache)."""
+    def request(self, engine: Engine, ids: list[int], max_tokens: int, sampling: Sampling,
+                b: int | str, *, lookup: bool, stop_ids: frozenset, seed: int | None,
+                state: DecodeState | None = None, keep_state: bool = False,
+                progress=None) -> Request:
+        """One prompt (ids) for `engine`, with its width policy for the checked block size `b`
+        (`block_size`; a prompt at or past max_ctx runs plain). state, keep_state, progress:
+        as `engine.Request`'s (the prefix cache, a long prefill's progress)."""
         wide = b if self.max_ctx is None or len(ids) < self.max_ctx else 1
-        policy = BatchAwareWidth(self.width_policy().for_sequence(), shared) \
-            if wide == "auto" else FixedWidth(wide)
-        rid = engine.add(Request(ids, max_tokens, sampling, policy, stop_ids,
-                                 lookup and wide != 1, seed, state, keep_state))
-        engine.stats[rid].block_size = wide
-        return rid
+        policy = engine.planner.policy(wide, self.width_policy() if wide == "auto" else None,
+                                       alone=engine.solo)
+        return Request(ids, max_tokens, sampling, policy, stop_ids, lookup and wide != 1, seed,
+                       state, keep_state, progress, GenerationStats(block_size=wide))
 
     def generate_batch(self, prompts: Sequence[str | Sequence[int]],
                        **options) -> list[Generation]:

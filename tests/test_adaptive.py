@@ -13,12 +13,14 @@ import pytest
 from mlx_lm.generate import generate_step
 
 import dflash2_mlx
-from dflash2_mlx.decode.sequence import TRUSTED_CHAIN, PlainStepTimer
-from dflash2_mlx.policy.adaptive import (DRAFTER, LOOKUP, PLAIN, AdaptiveWidth, FixedWidth,
-                                         LookupShadow, UNTRIED_REACH)
+from dflash2_mlx.decode.stats import DRAFTER, LOOKUP, PLAIN
+from dflash2_mlx.policy.adaptive import AdaptiveWidth, FixedWidth, LookupShadow
 from dflash2_mlx.policy.calibration import load_or_measure_costs
 from dflash2_mlx.policy.costs import CostModel
 from dflash2_mlx.policy.fitted import FIT
+from dflash2_mlx.policy.planner import PlainStepTimer
+
+TRUSTED_CHAIN, UNTRIED_REACH = FIT.trusted_chain, FIT.untried_reach
 
 # A verify of w rows costs 100 + 5w ms, a draft 30 ms: roughly this CPU's shape.
 COST = CostModel(tuple([0.0] + [0.030] * 15), tuple(0.100 + 0.005 * w
@@ -953,22 +955,18 @@ def test_corrected_prices_are_written_to_the_stored_calibration(pipe):
     assert load_or_measure_costs(pipe, 16) == dearer
 
 
-def test_the_policies_are_what_the_engines_ask_for():
-    """`WidthPolicy`: every policy; `BatchPolicy` (the batched step's members): the batch-aware
-    one and `FixedWidth`, whose members say what the batch engine assumed of it."""
-    from dflash2_mlx.policy import BatchPolicy, WidthPolicy
+def test_the_policies_are_what_the_planner_asks_for():
+    """`WidthPolicy`: every policy; a batch prices a fixed one as plain decoding at width 1 and
+    as unknown wider."""
+    from dflash2_mlx.policy import WidthPolicy
+    from dflash2_mlx.policy.adaptive import PLAIN_OUTLOOK
     from dflash2_mlx.policy.batch import BatchAwareWidth, _outlook
 
     adaptive = AdaptiveWidth(COST)
     for policy in (FixedWidth(1), FixedWidth(8), adaptive, BatchAwareWidth(adaptive)):
         assert isinstance(policy, WidthPolicy)
-    assert isinstance(BatchAwareWidth(adaptive), BatchPolicy)
-    assert not isinstance(adaptive, BatchPolicy)
     for width in (1, 8):
         fixed = FixedWidth(width)
-        assert isinstance(fixed, BatchPolicy)
-        assert fixed.last == (1.0, 0.0) and not fixed.probing
-        assert fixed.outlook == _outlook(fixed)
-        fixed.set_batch([(2, 1.5, 0.01)], 3, 4096)
-        fixed.observe(4, 2, 4096, 0.5, 0.01, 6)
+        assert fixed.last == (1.0, 0.0)
+        assert _outlook(fixed) == (PLAIN_OUTLOOK if width == 1 else None)
         assert fixed.choose({DRAFTER: 16}) == ((DRAFTER, width) if width > 1 else (PLAIN, 1))

@@ -406,7 +406,7 @@ def test_the_mode_and_the_batch_settings(pipe, monkeypatch):
     quantized = Scheduler(pipe)
     assert (quantized.mode == "single" and "QuantizedKVCache" in quantized.why
             and quantized.rows == 1)
-    assert pipe.batch_engine(8).max_batch == 1
+    assert pipe.engine(8).max_batch == 1
     monkeypatch.undo()
     for field, value, words in (("max_batch", 0, "integer >= 1"),
                                 ("prefill_chunk", 0, "integer >= 1"),
@@ -492,13 +492,13 @@ def test_a_prompt_cancelled_mid_prefill_is_resumed_by_its_retry_exactly(pipe):
     prompt = pipe.encode(LONG_TEXT, chat_template=False)
     assert len(prompt) > 300
     want = pipe.generate(prompt, max_tokens=12).tokens
-    engine, cache = pipe.batch_engine(2), PromptCache(4)
+    engine, cache = pipe.engine(2), PromptCache(4)
     greedy = Sampling(0.0, 1.0, 0)
 
     def add(state=None) -> int:
-        return pipe.add_to_batch(engine, prompt, 12, greedy, BLOCK, pipe.batch_correction(),
-                                 lookup=False, stop_ids=pipe.stop_ids(), seed=0, state=state,
-                                 keep_state=True)
+        return engine.add(pipe.request(engine, prompt, 12, greedy, BLOCK, lookup=False,
+                                       stop_ids=pipe.stop_ids(), seed=0, state=state,
+                                       keep_state=True))
 
     rid = add()
     engine.step(prefill_budget=len(prompt) // 3)            # a third of the prompt, then gone

@@ -3,8 +3,9 @@
 is a batch of one.
 
 A step, for the running sequences s_1..s_B:
-  plan     each sequence's policy picks its source and width w_b; drafts come from the
-           lookup, or from ONE drafter pass for every sequence drafting from it
+  plan     the planner (`policy.Planner`) picks each sequence's source and width w_b from what
+           its sources offer; drafts come from the lookup, or from ONE drafter pass for every
+           sequence drafting from it
   verify   the target runs [B, T = max w_b]: row b is [anchor_b, drafts_b, padding]
   accept   per sequence, greedy prefix match or rejection sampling on its own rows -> a_b
            accepted drafts and a bonus token
@@ -25,18 +26,16 @@ from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 
-from ..policy.adaptive import LOOKUP, PLAIN
-from ..policy.batch import BatchAwareWidth, outlooks_after, plain_is_better
 from ..cache.batch import SoloRows
-from ..policy.costs import drafter_pass
-from ..model.drafter import Drafter
+from ..model.drafter import Draft, Drafter
+from ..model.target import Target
+from ..policy import Planner
 from .lookup import LookupConfig, LookupIndex
 from .sampling import Sampling, greedy_accept, rejection_accept
-from .sequence import (CANCELLED, LENGTH, PLAIN_WANT, STOP, Event, LaunchedStep, Plan,
-                       PlainStepTimer, Request, Sequence, commit, plan)
+from .sequence import (CANCELLED, LENGTH, STOP, Event, LaunchedStep, Plan, Request, Sequence,
+                       commit, offer)
 from .state import DecodeState, prefill, reuse
-from .stats import Cycle, GenerationStats
-from ..model.target import Target
+from .stats import DRAFTER, LOOKUP, PLAIN, Cycle, GenerationStats
 
 __all__ = ["Engine", "Request", "Event", "stream_tokens", "STOP", "LENGTH", "CANCELLED"]
 
@@ -77,7 +76,7 @@ class Engine:
         self._ahead: LaunchedStep | None = None           # the plain step launched last step
         self.launches = 0                                 # plain steps launched ahead
         self.last_prefill = (0, 0.0)                      # the last step's prompt tokens, s
-        self._timer = PlainStepTimer()
+        self.planner = Planner()
         self._decoded = False           # this step's decode ran before its prefill
         self.vetoed = 0                     # steps whose drafting plain beat (run or launched)
 
@@ -168,6 +167,8 @@ class Engine:
         if joining:
             self.caches.join([seq.state for seq in joining])
             self.rows.extend(joining)
+            for seq in joining:
+                self.planner.join(seq.id, seq.req.policy)
         return events
 
     def decode(self) -> list[Event]:
@@ -244,68 +245,69 @@ class Engine:
         tic = time.perf_counter()
         ahead, self._ahead = self._ahead, None
         slots = self.caches.slots()
-        contexts = [len(seq.state.tokens) for seq in self.rows]
-        plans, plain_wins = self._plan_all(slots, contexts)
-        self._draft_all(plans)
-        t = self._tick("plan", tic)
+        offers = [offer(seq, self.drafter) for seq in self.rows]
+        decisions, overruled = self.planner.plan([seq.id for seq in self.rows], offers, slots)
+        self.vetoed += overruled
+        plans = [self._plan(seq, d, o) for seq, d, o in zip(self.rows, decisions, offers)]
         T = max(p.width for p in plans)
-        if ahead is not None:          # launched last step (all plain, keys as alone): take it
-            tokens, feats = ahead.take(self.rows)
-        elif T == 1:
-            tokens, feats = self._plain(
-                mx.array([[p.seq.tokens[-1]] for p in plans], dtype=mx.uint32),
-                [p.sample_key for p in plans])
-        else:
-            results, feats, snapshot = self._verify(plans, T)
+        t = self._tick("plan", tic)
         if T == 1:
-            self._launch_next(plans, tokens, plain_wins)
-        t = self._tick("build", t)
-        if T == 1:
-            accepted, bonuses = self._read_plain(tokens)
+            accepted, bonuses, feats = self._plain_step(plans, decisions, ahead)
         else:
-            accepted, bonuses = self._read(results)
-            self.caches.kept([a + 1 for a in accepted], T, snapshot)
-        t = self._tick("eval", t)
+            accepted, bonuses, feats = self._drafting_step(plans, T)
+        t = self._tick("verify", t)
         seconds = time.perf_counter() - tic + (ahead.waited if ahead is not None else 0.0)
-        alone = self._time(plans, T, slots, accepted, seconds, ahead is not None)
-        events, leaving = self._commit_all(plans, accepted, bonuses, feats, contexts, alone)
+        self.history.append((len(plans), len(plans) * T, seconds))
+        events, new, leaving = self._commit_all(plans, accepted, bonuses, feats)
+        self.planner.learn(T, slots, accepted, new, seconds, ahead is not None,
+                           self._ahead is not None)
         t = self._tick("sequences", t)
         if leaving:
             self._leave(leaving)
             self._tick("leave", t)
         return events
 
-    def _plan_all(self, slots: int, contexts: list[int]) -> tuple[list[Plan], bool]:
-        """Every sequence's plan, in row order: batch-aware policies see what those before
-        them chose and what those after them are expected to -> (plans, whether plain
-        decoding of every sequence beats what they wanted; then they decode plainly)."""
-        plans, planned = [], []
-        later = outlooks_after([seq.policy for seq in self.rows])    # O(B W), once per step
-        for i, seq in enumerate(self.rows):
-            if isinstance(seq.policy, BatchAwareWidth):
-                seq.policy.set_batch(planned, later[i + 1], slots)
-            plans.append(plan(seq, self.drafter))
-            planned.append(plans[-1].want if plans[-1].width > 1 else PLAIN_WANT)
-        plain_wins = plain_is_better([(p.seq.policy, p.want) for p in plans], slots)
-        if plain_wins and any(p.width > 1 for p in plans):
-            self._plain_instead(plans, contexts)
-            self.vetoed += 1
-        return plans, plain_wins
+    def _plan(self, seq: Sequence, decision, offered) -> Plan:
+        """A row's plan from its decision: its keys (split the same whatever it decided, so a
+        sequence samples alike alone and batched) and its drafts (a drafter's left to the
+        step's one pass)."""
+        seq.key, k_draft, k_accept = mx.random.split(seq.key, 3)
+        source, width = decision.source, decision.width
+        if source == PLAIN:
+            key = k_accept if seq.launched is None else seq.launched
+            seq.launched = k_draft if decision.launch else None
+            return Plan(seq, PLAIN, 1, sample_key=key, draft_key=k_draft)
+        if source == DRAFTER:
+            anchor = mx.array([[seq.tokens[-1]]], dtype=mx.uint32)
+            draft = Draft(anchor, seq.state.take_features(), seq.state.dcache, width,
+                          seq.req.sampling, k_draft)
+            return Plan(seq, source, width, draft=draft, accept_key=k_accept, draft_key=k_draft)
+        drafts = mx.array([offered.guess[: width - 1]], dtype=mx.uint32)        # [1, w-1]
+        return Plan(seq, source, width, drafts, accept_key=k_accept, draft_key=k_draft)
 
-    @staticmethod
-    def _plain_instead(plans: list[Plan], contexts: list[int]) -> None:
-        """Every drafting plan becomes a plain step sampled with its key (a drafter plan's
-        features go back to its state, a lookup's unverified proposal to its shadow)."""
-        for i, p in enumerate(plans):
-            if p.width == 1:
-                continue
-            seq = p.seq
-            if p.draft is not None and p.draft.feats is not None:
-                seq.state.pending.insert(0, p.draft.feats)
-            if p.guess:
-                seq.shadow.offer(p.guess, p.match, contexts[i])
-            plans[i] = Plan(seq, PLAIN, 1, p.match, p.want, sample_key=p.accept_key,
-                            draft_key=p.draft_key)
+    def _plain_step(self, plans: list[Plan], decisions: list, ahead: LaunchedStep | None):
+        """Every row one plain step (the one launched last step, if any), the next one
+        launched before this one is read where every row's next step is plain ->
+        (accepted, bonus tokens, features)."""
+        if ahead is not None:
+            tokens, feats = ahead.take(self.rows)
+        else:
+            tokens, feats = self._plain(
+                mx.array([[p.seq.tokens[-1]] for p in plans], dtype=mx.uint32),
+                [p.sample_key for p in plans])
+        self._launch_next(plans, decisions, tokens)
+        mx.eval(tokens)          # read as host values: an array op would wait behind the launch
+        return [0] * len(plans), tokens.tolist(), feats
+
+    def _drafting_step(self, plans: list[Plan], T: int):
+        """The drafter's one pass, then one verify of every row's [anchor, drafts, padding];
+        the caches keep each row's accepted rows -> (accepted, bonus tokens, features)."""
+        self._draft_all(plans)
+        results, feats, snapshot = self._verify(plans, T)
+        mx.eval(results)                                  # the step's one host sync
+        accepted = [int(a.item()) for a, _ in results]
+        self.caches.kept([a + 1 for a in accepted], T, snapshot)
+        return accepted, [int(b.item()) for _, b in results], feats
 
     def _draft_all(self, plans: list[Plan]) -> None:
         """One drafter pass for every plan drafting from it, started at once: the device
@@ -366,18 +368,17 @@ class Engine:
                   for i, (s, k) in enumerate(zip(samplings, keys))]
         return mx.concatenate(tokens) if len(tokens) > 1 else tokens[0], feats
 
-    def _launch_next(self, plans: list[Plan], tokens: mx.array, plain_wins: bool) -> None:
-        """mlx-lm's double buffering: when every sequence would launch its next plain step
-        alone, launch the batch's before reading this one (no joiner can share it). One that
-        ends now by its length runs one row more, discarded, so its end does not break the
-        others' chain; those that would draft next step where the batch is better plain are
-        launched plain too."""
+    def _launch_next(self, plans: list[Plan], decisions: list, tokens: mx.array) -> None:
+        """mlx-lm's double buffering: when every sequence's next step is plain, launch the
+        batch's before reading this one (no joiner can share it). One that ends now by its
+        length runs one row more, discarded, so its end does not break the others' chain;
+        those the planner holds plain with the batch (`Decision.with_batch`) are launched too."""
         if not self.launch or self._joinable():
             return
         last = [p.seq.last() for p in plans]
-        held = [p for p, end in zip(plans, last) if p.seq.launched is None and not end]
-        if held and plain_wins and all(p.want.width > 1 for p in held):
-            for p in held:
+        extra = [p for p, d in zip(plans, decisions) if d.with_batch]
+        if extra:
+            for p in extra:
                 p.seq.launched = p.draft_key
             self.vetoed += 1
         if not all(last) and all(p.seq.launched is not None or end
@@ -388,56 +389,21 @@ class Engine:
             self.launches += 1
             self._ahead = LaunchedStep(list(self.rows), nxt, feats)
 
-    @staticmethod
-    def _read_plain(tokens: mx.array) -> tuple[list[int], list[int]]:
-        """An all-plain step's tokens, read as host values: an array op would wait behind the
-        launched step."""
-        mx.eval(tokens)
-        return [0] * tokens.shape[0], tokens.tolist()
-
-    @staticmethod
-    def _read(results: list) -> tuple[list[int], list[int]]:
-        """The one host sync of a drafting step -> (accepted drafts, bonus token) per row."""
-        mx.eval(results)
-        return [int(a.item()) for a, _ in results], [int(b.item()) for _, b in results]
-
-    def _time(self, plans: list[Plan], T: int, slots: int, accepted: list[int],
-              seconds: float, was_launched: bool) -> float | None:
-        """Record the step's time; batch-aware policies learn it (once per shared correction)
-        -> the seconds a sequence alone learns from it (None: in a batch, or a short launch
-        chain's plain step)."""
-        self.history.append((len(plans), len(plans) * T, seconds))
-        alone = seconds if len(plans) == 1 else None
-        if T == 1:
-            launches = self._ahead is not None
-            seconds = self._timer.plain(seconds, was_launched, launches)
-            alone = seconds if alone is not None and self._timer.long(launches) else None
-        draft_s = drafter_pass(p.want.draft_s if p.width > 1 else 0.0 for p in plans)
-        timed = {id(s.policy.shared): s.policy for s in self.rows
-                 if isinstance(s.policy, BatchAwareWidth)}
-        for policy in timed.values():
-            policy.observe(len(plans), T, slots, seconds, draft_s, sum(accepted) + len(plans))
-        return alone
-
     def _commit_all(self, plans: list[Plan], accepted: list[int], bonuses: list[int],
-                    feats: mx.array | None, contexts: list[int], alone: float | None
-                    ) -> tuple[list[Event], list[int]]:
-        """Each sequence takes its accepted drafts and bonus token; its policy, lookup index
-        and shadow learn the step -> (events, the rows that leave)."""
-        events, leaving = [], []
+                    feats: mx.array | None) -> tuple[list[Event], list[list[int]], list[int]]:
+        """Each sequence takes its accepted drafts and bonus token -> (events, the tokens each
+        committed, the rows that leave)."""
+        events, new, leaving = [], [], []
         for i, (p, a, bonus) in enumerate(zip(plans, accepted, bonuses)):
             seq = p.seq
             drafts = p.drafts[0, :a].tolist() if a else []
             rows = None if feats is None or seq.state.dcache is None else feats[i : i + 1]
-            new = commit(seq, drafts, bonus, rows, self.keep)
+            tokens = commit(seq, drafts, bonus, rows, self.keep)
             seq.stats.steps.append(Cycle(p.source, p.width, a))
-            seq.policy.update(p.source, p.width, a, alone, p.match, contexts[i])
             before = len(seq.tokens)
-            seq.tokens.extend(new)                # widths never exceed the room left
+            seq.tokens.extend(tokens)                # widths never exceed the room left
             if seq.index is not None:
-                seq.index.extend(new)
-                seq.shadow.follow(p.source, p.width, a, p.guess, p.match, contexts[i])
-                seq.shadow.commit(new)
+                seq.index.extend(tokens)
             seq.stats.generated_tokens = len(seq.tokens)
             seq.stats.decode_s = time.perf_counter() - seq.tic
             if len(seq.tokens) // CLEAR_EVERY != before // CLEAR_EVERY:
@@ -445,8 +411,9 @@ class Engine:
             finish = seq.finished()
             if finish is not None:
                 leaving.append(i)
-            events.append(Event(seq.id, new, finish))
-        return events, leaving
+            events.append(Event(seq.id, tokens, finish))
+            new.append(tokens)
+        return events, new, leaving
 
     def _tick(self, section: str, since: float) -> float:
         """Add the seconds since `since` to `timings[section]` (when timing) -> now."""
@@ -468,6 +435,7 @@ class Engine:
         ahead = self._ahead
         for i in rows:
             seq = self.rows[i]
+            self.planner.leave(seq.id)
             if seq.req.keep_state:
                 if ahead is not None:     # its launched row is in the cache: the state says so
                     j = ahead.index(seq)

@@ -1,10 +1,31 @@
-"""The figures of one generation: each step's source, width and accepted drafts."""
+"""The figures of one generation: each step's source, width and accepted drafts; the sources a
+cycle drafts from, and acceptance counts per draft position."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ..policy.adaptive import DRAFTER, LOOKUP, PLAIN, PositionCounts
+DRAFTER, LOOKUP, PLAIN = "drafter", "lookup", "plain"     # the sources of a cycle's drafts
+
+
+class PositionCounts:
+    """Tries and acceptances per draft position (k, 1-based, is tried when drafts 1..k-1 were
+    accepted in a cycle of width > k); each try weighs the older ones by `decay`."""
+
+    def __init__(self, positions: int, decay: float = 1.0):
+        self.decay = decay
+        self.hits, self.tries = [0.0] * positions, [0.0] * positions
+
+    def update(self, width: int, accepted: int, first: int = 1) -> None:
+        """A cycle of `width` rows accepted `accepted` drafts: positions `first` .. the first
+        rejected one (at most width - 1) were tried."""
+        for k in range(first, min(accepted + 1, width - 1, len(self.tries)) + 1):
+            self.tries[k - 1] = self.tries[k - 1] * self.decay + 1
+            self.hits[k - 1] = self.hits[k - 1] * self.decay + (k <= accepted)
+
+    def rates(self) -> list[float | None]:
+        """hits / tries per position; None for a position never tried."""
+        return [h / t if t else None for h, t in zip(self.hits, self.tries)]
 
 
 @dataclass(frozen=True)

@@ -1,21 +1,28 @@
 """Width policies: which source drafts each cycle and how many rows the target verifies.
 
-`adaptive`: one sequence's policies (`FixedWidth`, `AdaptiveWidth`) and `LookupShadow`;
-`batch`: the batch-aware policy; `costs`: the cost model and its online correction;
-`calibration`: timing the costs, and their per-machine cache; `fitted`: the constants fitted on one machine.
+`planner`: `Planner`, the one object the engine asks for every row's plan of a step and tells
+what the step did; `adaptive`: one sequence's policies (`FixedWidth`, `AdaptiveWidth`) and
+`LookupShadow`; `batch`: the batch-aware policy; `costs`: the cost model and its online
+correction; `calibration`: timing the costs, and their per-machine cache; `fitted`: the
+constants fitted on one machine.
 """
 
 from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+from ..lazy import exports
+
+# imported on first use: `doctor` reads the calibrations without importing MLX
+__getattr__, __dir__ = exports(__name__, {"Planner": "planner"}, globals())
+
 
 @runtime_checkable
 class WidthPolicy(Protocol):
-    """What the engine (`engine.Engine`) asks of a sequence's
-    policy each cycle. available: the widest block each source ("drafter", "lookup") can draft
-    now; match_n: the lookup's recurring suffix length (0: none); context: the tokens the
-    target's cache holds (None: the calibration's short context)."""
+    """What the planner (`planner.Planner`) asks of a sequence's policy each cycle.
+    available: the widest block each source ("drafter", "lookup") can draft now; match_n: the
+    lookup's recurring suffix length (0: none); context: the tokens the target's cache holds
+    (None: the calibration's short context)."""
 
     last: tuple[float, float]        # (expected tokens, draft seconds) of its latest choice
 
@@ -27,8 +34,7 @@ class WidthPolicy(Protocol):
     def update(self, source: str, width: int, accepted: int, seconds: float | None = None,
                match_n: int = 0, context: int | None = None, first: int = 1) -> None:
         """A cycle's outcome: drafts accepted, seconds (None: untimed, or a `LookupShadow`'s
-        score);
-        first: the first draft position to count."""
+        score); first: the first draft position to count."""
 
     def launch_next(self, choice: tuple[str, int], available: dict[str, int],
                     match_n: int = 0, context: int | None = None) -> bool:
@@ -36,22 +42,3 @@ class WidthPolicy(Protocol):
 
     def next_plain(self, available: dict[str, int], context: int | None = None) -> bool:
         """Whether the next cycle will be a plain step."""
-
-
-@runtime_checkable
-class BatchPolicy(WidthPolicy, Protocol):
-    """What `engine.Engine` asks besides of a policy in a batched step."""
-
-    probing: bool                    # its latest choice is a drafter probe
-    # per widest block T = 1, 2, ...: the (expected tokens, draft seconds) it would choose
-    # within T; None: unknown
-    outlook: tuple[tuple[float, float], ...] | None
-
-    def set_batch(self, planned: list[tuple[int, float, float]], after,
-                  slots: int | None = None) -> None:
-        """planned: (width, expected tokens, draft seconds) of those planned before it this
-        step; after: those planning after it; slots: the keys each row's attention reads."""
-
-    def observe(self, n: int, T: int, context: int | None, seconds: float,
-                drafts: float = 0.0, tokens: int | None = None) -> None:
-        """A batched step of n sequences x T rows over `context` slots took `seconds`."""

@@ -13,37 +13,16 @@ import copy
 from collections.abc import Callable
 from dataclasses import replace
 
+from ..decode.stats import DRAFTER, LOOKUP, PLAIN, PositionCounts
 from .costs import SPREAD, CostModel, Correction, context_bucket, monotone, probe_steps
 from .fitted import FIT
 
-DRAFTER, LOOKUP, PLAIN = "drafter", "lookup", "plain"     # the sources of a cycle's drafts
 MATCH_BUCKETS = (1, 2, 3, 4, 8)     # lookup suffix lengths tracked apart: n, or the largest <= n
-PLAIN_OUTLOOK = ((1.0, 0.0),)       # plain decoding's `BatchPolicy.outlook`
+PLAIN_OUTLOOK = ((1.0, 0.0),)       # plain decoding's `BatchAwareWidth.outlook`
 # from this context bucket (1024 tokens) estimates are kept per context size, and offer
-# positions up to UNTRIED_REACH times the deepest tried one (`prior_at`, `alphas`): a wide
-# cycle that fails costs plain steps; docs/decisions.md, "Untried positions at long context"
+# positions up to `MachineFit.untried_reach` times the deepest tried one (`prior_at`,
+# `alphas`): a wide cycle that fails costs plain steps
 LONG_BUCKET = 2
-UNTRIED_REACH = 4
-
-
-class PositionCounts:
-    """Tries and acceptances per draft position (k, 1-based, is tried when drafts 1..k-1 were
-    accepted in a cycle of width > k); each try weighs the older ones by `decay`."""
-
-    def __init__(self, positions: int, decay: float = 1.0):
-        self.decay = decay
-        self.hits, self.tries = [0.0] * positions, [0.0] * positions
-
-    def update(self, width: int, accepted: int, first: int = 1) -> None:
-        """A cycle of `width` rows accepted `accepted` drafts: positions `first` .. the first
-        rejected one (at most width - 1) were tried."""
-        for k in range(first, min(accepted + 1, width - 1, len(self.tries)) + 1):
-            self.tries[k - 1] = self.tries[k - 1] * self.decay + 1
-            self.hits[k - 1] = self.hits[k - 1] * self.decay + (k <= accepted)
-
-    def rates(self) -> list[float | None]:
-        """hits / tries per position; None for a position never tried."""
-        return [h / t if t else None for h, t in zip(self.hits, self.tries)]
 
 
 class FixedWidth:
@@ -51,23 +30,9 @@ class FixedWidth:
     drafted by the lookup when the context has a match, else by the drafter."""
 
     last = (1.0, 0.0)           # `WidthPolicy`: what a batch assumes of a policy that says none
-    probing = False
 
     def __init__(self, width: int):
         self.width = width
-
-    @property
-    def outlook(self) -> tuple[tuple[float, float], ...] | None:
-        """Plain decoding's at width 1; else unknown."""
-        return PLAIN_OUTLOOK if self.width == 1 else None
-
-    def set_batch(self, planned: list[tuple[int, float, float]], after,
-                  slots: int | None = None) -> None:
-        pass
-
-    def observe(self, n: int, T: int, context: int | None, seconds: float,
-                drafts: float = 0.0, tokens: int | None = None) -> None:
-        pass
 
     def choose(self, available: dict[str, int], match_n: int = 0,
                context: int | None = None, launched: bool = False) -> tuple[str, int]:
@@ -99,8 +64,9 @@ class AdaptiveWidth:
     last = (1.0, 0.0)           # `WidthPolicy`: alone it tells a batch nothing of its choices
 
     def __init__(self, cost: CostModel, widths: dict[str, int] | None = None,
-                 prior: float = 0.8, strength: float = 2.0, decay: float = 0.95,
-                 far: float = 0.9, budget: tuple[float, float] = (0.01, 0.05),
+                 prior: float = FIT.prior, strength: float = FIT.prior_strength,
+                 decay: float = FIT.decay, far: float = FIT.far,
+                 budget: tuple[float, float] = FIT.probe_budget,
                  store: Callable[[CostModel], None] | None = None):
         self.cost, self.decay, self.far, self.budget = cost, decay, far, budget
         self.store = store
@@ -151,7 +117,7 @@ class AdaptiveWidth:
                context: int | None = None) -> list[float]:
         """Estimated alpha_k of a source: position 1's prior is `prior_at`, each later one's the
         estimate before it (a rarely reached position keeps no optimistic prior). From
-        `LONG_BUCKET`, positions up to `UNTRIED_REACH` times the deepest one with evidence
+        `LONG_BUCKET`, positions up to `MachineFit.untried_reach` times the deepest one with evidence
         (alpha_1 only where none has any: 2 rows): an untried position only copies the
         estimate before it."""
         c = self.counts_for(source, match_n, context)
@@ -162,7 +128,7 @@ class AdaptiveWidth:
             tried = k if t > 0 else tried
         if context_bucket(context) < LONG_BUCKET:
             return out
-        return out[:max(UNTRIED_REACH * tried, 1)]
+        return out[:max(FIT.untried_reach * tried, 1)]
 
     def _evidence(self, c: PositionCounts, source: str, match_n: int, context: int | None):
         """(hits, tries) per position: the shared counts `c`; the lookup's from `LONG_BUCKET`

@@ -7,11 +7,23 @@ from __future__ import annotations
 import functools
 import math
 
-from .adaptive import DRAFTER, PLAIN, PLAIN_OUTLOOK, FixedWidth
+from typing import NamedTuple
+
+from ..decode.stats import DRAFTER, PLAIN
+from .adaptive import PLAIN_OUTLOOK, FixedWidth
 from .costs import Correction, context_bucket, drafter_pass, pass_seconds, probe_steps
+from .fitted import FIT
 
 BATCH = "batch"                 # the batch governor's key (`costs.Governor`)
-REFERENCE_WORTH = 0.5           # `BatchAwareWidth._reference`
+
+
+class Want(NamedTuple):
+    """What a sequence's policy chose for a step, run or not: what the batch-aware policies
+    of the sequences after it weigh."""
+
+    width: int = 1
+    tokens: float = 1.0            # expected tokens committed
+    draft_s: float = 0.0           # its drafter pass alone, by the calibration
 
 
 class BatchAwareWidth:
@@ -26,11 +38,11 @@ class BatchAwareWidth:
 
     def __init__(self, inner, shared: Correction | None = None):
         self.inner = inner
-        self.shared = shared if shared is not None else Correction(decay=0.9)
+        self.shared = shared if shared is not None else Correction(decay=FIT.batch_decay)
         self.planned: list[tuple[int, float, float]] = []
         self.after = OutlookAfter()                    # the outlooks of those planning after it
         self.slots = None
-        self.last = (1.0, 0.0)                  # `BatchPolicy`
+        self.last = (1.0, 0.0)                  # `WidthPolicy`
         self.outlook: tuple[tuple[float, float], ...] | None = None
         self.rate: float | None = None      # the step's tokens/s its latest batched choice saw
         self.plain_run = 0                  # batched plain choices since drafting or a probe
@@ -39,8 +51,9 @@ class BatchAwareWidth:
 
     def set_batch(self, planned: list[tuple[int, float, float]], after,
                   slots: int | None = None) -> None:
-        """`BatchPolicy.set_batch`; after: the policies planning after it (a list, their
-        `OutlookAfter`, or how many: each then expected to choose as it does)."""
+        """planned: (width, expected tokens, draft seconds) of those planned before it this
+        step; after: the policies planning after it (a list, their `OutlookAfter`, or how
+        many: each then expected to choose as it does); slots: the keys each row reads."""
         self.planned, self.slots = list(planned), slots
         if isinstance(after, int):
             after = OutlookAfter(after, after)
@@ -157,11 +170,11 @@ class BatchAwareWidth:
 
     def _reference(self, slots: int | None, worth: float) -> bool:
         """Whether to draft once at this context size, where no batched drafting step has been
-        timed and drafting's best is priced at `REFERENCE_WORTH` of plain's rate or more
+        timed and drafting's best is priced at `MachineFit.reference_worth` of plain's rate or more
         (`worth`): plain steps' ratio alone can misprice the drafter's pass for good."""
         bucket = context_bucket(slots)
         gov, key = self.shared.governor, ("draft", bucket)
-        if worth < REFERENCE_WORTH or key in gov.referenced or any(
+        if worth < FIT.reference_worth or key in gov.referenced or any(
                 k[0] == bucket and k[1] == 0 for k in self.shared.table):
             return False
         gov.referenced.add(key)
@@ -189,13 +202,15 @@ class BatchAwareWidth:
             return self.inner.launch_next(choice, available, match_n, context)
         return choice[1] == 1 and self.plain_next
 
-    def update(self, source: str, width: int, accepted: int, *args, **kwargs) -> None:
+    def update(self, source: str, width: int, accepted: int, seconds: float | None = None,
+               match_n: int = 0, context: int | None = None, first: int = 1) -> None:
+        """`WidthPolicy.update`: a probe's outcome, then as `inner`."""
         pending = self.shared.governor.pending
         if pending is not None and self.probing and source == DRAFTER:
             pending[4] = True                      # a probe's step keeps to the probe budget
         if self.probing and source == DRAFTER:
             self.probe_again, self.probing = accepted > 0, False
-        self.inner.update(source, width, accepted, *args, **kwargs)
+        self.inner.update(source, width, accepted, seconds, match_n, context, first)
 
 
 def plain_is_better(wants: list[tuple[object, tuple[int, float, float]]],

@@ -22,7 +22,7 @@ BASE_CONTEXT = 128         # the per-width tables are timed after this many toke
 # a calibration whose rounds disagree by more (`calibration.round_spread`) is timed again
 SPREAD = 0.10
 GOVERNOR_WINDOW = 16       # drafting cycles per governor window
-# plain steps that time plain decoding where it never ran (`engine.TRUSTED_CHAIN` and 3 more)
+# plain steps that time plain decoding where it never ran (`MachineFit.trusted_chain` and 3 more)
 REFERENCE_STEPS = 12
 
 

@@ -228,21 +228,87 @@ class Scheduler:
                 "last_step": None if last_step is None else dict(zip(
                     ("sequences", "rows", "seconds"), last_step))}
 
-    # ---- the loop
+    # ---- the loop (the worker's thread only)
     def _serve(self) -> None:
-        loop = _Loop(self)
+        pipe = self.pipe
+        self._b, self._stop_ids = pipe.block_size(self.block_size), pipe.stop_ids()
+        self._engine = pipe.engine(self.max_batch)
+        self._decoding: dict[int, tuple[Job, SequenceText]] = {}  # engine id -> job, text
+        self._queue_closed = False
         while True:
             # before admitting: a request that left mid-prefill is in the prefix cache for its
             # retry (an agent that timed out sends the same prompt again at once)
-            loop.leave_cancelled()
-            loop.admit()
-            loop.leave_cancelled()
-            if loop.running:
-                loop.step()
+            self._leave_cancelled()
+            self._admit_queued()
+            self._leave_cancelled()
+            if self._decoding:
+                self._step()
                 continue
-            loop.publish()
-            if loop.closing:
+            self._publish_batch()
+            if self._queue_closed:
                 return
+
+    def _emit(self, ev) -> None:
+        """A step's tokens to their job (a first token as soon as it is sampled)."""
+        job, text = self._decoding[ev.id]
+        job.emit({"text": text(ev.tokens, ev.finish), "tokens": list(ev.tokens)})
+
+    def _publish_batch(self, last=None) -> None:
+        """/health's view of the batch."""
+        engine = self._engine
+        self.batch_figures = self._figures(
+            engine.running, engine.waiting, [engine.stats[rid] for rid in self._decoding], last)
+
+    def _admit_queued(self) -> None:
+        """Queued jobs join while rows are free (waiting for one when nothing runs)."""
+        while not self._queue_closed and len(self._decoding) < self.rows:
+            try:
+                job = self._queue.get(block=not self._decoding)
+            except queue.Empty:
+                break
+            if job is None:
+                self._queue_closed = True
+            elif job.cancelled.is_set():        # its client left while it waited
+                self.cancelled += 1
+            else:
+                self._admit(job)
+
+    def _leave_cancelled(self) -> None:
+        gone = []
+        for rid, (job, _) in list(self._decoding.items()):
+            if self._queue_closed:
+                job.cancel("shutdown")
+            if job.cancelled.is_set():
+                self._engine.cancel(rid)              # its rows are freed now
+                gone.append((rid, self._decoding.pop(rid)[0]))
+        if gone:         # /health shows the batch without them before `busy` reads False
+            self._publish_batch()
+        for rid, job in gone:
+            self._leave(rid, job, "cancelled")
+
+    def _step(self) -> None:
+        """One engine step; a failure ends every running job with an error and starts a new
+        engine for the next."""
+        engine = self._engine
+        budget = self.prefill_budget(engine.running, engine.waiting,
+                                     self.pipe.prefill_step_size, engine.last_prefill)
+        try:
+            events = engine.step(prefill_budget=budget, started=self._emit)
+        except Exception as e:  # noqa: BLE001 - reported to the batch; the next one runs
+            log.exception("generation failed")
+            for job, _ in self._decoding.values():
+                self._failed(job, e)
+                self._done(job)
+            self._decoding.clear()
+            self._engine = self.pipe.engine(self.max_batch)
+            return
+        for ev in events:
+            self._emit(ev)
+            if ev.finish is not None:
+                self._leave(ev.id, self._decoding.pop(ev.id)[0], ev.finish)
+        last = engine.history[-1] if engine.history else None
+        engine.history.clear()        # a server's engine runs for good: keep the last
+        self._publish_batch(last)
 
     def prefill_budget(self, running: int, waiting: int, step_size: int,
                        last: tuple[int, float] | None = None) -> int:
@@ -269,29 +335,30 @@ class Scheduler:
             budget = min(budget, max(MIN_PREFILL, int(PREFILL_SECONDS * tokens / seconds)))
         return budget
 
-    def _admit(self, engine: Engine, job: Job, b, shared, stop_ids, running) -> None:
+    def _admit(self, job: Job) -> None:
         """Start a job's sequence, from the prefix cache's state when it has one."""
-        r = job.request
+        r, pipe, engine = job.request, self.pipe, self._engine
         self._register(job)
         try:
             state, cached = None, 0
             if self.prompt_cache is not None:
                 state, cached = self.prompt_cache.fetch(r.prompt)
             job.emit({"started": True, "cached_tokens": cached})
-            rid = self.pipe.add_to_batch(engine, r.prompt, r.max_tokens, r.sampling, b,
-                                         shared, lookup=self.pipe.lookup,
-                                         stop_ids=stop_ids, seed=r.seed, state=state,
-                                         keep_state=self.prompt_cache is not None)
+            rid = engine.add(pipe.request(engine, r.prompt, r.max_tokens, r.sampling, self._b,
+                                          lookup=pipe.lookup, stop_ids=self._stop_ids,
+                                          seed=r.seed, state=state,
+                                          keep_state=self.prompt_cache is not None))
         except Exception as e:  # noqa: BLE001 - reported to that request; the others run
             log.exception("generation failed")
             self._failed(job, e)
             self._done(job)
             return
-        running[rid] = (job, SequenceText(self.pipe.tokenizer, stop_ids))
+        self._decoding[rid] = (job, SequenceText(pipe.tokenizer, self._stop_ids))
 
-    def _leave(self, engine: Engine, rid: int, job: Job, finish: str) -> None:
+    def _leave(self, rid: int, job: Job, finish: str) -> None:
         """A sequence left (finished or cancelled): its state to the prefix cache, its final
         event to its job."""
+        engine = self._engine
         stats = engine.stats.pop(rid)
         state = engine.pop_state(rid)
         if state is not None and self.prompt_cache is not None:
@@ -300,80 +367,3 @@ class Scheduler:
             self.prompt_cache.insert(state)
         self._final(job, finish, stats.to_dict())
         self._done(job)
-
-
-class _Loop:
-    """The worker loop's state: the engine, the running jobs (engine id -> job, its text) and
-    whether the queue has closed."""
-
-    def __init__(self, sched: Scheduler):
-        self.sched, pipe = sched, sched.pipe
-        self.b = pipe.block_size(sched.block_size)
-        self.shared, self.stop_ids = pipe.batch_correction(), pipe.stop_ids()
-        self.engine = pipe.batch_engine(sched.max_batch)
-        self.running: dict[int, tuple[Job, SequenceText]] = {}
-        self.closing = False
-
-    def emit(self, ev) -> None:
-        """A step's tokens to their job (a first token as soon as it is sampled)."""
-        job, text = self.running[ev.id]
-        job.emit({"text": text(ev.tokens, ev.finish), "tokens": list(ev.tokens)})
-
-    def publish(self, last=None) -> None:
-        """/health's view of the batch."""
-        engine = self.engine
-        self.sched.batch_figures = self.sched._figures(
-            engine.running, engine.waiting, [engine.stats[rid] for rid in self.running], last)
-
-    def admit(self) -> None:
-        """Queued jobs join while rows are free (waiting for one when nothing runs)."""
-        sched = self.sched
-        while not self.closing and len(self.running) < sched.rows:
-            try:
-                job = sched._queue.get(block=not self.running)
-            except queue.Empty:
-                break
-            if job is None:
-                self.closing = True
-            elif job.cancelled.is_set():        # its client left while it waited
-                sched.cancelled += 1
-            else:
-                sched._admit(self.engine, job, self.b, self.shared, self.stop_ids,
-                             self.running)
-
-    def leave_cancelled(self) -> None:
-        gone = []
-        for rid, (job, _) in list(self.running.items()):
-            if self.closing:
-                job.cancel("shutdown")
-            if job.cancelled.is_set():
-                self.engine.cancel(rid)              # its rows are freed now
-                gone.append((rid, self.running.pop(rid)[0]))
-        if gone:         # /health shows the batch without them before `busy` reads False
-            self.publish()
-        for rid, job in gone:
-            self.sched._leave(self.engine, rid, job, "cancelled")
-
-    def step(self) -> None:
-        """One engine step; a failure ends every running job with an error and starts a new
-        engine for the next."""
-        sched, engine = self.sched, self.engine
-        budget = sched.prefill_budget(engine.running, engine.waiting,
-                                      sched.pipe.prefill_step_size, engine.last_prefill)
-        try:
-            events = engine.step(prefill_budget=budget, started=self.emit)
-        except Exception as e:  # noqa: BLE001 - reported to the batch; the next one runs
-            log.exception("generation failed")
-            for job, _ in self.running.values():
-                sched._failed(job, e)
-                sched._done(job)
-            self.running.clear()
-            self.engine = sched.pipe.batch_engine(sched.max_batch)
-            return
-        for ev in events:
-            self.emit(ev)
-            if ev.finish is not None:
-                sched._leave(engine, ev.id, self.running.pop(ev.id)[0], ev.finish)
-        last = engine.history[-1] if engine.history else None
-        engine.history.clear()        # a server's engine runs for good: keep the last
-        self.publish(last)
