@@ -8,8 +8,8 @@ __version__ = "0.1.0"
 # flag errors answer without importing MLX and mlx-lm (~2 s). Importing the package changes
 # nothing in the process: `use_fast_blas()` (called by `load()` and the CLI) picks the BLAS.
 _EXPORTS = {
-    "load": "pipeline", "Pipeline": "pipeline", "Generation": "pipeline", "Chunk": "pipeline",
-    "DFlashNotice": "pipeline", "GenerationStats": "decode.stats",
+    "load": "loading.pair", "Pipeline": "pipeline", "Generation": "pipeline", "Chunk": "pipeline",
+    "DFlashNotice": "log", "GenerationStats": "decode.stats",
     "DrafterArgs": "model.config", "CheckpointError": "model.config",
     "load_omlx_settings": "loading.omlx", "OmlxSettings": "loading.omlx",
     "OmlxSettingsError": "loading.omlx", "use_fast_blas": "loading.blas",

@@ -153,7 +153,7 @@ def recalibrate(model: str | None = None, draft: str | None = None) -> None:
     stored, of every stored pair; then the entries not timed again are forgotten (the next
     load with their settings times them). Progress: one log line per pair."""
     from .policy import calibration
-    from .pipeline import load
+    from .loading.pair import load
 
     stored = calibration.stored_calibrations()
     if model is not None or draft is not None or not stored:

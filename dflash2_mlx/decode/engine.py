@@ -77,7 +77,6 @@ class Engine:
         self.launches = 0                                 # plain steps launched ahead
         self.last_prefill = (0, 0.0)                      # the last step's prompt tokens, s
         self.planner = Planner()
-        self._decoded = False           # this step's decode ran before its prefill
         self.vetoed = 0                     # steps whose drafting plain beat (run or launched)
 
     @staticmethod
@@ -157,12 +156,12 @@ class Engine:
 
     def admit(self, prefill_budget: int | None = None,
               started: Callable[[Event], None] | None = None) -> list[Event]:
-        """A step's first half: prefill and join (`step`). A plain step launched last step
-        runs first when a sequence may join: a joiner cannot share it."""
+        """A step's first half: prefill and join (`step`). None joins while a plain step
+        launched last step is in flight (a joiner cannot share it): the step decodes it and
+        launches none while a sequence waits, so the joiner comes in at the next."""
         events: list[Event] = []
-        self._decoded = self._ahead is not None and self._joinable()
-        if self._decoded:
-            events.extend(self._decode())
+        if self._ahead is not None:
+            return events
         joining = self._prefill_waiting(prefill_budget, events, started)
         if joining:
             self.caches.join([seq.state for seq in joining])
@@ -172,10 +171,8 @@ class Engine:
         return events
 
     def decode(self) -> list[Event]:
-        """A step's second half: one decode step of every running sequence (none when the
-        first half ran it)."""
-        decoded, self._decoded = self._decoded, False
-        return self._decode() if self.rows and not decoded else []
+        """A step's second half: one decode step of every running sequence."""
+        return self._decode() if self.rows else []
 
     # ---- joining
     def _prefill_waiting(self, prefill_budget: int | None, events: list[Event],

@@ -1,4 +1,5 @@
-"""Loading: hub ids and folders (`checkpoint`), GGUF targets (`gguf`), weights, the embedded
+"""Loading: a target and its drafter into a `Pipeline` (`pair`: `dflash2_mlx.load`), hub ids
+and folders (`checkpoint`), GGUF targets (`gguf`), weights, the embedded
 default (`assets`, `defaults`), oMLX settings (`omlx`), and the platform: BLAS and precision
 (`blas`, `runtime`).
 """

@@ -55,3 +55,11 @@ def quantized_layers(model: nn.Module) -> list[nn.Module]:
 
 def is_quantized(model: nn.Module) -> bool:
     return bool(quantized_layers(model))
+
+
+def quantization(model: nn.Module) -> dict | None:
+    """{"bits", "group_size", "layers"} of a model's quantized layers, None when it has none."""
+    layers = quantized_layers(model)
+    if not layers:
+        return None
+    return {"bits": layers[0].bits, "group_size": layers[0].group_size, "layers": len(layers)}
