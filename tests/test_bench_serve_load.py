@@ -1,16 +1,16 @@
-"""The pure helpers of benchmarks/serve_load.py (loaded from its file): quantiles, a wave's
-figures, the text comparison, the table, the system check. No server runs here."""
+"""The pure helpers of the server load test (`dflash2_mlx.bench.serve_load`): quantiles, a
+wave's figures, the text comparison, the table, the system check, the agent prompts' source
+files. No server runs here."""
 
-import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-spec = importlib.util.spec_from_file_location("serve_load", ROOT / "benchmarks" / "serve_load.py")
-serve_load = sys.modules["serve_load"] = importlib.util.module_from_spec(spec)  # dataclasses
-spec.loader.exec_module(serve_load)
+from dflash2_mlx.bench import serve_load
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def row(client, turn, text="a", tokens=10, e2e=1.0, ttft=0.1, server=None):
@@ -110,3 +110,25 @@ def test_plot_writes_png(tmp_path):
     path = tmp_path / "serve_load.png"
     serve_load.plot({"waves": waves, "settings": {"max_tokens": 96}}, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_source_file_follows_a_moved_module(tmp_path, monkeypatch):
+    for name in serve_load.SOURCES:            # the real package has every one
+        assert serve_load.source_file(name).is_file()
+    (tmp_path / "decode").mkdir()
+    (tmp_path / "decode" / "lookup.py").write_text("x = 1\n")
+    (tmp_path / "sampling.py").write_text("y = 2\n")
+    monkeypatch.setattr(serve_load, "PACKAGE", tmp_path)
+    assert serve_load.source_file("dflash2_mlx/sampling.py") == tmp_path / "sampling.py"
+    assert serve_load.source_file("dflash2_mlx/lookup.py") == tmp_path / "decode" / "lookup.py"
+    with pytest.raises(FileNotFoundError):
+        serve_load.source_file("dflash2_mlx/prompt_cache.py")
+
+
+def test_importing_it_stays_light():
+    """The package module imports httpx, MLX and mlx-lm only where it uses them."""
+    code = ("import sys, dflash2_mlx.bench.serve_load; "
+            "print(sorted(m for m in ('httpx', 'mlx_lm', 'openai') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=ROOT).stdout
+    assert out.strip() == "[]"
