@@ -26,7 +26,7 @@ its prompt tokens, those read from the cache, time to first byte, total). --save
 writes the requests of the `tools` runs as tests/agent_requests/ holds them (the in-process
 replay tests read those).
 
-    python benchmarks/agent_clients.py --prefix /work/agents --out docs/bench/agent-clients
+    python benchmarks/agent_clients.py --prefix /work/agents --out agent-clients
 
 Time on this project's 2-core CPU machine: Claude Code's first prompt is ~20k tokens of the
 embedded model's tokenizer (its system prompt and 24 tools), Codex's ~10k, opencode's ~8k;

@@ -5,9 +5,8 @@ imports alike).
 
     python benchmarks/code_shape.py [--top 10] [--root DIR]
 
---root: another checkout (a commit to compare: `git worktree add DIR REV`).
-
-tests/test_import_graph.py loads this file for `import_graph` and `cycles` (one copy).
+--root: another checkout (a commit to compare: `git worktree add DIR REV`). The test suite has
+its own import-cycle check (tests/test_import_graph.py).
 """
 
 from __future__ import annotations

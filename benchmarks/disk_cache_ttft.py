@@ -3,7 +3,7 @@ cache's disk tier, against recomputing the whole prompt, at several context size
 embedded SmolLM2 pair (`dflash2_mlx.load()`).
 
     python benchmarks/disk_cache_ttft.py --contexts 1024,4096,8192 --reps 3 \
-        --out docs/bench/disk-cache
+        --out disk-cache
 
 Per context size: turn 1 is a chat prompt of about that many tokens (a system prompt made of
 the package's own source, then a question); after it, its `DecodeState` is written to a fresh

@@ -8,7 +8,7 @@ ms per cycle, split by stage (drafter on rank 0; rank 0's layers and send; rank 
 waiting and transfer; rank 0's head), and messages and bytes per cycle on each boundary.
 A cycle here is one drafter pass (w > 1) plus one verify forward of w rows after a
 `--context`-token prompt, rolled back each time (like `calibration.measure_costs`).
-Writes `docs/bench/pipeline_cycle.json` (or `--out`) and prints a markdown table.
+Writes `pipeline_cycle.json` in the current folder (or `--out`) and prints a markdown table.
 """
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ def main() -> None:
     ap.add_argument("--widths", default="1,2,4,8")
     ap.add_argument("--reps", type=int, default=12)
     ap.add_argument("--context", type=int, default=64)
-    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "pipeline_cycle.json")
+    ap.add_argument("--out", type=Path, default=Path("pipeline_cycle.json"))
     ap.add_argument("--hostfile", help="run the ranks on these hosts (mlx.launch --hostfile) "
                     "instead of two on loopback")
     ap.add_argument("--cost-model", action="store_true",

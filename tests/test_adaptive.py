@@ -632,8 +632,8 @@ def test_slope_fit_recovers_a_synthetic_cost(per_row, per_forward):
 
 def test_calibration_measures_the_context_slope(pipe):
     """On the tiny fixture pair: the tables at the short context and a positive verify slope
-    (a longer context is dearer; benchmarks/cost_model.py checks the figures on the real
-    pair)."""
+    (a longer context is dearer; docs/decisions.md has the model against measured forwards on
+    the real pair)."""
     from dflash2_mlx.policy.calibration import measure_costs
 
     model = measure_costs(pipe, 16, context=32, long=(8192,), reps=3)

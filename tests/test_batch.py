@@ -802,8 +802,8 @@ def _simulate_mixed(B: int, plain: bool = False, steps: int = 300, warmup: int =
     (alpha 0.45), and now and then a sequence's context recurs (a lookup match for 6 steps,
     alpha 0.85; about a fifth of the steps), each sequence on its own. Costs: the embedded pair's
     calibration on this project's machine, and the steps as measured there under load
-    (benchmarks/batch_policy.py's step costs: at B = 8 and 16 a plain step took 1.9x its
-    price, a step of T = 2-4 rows per sequence 3.5-4.7x (about so from B = 4 in
+    (the batch policy benchmark's step costs, docs/batching.md: at B = 8 and 16 a plain step
+    took 1.9x its price, a step of T = 2-4 rows per sequence 3.5-4.7x (about so from B = 4 in
     docs/batching.md's step costs; B = 2 as calibrated), the drafter's passes 2x) ->
     tokens per second, counted at their expectation, of the batch-aware policies (plain:
     every sequence plain), planned and timed as `Engine` does. alone, every: one

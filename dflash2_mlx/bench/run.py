@@ -65,7 +65,7 @@ class Reference:
     def __init__(self, model: str, draft: str):
         import dflash.model_mlx as ref
 
-        from ..loading.checkpoint.checkpoint import load_target
+        from ..loading.checkpoint import load_target
 
         self.ref = ref
         self.target, self.tokenizer, _ = load_target(model, mx.float32)
@@ -106,7 +106,7 @@ def _load(model: str, draft: str, reference: bool):
     bench runs) and the reference (None without it)."""
     import dflash2_mlx
 
-    from ..loading.checkpoint.checkpoint import resolve, save_drafter, stored_quantization
+    from ..loading.checkpoint import resolve, save_drafter, stored_quantization
 
     pipe = dflash2_mlx.load(model, draft)
     tmp = None
