@@ -17,7 +17,7 @@ from dflash2_mlx.cache.batch import RaggedKVCache, RecurrentRows, batch_cache, b
 from dflash2_mlx.policy.costs import Correction, CostModel
 from dflash2_mlx.model.target import TargetAdapter
 from dflash2_mlx.testing import drafter_args, random_drafter
-from test_batch import (Oracles, assert_burst_returns_to_idle, assert_seeded_batch_equals_alone,
+from test_batch_cache import (Oracles, assert_burst_returns_to_idle, assert_seeded_batch_equals_alone,
                         run)
 from test_exactness import mlx_lm_greedy
 from test_families import CONFIGS
