@@ -46,7 +46,7 @@ def test_a_batch_on_the_gguf_target_equals_mlx_lm(pipe):
     `generate_batch`, at a fixed width and under `auto` (the drafter and the lookup), each
     equal to mlx-lm's greedy output alone. The fixed width must draft; whether `auto` does
     follows the costs this machine measured (under load, plain can be the right choice), so
-    there only the output is asserted (tests/test_batch.py prices the batch policy with fixed
+    there only the output is asserted (tests/test_policy_batch.py prices the batch policy with fixed
     costs)."""
     code = "def area(width, height):\n    return width * height\n"
     ids = [pipe.encode(p) for p in (
