@@ -18,6 +18,7 @@ def pipe(tmp_path_factory):
     return dflash2_mlx.load(str(smollm2_gguf()), str(folder))
 
 
+@pytest.mark.slow  # 56 s: SmolLM2 and mlx-lm, 64 tokens
 def test_greedy_64_tokens_equal_mlx_lm(pipe):
     ids = pipe.encode("Write a Python function that returns the n-th Fibonacci number.")
     ref = [t for t, _ in generate_step(mx.array(ids), pipe.target, max_tokens=64)]
@@ -27,6 +28,7 @@ def test_greedy_64_tokens_equal_mlx_lm(pipe):
     assert "def" in gen.text or "fib" in gen.text.lower()
 
 
+@pytest.mark.slow  # 49 s
 def test_lookup_alone_on_the_gguf_target_equals_mlx_lm():
     """No drafter: exact prompt-lookup decoding of the real GGUF target, on a prompt that asks
     it to repeat code it was given."""
