@@ -10,15 +10,16 @@ import numpy as np
 import pytest
 from mlx_lm.utils import _get_classes
 
-from dflash2_mlx.policy.adaptive import AdaptiveWidth, DRAFTER, FixedWidth, LOOKUP
-from dflash2_mlx.decode.engine import CANCELLED, Engine, Request
-from dflash2_mlx.policy.batch import BatchAwareWidth
 from dflash2_mlx.cache.batch import RaggedKVCache, RecurrentRows, batch_cache, batch_refusal
-from dflash2_mlx.policy.costs import Correction, CostModel
+from dflash2_mlx.decode.engine import CANCELLED, Engine, Request
+from dflash2_mlx.decode.stats import DRAFTER, LOOKUP
 from dflash2_mlx.model.target import TargetAdapter
+from dflash2_mlx.policy.adaptive import AdaptiveWidth, FixedWidth
+from dflash2_mlx.policy.batch import BatchAwareWidth
+from dflash2_mlx.policy.costs import Correction, CostModel
 from dflash2_mlx.testing import drafter_args, random_drafter
-from test_batch import (Oracles, assert_burst_returns_to_idle, assert_seeded_batch_equals_alone,
-                        run)
+from fixtures import (Oracles, assert_burst_returns_to_idle, assert_seeded_batch_equals_alone,
+                      run)
 from test_exactness import mlx_lm_greedy
 from test_families import CONFIGS
 

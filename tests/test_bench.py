@@ -14,6 +14,7 @@ from dflash2_mlx.decode.stats import Cycle
 from fixtures import drafter_args, write_drafter
 
 
+@pytest.mark.slow  # 12 s: 4 widths x 2 temperatures x 3 prompts
 def test_run_bench_on_tiny_fixtures(llama_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path))
     drafter = write_drafter(tmp_path / "b4", drafter_args(dflash2=True, block_size=4), seed=2)

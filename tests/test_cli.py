@@ -186,6 +186,7 @@ def test_input_errors_name_the_flag_before_loading(tmp_path):
     assert bare.stderr.strip() == ""
 
 
+@pytest.mark.slow  # 8 s: 19 CLI processes
 def test_bad_settings_and_values_one_line_nonzero(llama_dir, dflash2_dir, tmp_path):
     entries = {
         "not-bool": {"dflash_enabled": "yes"},
@@ -276,6 +277,7 @@ def test_without_an_embedded_default(monkeypatch, capsys):
     assert "no embedded default model is installed" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # 35 s: the SmolLM2 pair through the CLI
 def test_embedded_default_pair(tmp_path):
     """The README's first command: no --model, no --draft (skipped until a drafter ships)."""
     try:

@@ -348,6 +348,7 @@ def test_byte_size_setting():
             settings.byte_size(bad, "--prompt-cache-disk-bytes")
 
 
+@pytest.mark.server
 def test_serve_flags_are_checked_before_the_model_loads(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     cli = [sys.executable, "-m", "dflash2_mlx.cli", "serve"]
@@ -365,6 +366,8 @@ def test_serve_flags_are_checked_before_the_model_loads(tmp_path):
 
 # --------------------------------------------------------------------------- two processes
 
+@pytest.mark.slow  # 11 s: two servers, one after the other
+@pytest.mark.server
 def test_a_second_server_process_answers_the_next_turn_from_disk(llama_dir, dflash2_dir,
                                                                 tmp_path):
     openai = pytest.importorskip("openai")

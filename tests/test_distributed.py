@@ -22,6 +22,8 @@ from dflash2_mlx.loading.gguf import read_gguf_header
 from fixtures import write_target
 from test_families import CONFIGS
 
+pytestmark = pytest.mark.distributed
+
 LAUNCH = Path(sys.executable).parent / "mlx.launch"
 ROOT = Path(__file__).resolve().parent.parent
 RANK_SCRIPT = Path(__file__).parent / "distributed_rank.py"
@@ -334,6 +336,7 @@ def monkeypatch_module():
     mp.undo()
 
 
+@pytest.mark.slow  # 108 s: `exactness_run`, 3 targets on 2 ranks and alone (the first pays)
 @needs_launch
 def test_two_ranks_equal_one_process(exactness_run):
     plan, refs, (rank0, rank1) = exactness_run
@@ -355,6 +358,7 @@ def test_two_ranks_equal_one_process(exactness_run):
     assert rank1["jobs"][0]["layers"] == [2, 3] and rank1["jobs"][1]["layers"] == [1, 2, 3]
 
 
+@pytest.mark.slow  # 108 s: `exactness_run`, 3 targets on 2 ranks and alone (the first pays)
 @needs_launch
 def test_two_ranks_batch_concurrent_prompts_exactly(exactness_run):
     """Rank 0's batch engine over the ranks: prompts joining and leaving a batch of 3, each
@@ -374,6 +378,7 @@ def test_two_ranks_batch_concurrent_prompts_exactly(exactness_run):
         assert r1["forwards"] == r0["sent"]["1/control"][0], r0["name"]
 
 
+@pytest.mark.slow  # 108 s: `exactness_run`, 3 targets on 2 ranks and alone (the first pays)
 @needs_launch
 def test_messages_per_cycle_and_boundary_do_not_depend_on_the_width(exactness_run):
     """Rank 0 -> 1: one control word and one hidden state per target forward; 1 -> 0: one
@@ -398,6 +403,7 @@ def test_messages_per_cycle_and_boundary_do_not_depend_on_the_width(exactness_ru
     assert {max(c["stats"]["widths"]) for c in llama[:3]} == {2, 5, 8}
 
 
+@pytest.mark.slow  # 108 s: `exactness_run`, 3 targets on 2 ranks and alone (the first pays)
 @needs_launch
 def test_each_rank_holds_about_half_of_the_weights(exactness_run):
     plan, _, (rank0, _) = exactness_run
@@ -416,6 +422,7 @@ def test_each_rank_holds_about_half_of_the_weights(exactness_run):
     assert abs(w0 - (total - layers / 2)) < 0.5          # rank 0: 15 layers + embedding, norm
 
 
+@pytest.mark.slow  # 24 s
 @needs_launch
 def test_three_ranks_pass_control_and_features_along_the_ring(tmp_path, llama_dir,
                                                               dflash2_dir):
@@ -452,6 +459,7 @@ def test_three_ranks_pass_control_and_features_along_the_ring(tmp_path, llama_di
 # --------------------------------------------------------------------------- faults
 
 
+@pytest.mark.slow  # 16 s
 @needs_launch
 def test_a_rank_killed_mid_generation_stops_rank_0_with_one_line(tmp_path, llama_dir,
                                                                  dflash2_dir):
@@ -471,6 +479,7 @@ def test_a_rank_killed_mid_generation_stops_rank_0_with_one_line(tmp_path, llama
     assert elapsed < 60
 
 
+@pytest.mark.slow  # 20 s
 @needs_launch
 def test_a_rank_with_another_drafter_is_refused_before_loading(tmp_path, llama_dir,
                                                                dflash2_dir, dflash_dir):
@@ -484,6 +493,7 @@ def test_a_rank_with_another_drafter_is_refused_before_loading(tmp_path, llama_d
         proc.stderr[-2000:]
 
 
+@pytest.mark.slow  # 13 s
 @needs_launch
 def test_cli_rank_0_writes_text_summary_and_stats_json(tmp_path, llama_dir, dflash2_dir):
     shim = tmp_path / "cli.py"
@@ -524,6 +534,8 @@ def test_bad_split_refused_before_any_weight_loads(llama_dir, monkeypatch):
     assert reads == []
 
 
+@pytest.mark.slow  # 24 s: two ranks serving HTTP
+@pytest.mark.server
 @needs_launch
 def test_serve_pipeline_answers_like_one_process_and_stops_on_sigterm(tmp_path, llama_dir,
                                                                       dflash2_dir):

@@ -1,6 +1,6 @@
 """The test session's own set-up (tests/conftest.py): its package cache and its markers."""
 
-import ast
+import re
 from pathlib import Path
 
 
@@ -13,16 +13,15 @@ def test_the_tests_never_write_the_users_cache(test_cache):
     assert calibration.cache_file().parent == test_cache
 
 
-def test_the_slow_list_names_tests_that_exist():
-    """`slow` is applied from a list of names: a renamed test or fixture must not drop out of
-    it unseen."""
-    import conftest
-
+def test_every_slow_test_says_what_it_costs():
+    """`slow` is a marker on the test itself, with the seconds it took beside it in a comment
+    (tests/conftest.py says how they were measured): `@pytest.mark.slow  # 12 s: ...`."""
     here = Path(__file__).parent
-    for key in conftest.SLOW:
-        module, name = key.split("::")
-        tree = ast.parse((here / f"{module}.py").read_text())
-        assert name in {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}, \
-            f"tests/conftest.py SLOW: {key} names no test or fixture"
-    for module in conftest.MODULE_MARKS:
-        assert (here / f"{module}.py").is_file(), f"tests/conftest.py MODULE_MARKS: {module}"
+    marked = 0
+    for path in sorted(here.glob("test_*.py")):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if re.match(r"\s*@pytest\.mark\.slow\b", line):
+                marked += 1
+                assert re.search(r"# [0-9][0-9-]* s\b", line), \
+                    f"tests/{path.name}:{n}: a slow test without its seconds"
+    assert marked, "no test is marked slow"

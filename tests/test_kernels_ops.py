@@ -180,6 +180,7 @@ def test_resolve_kernel_path_rejects_bad_values(monkeypatch):
     assert resolve_kernel_path("ops") == "ops"         # the argument wins over the env var
 
 
+@pytest.mark.metal
 @pytest.mark.skipif(kernels.metal_usable(), reason="Metal is available here")
 def test_forcing_metal_without_metal_is_a_clear_error(monkeypatch):
     monkeypatch.delenv(kernels.KERNEL_ENV, raising=False)
@@ -193,6 +194,7 @@ def test_forcing_metal_without_metal_is_a_clear_error(monkeypatch):
         short_conv(y, mx.zeros((1, 2, 2, 2)), mx.zeros((2, 32)), path="metal")
 
 
+@pytest.mark.metal
 def test_metal_sources_ship_as_package_data():
     from dflash2_mlx.model.kernels import metal
 

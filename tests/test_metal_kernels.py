@@ -20,6 +20,8 @@ from dflash2_mlx.model.kernels import (metal_usable, pair_lattice, path_walk, pa
 
 import metal_harness as mh
 
+pytestmark = pytest.mark.metal
+
 LENGTHS = [1, 2, 8, 16]
 BATCHES = [1, 3]
 H, GROUP = 592, 16            # 592 = 2 * 256 + 80: the last threadgroup along H is partial

@@ -24,6 +24,8 @@ from pydantic import TypeAdapter  # noqa: E402
 
 from fixtures import CAP, KEY, TOOL_CALL, Server  # noqa: E402
 
+pytestmark = pytest.mark.server
+
 EVENT = TypeAdapter(ResponseStreamEvent)
 INSTRUCTIONS = "You are a small assistant, turn by turn."
 TURNS = [{"role": "user", "content": [{"type": "input_text", "text": "def add(a, b):"}]},

@@ -181,6 +181,7 @@ CASES = [("oracle", Sampling(1.0)), ("oracle", Sampling(0.8, top_k=5)),
 N = 2000
 
 
+@pytest.mark.slow  # 31-100 s a case: 2,000 runs
 @pytest.mark.parametrize("kind,sampling", CASES, ids=[f"{k}-{s}" for k, s in CASES])
 def test_joint_distribution_matches_target(tiny, kind, sampling):
     """Chi-square at alpha=1e-3 on the joint of the first three tokens (a cycle of width 3
@@ -201,6 +202,7 @@ def test_joint_distribution_matches_target(tiny, kind, sampling):
 LOOKUP_PROMPT = [3, 7, 1, 12, 3, 7, 5, 1, 12, 9, 3]
 
 
+@pytest.mark.slow  # 25-60 s a case: 2,000 runs
 @pytest.mark.parametrize("kind", ["dflash2", None], ids=["with-drafter", "lookup-alone"])
 def test_joint_distribution_with_lookup(tiny, kind):
     model, drafters = tiny
@@ -218,6 +220,7 @@ def test_joint_distribution_with_lookup(tiny, kind):
     assert stat < chi2_threshold(df), f"chi2={stat:.1f} df={df}"
 
 
+@pytest.mark.slow  # 16 s: 2,000 runs
 def test_chi2_has_power_with_lookup(tiny, monkeypatch):
     """Lookup tokens are a point mass, not draws from the target: an engine that accepted them
     as if they were (q = p, so always accepted) is caught at the same N.
@@ -238,6 +241,7 @@ def test_chi2_has_power_with_lookup(tiny, monkeypatch):
     assert stat > chi2_threshold(df), f"broken sampler not detected: chi2={stat:.1f} df={df}"
 
 
+@pytest.mark.slow  # 30 s: 2,000 runs
 def test_chi2_has_power(tiny, monkeypatch):
     """The same test at the same N rejects a sampler whose only bug is drawing the
     replacement token from p instead of norm(max(p - q, 0)) after a rejection.
@@ -343,6 +347,7 @@ class PerSequenceOracles:
         return [self.propose(target, *d) for d in drafts]
 
 
+@pytest.mark.slow  # 33-110 s a case: 2,000 runs
 @pytest.mark.parametrize("kind", ["oracle", "dflash2"])
 def test_joint_distribution_batched_unseeded(tiny, kind):
     """Unseeded sampling in the batch engine follows the target's distribution: N sequences

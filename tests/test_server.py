@@ -28,6 +28,8 @@ httpx = pytest.importorskip("httpx")
 import dflash2_mlx  # noqa: E402
 from fixtures import BLOCK, BODY, CAP, CONTEXT, KEY, TOOL_CALL, Server  # noqa: E402
 
+pytestmark = pytest.mark.server
+
 T0 = {"temperature": 0}  # the anthropic client has no sampling arguments; the API has them
 # A generation a test stops before it ends: the tiny llama continues this completion (no chat
 # template) past 3,000 tokens without an end token (its chat answers end within ~50), asked
@@ -218,6 +220,7 @@ def test_three_turns_reuse_the_prefix_and_match_uncached_output(pipe, oa, an):
 
 # --------------------------------------------------------------------------- concurrency
 
+@pytest.mark.slow  # 11 s: 24 requests and their references
 def test_eight_concurrent_clients_three_requests_each(pipe, oa):
     prompts = [[f"client {i} turn {j}: def f{i}{j}(x):" for j in range(3)] for i in range(8)]
     want = {p: pipe.generate(p, max_tokens=12).text for row in prompts for p in row}

@@ -465,6 +465,18 @@ def test_health_is_read_on_no_other_thread_than_the_workers(pipe):
     assert threads == {threading.main_thread().name}, threads
 
 
+def test_server_prefill_budget_grows_with_the_joiners(pipe):
+    """Beside running streams, a step prefills `prefill_chunk` tokens per request that can
+    join (at most one pipeline chunk); alone, a prompt prefills in the pipeline's chunks."""
+    s = Scheduler(pipe, max_batch=4, prefill_chunk=100)
+    assert s.prefill_budget(0, 3, 2048) == 2048
+    assert s.prefill_budget(2, 1, 2048) == 100
+    assert s.prefill_budget(1, 3, 2048) == 300
+    assert s.prefill_budget(2, 2, 2048) == 200          # two rows free
+    assert s.prefill_budget(1, 3, 250) == 250           # at most one chunk
+    assert s.prefill_budget(4, 0, 2048) == 100
+
+
 def test_a_steps_prefill_is_bounded_by_its_measured_seconds(pipe):
     """A client that leaves during a long prompt frees the model within a step: the budget
     holds what `PREFILL_SECONDS` prefill at the last step's rate (never below MIN_PREFILL)."""

@@ -126,6 +126,7 @@ class _Bar:
 bars: list[_Bar] = []
 
 
+@pytest.mark.slow  # 10 s: a prefill past 4,096 tokens
 def test_a_prompt_beyond_the_context_is_announced(llama_dir, capfd, caplog, monkeypatch):
     """8.6k tokens into a model made for 8k: no note, minutes of silent prefill and a leaked
     transformers warning. Now: a DFlashNotice, a logged line, a progress bar over the chunks,

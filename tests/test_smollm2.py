@@ -18,6 +18,7 @@ def pipe(tmp_path_factory):
     return dflash2_mlx.load(str(smollm2_gguf()), str(folder))
 
 
+@pytest.mark.slow  # 56 s: SmolLM2 and mlx-lm, 64 tokens
 def test_greedy_64_tokens_equal_mlx_lm(pipe):
     ids = pipe.encode("Write a Python function that returns the n-th Fibonacci number.")
     ref = [t for t, _ in generate_step(mx.array(ids), pipe.target, max_tokens=64)]
@@ -27,6 +28,7 @@ def test_greedy_64_tokens_equal_mlx_lm(pipe):
     assert "def" in gen.text or "fib" in gen.text.lower()
 
 
+@pytest.mark.slow  # 49 s
 def test_lookup_alone_on_the_gguf_target_equals_mlx_lm():
     """No drafter: exact prompt-lookup decoding of the real GGUF target, on a prompt that asks
     it to repeat code it was given."""
@@ -46,7 +48,7 @@ def test_a_batch_on_the_gguf_target_equals_mlx_lm(pipe):
     `generate_batch`, at a fixed width and under `auto` (the drafter and the lookup), each
     equal to mlx-lm's greedy output alone. The fixed width must draft; whether `auto` does
     follows the costs this machine measured (under load, plain can be the right choice), so
-    there only the output is asserted (tests/test_batch.py prices the batch policy with fixed
+    there only the output is asserted (tests/test_policy_batch.py prices the batch policy with fixed
     costs)."""
     code = "def area(width, height):\n    return width * height\n"
     ids = [pipe.encode(p) for p in (

@@ -239,6 +239,7 @@ def test_init_layers_choose_the_copied_target_layers():
             copy_layers_for(Recipe(run="x", init_layers=bad), 30)
 
 
+@pytest.mark.slow  # 40 s: 80 prompts built
 def test_prompts_of_an_earlier_run_are_not_drawn_again():
     from dflash2_mlx.train.prompts import offline_prompts
 
@@ -315,6 +316,7 @@ def _train(tiny_target, store, run, steps, dflash2=True, on_step=None, init=True
     return train(drafter, plain, store, run, cfg, on_step=on_step), plain
 
 
+@pytest.mark.slow  # 8 s: 40 training steps
 def test_training_reduces_the_loss_and_exports_an_exact_drafter(tmp_path, tiny_target,
                                                                 tiny_store, llama_dir):
     import dflash2_mlx
@@ -425,6 +427,7 @@ def test_token_ids_rebuild_the_same_features(tmp_path, tiny_target, tiny_store):
         np.testing.assert_array_equal(rebuilt.topk(i)[0][:, 0], tiny_store.topk(i)[0][:, 0])
 
 
+@pytest.mark.slow  # 110 s: SmolLM2 and mlx-lm, 2 prompts
 def test_demo_pair_greedy_equals_mlx_lm():
     """The embedded default (SmolLM2-135M-Instruct + the shipped drafter): greedy output equals
     mlx-lm's own generation on two prompts."""
