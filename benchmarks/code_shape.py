@@ -17,9 +17,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "dflash2_mlx"
-# what decides how wide to draft, and what decodes (modules named as in any version)
-POLICY = ("adaptive", "costs", "batch", "policy")
-CORE = ("engine", "sequence", "state", "stats", "batch_cache", "views", "drafter", "sampling",
+# what decides how wide to draft (dflash2_mlx/policy/), and what decodes (the subpackages
+# decode/, model/ and cache/); then the flat modules of the versions before the subpackages,
+# for --root at an older commit
+POLICY = ("policy", "adaptive", "costs", "batch")
+CORE = ("decode", "model", "cache",
+        "engine", "sequence", "state", "stats", "batch_cache", "views", "drafter", "sampling",
         "lookup", "target", "kernels")
 
 

