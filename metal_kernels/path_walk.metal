@@ -1,5 +1,5 @@
 // The candidate path walk of the DFlash 2 selector over a precomputed pair lattice. Built by
-// dflash2_mlx/kernels/metal.py (`path_walk_metal`), which computes the lattice with
+// metal_kernels/metal.py (`path_walk_metal`), which computes the lattice with
 // `kernels.pair_lattice` (one batched matmul) and launches this kernel once for all batch rows.
 // File convention: see short_conv.metal.
 //

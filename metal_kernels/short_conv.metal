@@ -1,5 +1,5 @@
 // One side of the two-tap dynamic short convolution of DFlash 2, optionally fused with the
-// residual add of the "after" side. Built by dflash2_mlx/kernels/metal.py (`short_conv_metal`).
+// residual add of the "after" side. Built by metal_kernels/metal.py (`short_conv_metal`).
 //
 // File convention (both kernels): the text above the `kernel body` marker line is passed to
 // mx.fast.metal_kernel as `header`, the text below it as `source`. MLX generates the signature

@@ -4,7 +4,7 @@ longest common token prefix with the next prompt.
 
 Bounded by entries and bytes, least recently used out first. Entries are never handed out:
 `fetch` returns a copy trimmed to the common prefix, so no request can change another's state.
-With a `disk_cache.DiskCache` as second tier, every inserted state is also written to disk
+With a `cache.disk.DiskCache` as second tier, every inserted state is also written to disk
 (off this thread) and a fetch takes the longest prefix from either tier. Used from the
 scheduler's one worker thread only, hence no locks here.
 """

@@ -10,7 +10,7 @@ A step, for the running sequences s_1..s_B:
   accept   per sequence, greedy prefix match or rejection sampling on its own rows -> a_b
            accepted drafts and a bonus token
   commit   the caches keep each row's a_b + 1 rows (the target's `batch_rows()` for a batch,
-           `batch_cache.SoloRows` for a sequence alone); the sequences take their tokens
+           `cache.batch.SoloRows` for a sequence alone); the sequences take their tokens
 A step whose sequences are all plain may launch the next one before its tokens are read
 (mlx-lm's double buffering). Greedy output equals the target's own greedy decoding token for
 token; seeded sampling draws the same sample alone or batched. docs/batching.md.

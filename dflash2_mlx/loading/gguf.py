@@ -5,7 +5,7 @@
 MLX reads GGUF itself (`mx.load(path, return_metadata=True)`): F32/F16 tensors come back as plain
 arrays, Q4_0/Q4_1/Q8_0 ones as MLX affine-quantized triples (`weight` uint32, `scales`,
 `biases`) with group size 32. We keep those quantized (`nn.QuantizedLinear` /
-`nn.QuantizedEmbedding` with each tensor's own bit width); `loading.load_target(..., dtype=...)`
+`nn.QuantizedEmbedding` with each tensor's own bit width); `checkpoint.load_target(..., dtype=...)`
 dequantizes afterwards when asked.
 
 Conventions of llama.cpp that matter here:

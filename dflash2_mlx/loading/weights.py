@@ -1,6 +1,6 @@
-"""Weight helpers shared by the loaders (`loading.py` for drafters and mlx-lm targets, `gguf.py`
-for GGUF targets): reading safetensors, casting, what counts as quantized, and the one-line
-report of tensors that do not match a model."""
+"""Weight helpers shared by the loaders (`checkpoint.py` for drafters and mlx-lm targets,
+`gguf.py` for GGUF targets): reading safetensors, casting, what counts as quantized, and the
+one-line report of tensors that do not match a model."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The constants of the width policy fitted on one machine (the project's 2-core x86-64 CPU,
 the embedded SmolLM2 pair), not calibrated per machine: what, and the measurement behind each,
-in docs/decisions.md ("The width policy's machine-fitted constants")."""
+in docs/decisions.md ("The width policy in one package; its machine-fitted constants in one
+table")."""
 
 from __future__ import annotations
 
