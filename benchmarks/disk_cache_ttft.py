@@ -37,8 +37,8 @@ from dflash2_mlx.decode.state import DecodeState
 from dflash2_mlx.cache.prompt import PromptCache
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ["decode/engine.py", "model/drafter.py", "model/target.py", "policy/adaptive.py", "server/scheduler.py",
-           "pipeline.py"]
+SOURCES = ["decode/engine.py", "model/drafter.py", "model/target.py", "policy/adaptive.py",
+           "server/scheduler.py", "pipeline.py"]
 QUESTIONS = ["Which function of this code runs the draft-verify loop? Answer briefly.",
              "And which one rolls the target's cache back?"]
 
