@@ -22,6 +22,7 @@ from .decode.stats import DRAFTER, LOOKUP, GenerationStats
 from .loading.weights import quantization
 from .model.drafter import Drafter
 from .model.target import Target, TargetAdapter
+from .model.views import KVQuant
 from .policy.adaptive import AdaptiveWidth
 from .policy.calibration import calibration_key, load_or_measure_costs, store_correction
 
@@ -52,12 +53,15 @@ class Pipeline:
 
     block_size: the default runtime block width (None: "auto"). lookup: draft from the context
     too by default (`lookup.LookupIndex`). max_ctx: prompts of at least this many tokens run
-    plain decoding. info: how it was loaded, for `describe()`.
+    plain decoding. kv_bits (4 | 8 | None: float), kv_group_size (32 | 64 | 128): the
+    target's full-attention KV cache quantized from the first token (the drafter's stays
+    float). info: how it was loaded, for `describe()`.
     """
 
     def __init__(self, target: nn.Module, tokenizer, drafter: Drafter | None = None, *,
                  prefill_step_size: int = 2048, block_size: int | str | None = None,
-                 lookup: bool = True, max_ctx: int | None = None, info: dict | None = None):
+                 lookup: bool = True, max_ctx: int | None = None, kv_bits: int | None = None,
+                 kv_group_size: int | None = None, info: dict | None = None):
         self.target = target
         self.tokenizer = tokenizer
         self.drafter = drafter
@@ -69,9 +73,12 @@ class Pipeline:
         self.info = dict(info or {})
         self._policy: AdaptiveWidth | None = None
         self.stage = None                    # distributed.Stage of a pipeline-sharded target
+        bits, group = check.kv_bits(kv_bits), check.kv_group_size(kv_group_size)
+        self.kv = KVQuant(bits, group) if bits is not None else None
         # what generates: this process's model, or the stage's target of a pipeline
         self.adapter: Target = TargetAdapter(target,
-                                             drafter.args.target_layer_ids if drafter else ())
+                                             drafter.args.target_layer_ids if drafter else (),
+                                             kv=self.kv)
 
     # ---- prompts
     def encode(self, prompt: str | Sequence[int], chat_template: bool | None = None,
@@ -165,7 +172,8 @@ class Pipeline:
 
     def describe(self) -> dict:
         """The effective settings: sources, block size, weight dtypes and quantization as
-        loaded, kernel path (for reports such as the CLI's `--stats-json`)."""
+        loaded, kernel path, the target's KV cache (for reports such as the CLI's
+        `--stats-json`)."""
         d = self.drafter
         quant = quantization(d) if d is not None else None
         return {**self.info, "block_size": self.block_size(None), "lookup": self.lookup,
@@ -176,7 +184,9 @@ class Pipeline:
                 "draft_bits": (quant or {}).get("bits", 16) if d is not None else None,
                 "draft_group_size": (quant or {}).get("group_size"),
                 "draft_quantized_layers": (quant or {}).get("layers", 0),
-                "kernels": d.kernels if d is not None else None}
+                "kernels": d.kernels if d is not None else None,
+                "kv_bits": self.kv.bits if self.kv else None,
+                "kv_group_size": self.kv.group_size if self.kv else None}
 
     # ---- generation
     def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 256,

@@ -20,6 +20,9 @@ from collections.abc import Sequence
 DTYPES = ("float32", "float16", "bfloat16")
 DRAFT_BITS = (4, 8, 16)             # 16 = unquantized
 DRAFT_GROUP_SIZES = (32, 64, 128)
+KV_BITS = (4, 8)                    # the target's quantized KV cache; None = float
+KV_GROUP_SIZES = (32, 64, 128)
+KV_GROUP_SIZE = 64                  # the default group size of a quantized KV cache
 SEED_MAX = 2**64 - 1                # mx.random.key takes an unsigned 64-bit seed
 PROMPT_CACHE_DISK_BYTES = 8 * 2**30     # the disk tier's bound when only its folder is given
 HUMANEVAL_PROBLEMS = 164            # the most prompts per set `dflash2-mlx bench` can draw
@@ -217,6 +220,18 @@ def draft_group_size(value, name: str = "draft_group_size") -> int | None:
     return _int_choice(value, name, DRAFT_GROUP_SIZES, "one of 32, 64, 128")
 
 
+def kv_bits(value, name: str = "kv_bits") -> int | None:
+    """None (the target's KV cache in float) or 4 | 8: its full-attention layers' keys and
+    values quantized from the first token."""
+    return _int_choice(value, name, KV_BITS, "one of 4, 8 (or none: a float KV cache)")
+
+
+def kv_group_size(value, name: str = "kv_group_size") -> int:
+    """The quantized KV cache's group size along head_dim: 32 | 64 | 128 (None: 64)."""
+    size = _int_choice(value, name, KV_GROUP_SIZES, "one of 32, 64, 128")
+    return KV_GROUP_SIZE if size is None else size
+
+
 def dtype(value, name: str = "dtype") -> str | None:
     """'float32' | 'fp32' | mx.float32 | ... -> 'float32' (None stays None)."""
     if value is None:
@@ -275,6 +290,7 @@ __all__ = ["SettingError", "block_size", "lookup", "temperature", "top_p", "top_
            "seed", "port", "context_length", "max_body_bytes", "queue_size", "prompt_cache_size",
            "prompt_cache_bytes", "shutdown_timeout", "ping_interval", "read_timeout",
            "max_batch", "prefill_chunk", "pipeline_timeout", "prompts_per_set", "repeats",
-           "draft_bits", "draft_group_size", "dtype", "byte_size", "text", "prompt", "DTYPES",
-           "DRAFT_BITS", "DRAFT_GROUP_SIZES", "SEED_MAX", "PROMPT_CACHE_DISK_BYTES", "MAX_BATCH",
+           "draft_bits", "draft_group_size", "kv_bits", "kv_group_size", "dtype", "byte_size",
+           "text", "prompt", "DTYPES", "DRAFT_BITS", "DRAFT_GROUP_SIZES", "KV_BITS",
+           "KV_GROUP_SIZES", "KV_GROUP_SIZE", "SEED_MAX", "PROMPT_CACHE_DISK_BYTES", "MAX_BATCH",
            "PREFILL_CHUNK"]

@@ -182,6 +182,13 @@ DRAFT_BITS = typer.Option(None, "--draft-bits", callback=flag(check.draft_bits),
 DRAFT_GROUP_SIZE = typer.Option(None, "--draft-group-size", metavar="{32,64,128}",
                                 callback=flag(check.draft_group_size),
                                 help="Quantization group size (default: 64)")
+KV_BITS = typer.Option(None, "--kv-bits", callback=flag(check.kv_bits), metavar="{4,8}",
+                       help="Quantize the target's full-attention KV cache to 4 or 8 bits "
+                       "from the first token (default: float)")
+KV_GROUP_SIZE = typer.Option(None, "--kv-group-size", metavar="{32,64,128}",
+                             callback=flag(check.kv_group_size),
+                             help="Group size of the quantized KV cache, a divisor of the "
+                             "head dim (default: 64)")
 DTYPE = typer.Option(None, "--dtype", callback=flag(check.dtype),
                      metavar="{float32,float16,bfloat16}",
                      help="Float weight dtype (default: float32 on CPU, as stored on Metal)")

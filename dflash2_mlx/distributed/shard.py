@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 
-from ..model.views import TargetModel, find_stack_path
+from ..model.views import KVQuant, TargetModel, check_kv, find_stack_path
 from .link import DEFAULT_TIMEOUT, Link
 from .plan import (StagePlan, check_same_everywhere, config_text, parse_split, plan_stages,
                    target_shape)
@@ -71,20 +71,23 @@ def keep_only_stage(model: nn.Module, plan: StagePlan) -> int:
     return sum(v.nbytes for v in kept)
 
 
-def build(model: nn.Module, plan: StagePlan, link: Link) -> Stage:
+def build(model: nn.Module, plan: StagePlan, link: Link, kv: KVQuant | None = None) -> Stage:
     """This rank's stage of a lazily loaded target: keep (and read) only its weights, wait
-    until every rank has loaded its own (loading may take minutes: a longer bound)."""
+    until every rank has loaded its own (loading may take minutes: a longer bound). kv: every
+    rank's full-attention caches quantized (checked on the whole model, lazily)."""
     check_family(model)
-    whole = TargetModel(model)                 # its shapes, read before the embedding empties
+    whole = TargetModel(model, kv)             # its shapes, read before the embedding empties
+    if kv is not None:
+        check_kv(model, kv)
     shape = (whole.hidden_size, whole.vocab_size, whole.num_layers)
     kept = keep_only_stage(model, plan)
     sizes = link.agree([kept // 1024], "waiting for every rank to load its layers",
                        timeout=max(10 * link.timeout, 600.0))
     if plan.leader:
-        stage = Stage(plan, link, target=ShardedTarget(model, plan, link))
+        stage = Stage(plan, link, target=ShardedTarget(model, plan, link, kv))
         atexit.register(stage.close)
     else:
-        stage = Stage(plan, link, follower=Follower(model, plan, link))
+        stage = Stage(plan, link, follower=Follower(model, plan, link, kv))
         stage.target = FollowerTarget(stage, *shape)
     stage.weight_mib = [round(v / 1024, 1) for v in sizes[:, 0].tolist()]
     return stage

@@ -21,8 +21,8 @@ import mlx.nn as nn
 
 from ..cache.batch import RaggedRows, batch_refusal
 from ..model.target import rollback_error
-from ..model.views import (Incoming, LayerRange, Snapshot, StandIn, TargetModel, run_to_stand_in,
-                           stop)
+from ..model.views import (Incoming, KVQuant, LayerRange, Snapshot, StandIn, TargetModel,
+                           run_to_stand_in, stop)
 from .link import (CLONE, FILTER, FORWARD, FREE, JOIN, KEEP, RELEASE, STOP, Control, Link,
                    PipelineError)
 from .plan import StagePlan
@@ -112,10 +112,11 @@ class ShardedTarget(TargetModel):
     `forward(tokens [B, T], cache)` -> (logits [B, T, V], features [B, T, len(layer_ids) * H]).
     """
 
-    def __init__(self, model: nn.Module, plan: StagePlan, link: Link):
+    def __init__(self, model: nn.Module, plan: StagePlan, link: Link,
+                 kv: KVQuant | None = None):
         if not plan.leader:
             raise ValueError("ShardedTarget runs on rank 0; other ranks run Stage.follow()")
-        super().__init__(model)
+        super().__init__(model, kv)
         self.plan, self.link = plan, link
         self.layer_ids = tuple(plan.layer_ids)
         self.range = LayerRange(self, plan.start, plan.end, plan.layer_ids)
@@ -222,9 +223,10 @@ class _Mirror:
 class Follower:
     """Ranks > 0: run this rank's layers whenever rank 0 asks, until it says stop."""
 
-    def __init__(self, model: nn.Module, plan: StagePlan, link: Link):
+    def __init__(self, model: nn.Module, plan: StagePlan, link: Link,
+                 kv: KVQuant | None = None):
         self.plan, self.link = plan, link
-        target = TargetModel(model)
+        target = TargetModel(model, kv)
         self.range = LayerRange(target, plan.start, plan.end, plan.layer_ids)
         self.incoming = Incoming()
         self._view = self.range.view(end=StandIn(target.layers[plan.end - 1], stop),

@@ -34,6 +34,8 @@ class OmlxSettings:
 
     draft_bits: 4 or 8 (quantize the drafter), 16 (`dflash_draft_quant_enabled: false`:
     unquantized) or None. draft_activation_bits: 16 (bfloat16 drafter) or 32 (float32).
+    kv_bits, kv_group_size: the target's quantized KV cache (dflash2-mlx's own keys
+    `dflash_kv_bits`, `dflash_kv_group_size`; oMLX has none for mlx-lm's quantized cache).
     """
 
     model_id: str
@@ -46,6 +48,8 @@ class OmlxSettings:
     block_size: int | None = None
     verify_mode: str | None = None
     max_ctx: int | None = None
+    kv_bits: int | None = None
+    kv_group_size: int | None = None
 
     def where(self, key: str) -> str:
         return f"{self.source}: model '{self.model_id}': {key}"
@@ -143,10 +147,14 @@ def parse_entry(entry: dict, model_id: str, source: str = "<settings>") -> OmlxS
     mode = get("dflash_verify_mode", str, VERIFY_MODES)
     max_ctx = get("dflash_max_ctx", int, lambda v: v >= 1,
                   describe="an integer >= 1 (prompt tokens), or null")
+    kv_bits = get("dflash_kv_bits", int, describe="4 or 8 (or null: a float KV cache)",
+                  validate=check.kv_bits)
+    kv_group = get("dflash_kv_group_size", int, describe="32 or 64 or 128 or null",
+                   validate=check.kv_group_size)
     return OmlxSettings(model_id=model_id, source=source, enabled=bool(enabled),
                         draft_model=draft, draft_bits=bits, draft_group_size=group,
                         draft_activation_bits=act, block_size=block, verify_mode=mode,
-                        max_ctx=max_ctx)
+                        max_ctx=max_ctx, kv_bits=kv_bits, kv_group_size=kv_group)
 
 
 def load_omlx_settings(path: str | Path | None = None, *, model_id: str) -> OmlxSettings:

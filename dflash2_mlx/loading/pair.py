@@ -9,7 +9,7 @@ from typing import Sequence
 from .. import log, settings as check
 from ..model.drafter import Drafter
 from ..model.kernels import resolve_kernel_path
-from ..model.target import TargetAdapter
+from ..model.target import KVQuant, TargetAdapter
 from ..pipeline import Pipeline
 from . import blas, runtime
 from .checkpoint import load_drafter, load_target, resolve, stored_quantization
@@ -91,7 +91,8 @@ def _load_drafter(draft: str, draft_dir, adapter: TargetAdapter, p, kernels: str
 def load(model: str | None = None, draft: str | None = None, *,
          settings: OmlxSettings | None = None, draft_bits: int | None = None,
          draft_group_size: int | None = None, dtype=None, kernels: str | None = None,
-         lookup: bool = True, pipeline=None, pipeline_split: str | Sequence[int] | None = None,
+         lookup: bool = True, kv_bits: int | None = None, kv_group_size: int | None = None,
+         pipeline=None, pipeline_split: str | Sequence[int] | None = None,
          pipeline_timeout: float = 60.0) -> Pipeline:
     """Load a target (mlx-lm folder, hub id or .gguf file) and a DFlash / DFlash 2 drafter.
 
@@ -107,6 +108,9 @@ def load(model: str | None = None, draft: str | None = None, *,
     settings: one model's oMLX settings (`load_omlx_settings`); explicit arguments override it.
     kernels: "metal", "ops" or None (auto). lookup: draft from the context too, by default
     (`Pipeline.generate(lookup=...)` overrides it per call).
+    kv_bits: 4 | 8 quantizes the target's full-attention KV cache from the first token (None:
+    float); kv_group_size: 32 | 64 | 128 (default 64), a divisor of the head dim. Sliding-window
+    and recurrent layers and the drafter keep theirs in float.
     pipeline: an `mx.distributed` group (`distributed.init_group()`): the target's layers are
     split across its ranks (`pipeline_split`, e.g. "20,12"; even by default), each loading only
     its own; rank 0 generates, the others call `pipe.stage.follow()` (docs/distributed.md). A
@@ -114,6 +118,10 @@ def load(model: str | None = None, draft: str | None = None, *,
     Makes MLX use a fast BLAS first (`use_fast_blas()`). Notices (fallbacks, overrides) are
     issued as `DFlashNotice` warnings; each loading step is logged (`dflash2_mlx.log`).
     """
+    kv_bits = check.kv_bits(settings.kv_bits if kv_bits is None and settings else kv_bits)
+    kv_group_size = check.kv_group_size(
+        settings.kv_group_size if kv_group_size is None and settings else kv_group_size)
+    kv = KVQuant(kv_bits, kv_group_size) if kv_bits is not None else None
     chosen = blas.use_fast_blas()
     if chosen.note:
         log.notice(chosen.note)
@@ -132,8 +140,10 @@ def load(model: str | None = None, draft: str | None = None, *,
 
         plan, link = distributed.prepare(pipeline, resolve(model, "target model", ["*.json"]),
                                          draft_dir if draft else None, pipeline_split,
-                                         repr(p), pipeline_timeout)
-    _log.info(f"loading target {model} ({p.dtype or 'weights as stored'}) ...")
+                                         f"{p!r}, KV cache {kv or 'float'}",
+                                         pipeline_timeout)
+    _log.info(f"loading target {model} ({p.dtype or 'weights as stored'}"
+              f"{f', KV cache {kv}' if kv else ''}) ...")
     target, tokenizer, _ = load_target(model, runtime.parse_dtype(p.dtype),
                                        keep_quantized=p.keep_quantized, lazy=plan is not None)
     drafter = None
@@ -142,9 +152,10 @@ def load(model: str | None = None, draft: str | None = None, *,
     pipe = Pipeline(target, tokenizer, drafter, max_ctx=s.max_ctx,
                     info=_load_info(model, draft, p.backend, settings, drafter),
                     lookup=check.lookup(lookup) and s.verify_mode != "off",
-                    block_size=_settings_block_size(settings, drafter))
+                    block_size=_settings_block_size(settings, drafter),
+                    kv_bits=kv_bits, kv_group_size=kv_group_size)
     if plan is not None:
-        pipe.stage = distributed.build(target, plan, link)
+        pipe.stage = distributed.build(target, plan, link, kv)
         pipe.adapter = pipe.stage.target
         pipe.info["pipeline"] = pipe.stage.describe()
     return pipe

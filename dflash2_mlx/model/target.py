@@ -17,8 +17,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache.batch import RaggedRows, batch_refusal
-from .views import (STACK_PATHS, LayerRange, LayerTap, RollbackRotatingKVCache, Snapshot,
-                    TargetModel, find_stack_path)
+from .views import (STACK_PATHS, KVQuant, LayerRange, LayerTap, RollbackRotatingKVCache,
+                    Snapshot, TargetModel, check_kv, find_stack_path)
 
 
 @runtime_checkable
@@ -78,11 +78,15 @@ class TargetAdapter(TargetModel):
     """`Target` for a model in this process.
 
     `forward(tokens [B, T], cache)` -> (logits [B, T, V], features [B, T, len(layer_ids) * H]).
-    Also what the trainer reads: `model`, `stack`, `layers`, `head_module()`.
+    Also what the trainer reads: `model`, `stack`, `layers`, `head_module()`. kv: the
+    full-attention layers' caches quantized (`views.KVQuant`), checked against the model now.
     """
 
-    def __init__(self, model: nn.Module, layer_ids: tuple[int, ...] = ()):
-        super().__init__(model)
+    def __init__(self, model: nn.Module, layer_ids: tuple[int, ...] = (),
+                 kv: KVQuant | None = None):
+        super().__init__(model, kv)
+        if kv is not None:
+            check_kv(model, kv)
         self.layer_ids = tuple(layer_ids)
         self.range = LayerRange(self, 0, self.num_layers, self.layer_ids)
         self._view = self.range.view()
@@ -111,5 +115,5 @@ class TargetAdapter(TargetModel):
         return self.range.snapshot(cache)
 
 
-__all__ = ["Target", "TargetAdapter", "Snapshot", "LayerTap", "RollbackRotatingKVCache",
-           "STACK_PATHS", "find_stack_path"]
+__all__ = ["Target", "TargetAdapter", "KVQuant", "Snapshot", "LayerTap",
+           "RollbackRotatingKVCache", "STACK_PATHS", "find_stack_path"]

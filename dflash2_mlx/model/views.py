@@ -18,12 +18,13 @@ recurrent state, `cache.batch.RecurrentRows`) rolls back per row: `Snapshot.roll
 from __future__ import annotations
 
 import copy
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.cache import ArraysCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import (ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache,
+                                 make_prompt_cache)
 
 # Where decoder stacks live in mlx-lm models: Model.model (llama, qwen2/3, mistral, ...),
 # Model.language_model.model (multimodal wrappers such as qwen3_5, gemma3).
@@ -75,18 +76,73 @@ class RollbackRotatingKVCache(RotatingKVCache):
         return super().trim(n)
 
 
-def model_cache(model: nn.Module) -> list:
-    """mlx-lm's cache for every layer of `model`, with sliding-window caches made trimmable."""
-    return [RollbackRotatingKVCache(c.max_size, c.keep) if type(c) is RotatingKVCache else c
-            for c in make_prompt_cache(model)]
+class KVQuant(NamedTuple):
+    """The target's quantized KV cache: mlx-lm's `QuantizedKVCache(group_size, bits)` on every
+    full-attention layer, from the first token (docs/decisions.md)."""
+
+    bits: int
+    group_size: int
+
+    def __str__(self) -> str:
+        return f"{self.bits}-bit, group size {self.group_size}"
+
+
+def model_cache(model: nn.Module, kv: KVQuant | None = None) -> list:
+    """mlx-lm's cache for every layer of `model`, with sliding-window caches made trimmable;
+    with `kv`, each full-attention layer's `KVCache` is a `QuantizedKVCache` instead (the
+    sliding-window and recurrent layers keep theirs)."""
+    def convert(c):
+        if type(c) is RotatingKVCache:
+            return RollbackRotatingKVCache(c.max_size, c.keep)
+        if kv is not None and type(c) is KVCache:
+            return QuantizedKVCache(kv.group_size, kv.bits)
+        return c
+    return [convert(c) for c in make_prompt_cache(model)]
+
+
+class _Probed(Exception):
+    """Raised by `_ShapeProbe`: the head dims of the keys and values a layer wrote."""
+
+    def __init__(self, dims: tuple[int, int]):
+        self.dims = dims
+
+
+class _ShapeProbe(QuantizedKVCache):
+    """Stops a forward at the first quantized layer with the shapes it was given (known
+    without evaluating anything)."""
+
+    def update_and_fetch(self, keys, values):
+        raise _Probed((keys.shape[-1], values.shape[-1]))
+
+
+def check_kv(model: nn.Module, kv: KVQuant) -> None:
+    """ValueError when `kv.group_size` does not divide the head_dim of the full-attention
+    layers (mx.quantize would fail at the first token). One lazy token through the model up
+    to the first such layer: its shapes are known without evaluating any weight."""
+    cache = [(_ShapeProbe(kv.group_size, kv.bits) if type(c) is QuantizedKVCache else c)
+             for c in model_cache(model, kv)]
+    if not any(type(c) is _ShapeProbe for c in cache):
+        return                           # no full-attention layer: nothing is quantized
+    try:
+        model(mx.zeros((1, 1), mx.uint32), cache=cache)
+    except _Probed as probed:
+        bad = sorted({d for d in probed.dims if d % kv.group_size})
+        if bad:
+            fits = [str(g) for g in (32, 64, 128) if bad[0] % g == 0]
+            raise ValueError(
+                f"kv_group_size {kv.group_size} does not fit head_dim {bad[0]} of the target's "
+                "attention layers (the group size must divide it): "
+                + (f"use kv_group_size {' or '.join(fits)}" if fits else
+                   "no group size fits; use a float KV cache (no kv_bits)")) from None
 
 
 class TargetModel:
-    """An mlx-lm model as a target: its decoder stack, embedding and head, its caches, and
-    views of it. Reads the model; never changes it."""
+    """An mlx-lm model as a target: its decoder stack, embedding and head, its caches (with
+    `kv`, quantized: `model_cache`), and views of it. Reads the model; never changes it."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, kv: KVQuant | None = None):
         self.model = model
+        self.kv = kv
         self.path = find_stack_path(model)
         self.stack = model
         for name in self.path:
@@ -118,7 +174,7 @@ class TargetModel:
 
     # ---- caches and views
     def make_cache(self) -> list:
-        return model_cache(self.model)
+        return model_cache(self.model, self.kv)
 
     def view(self, layers: list, embed=None, reindex: bool = False) -> nn.Module:
         """A shallow copy of the model whose decoder stack runs `layers` (and `embed` in place
@@ -281,7 +337,7 @@ class LayerRange:
                                 reindex=not whole)
 
     def make_cache(self) -> list:
-        return model_cache(self.target.model)[self.lo:self.hi]
+        return model_cache(self.target.model, self.target.kv)[self.lo:self.hi]
 
     def unrollable(self, cache: list) -> list[str]:
         """Type names of the caches in `cache` that can neither be trimmed nor replayed."""
