@@ -70,10 +70,12 @@ def tiny():
     return model, {"dflash": d1, "dflash2": d2, "dflash2-vocab": d2v}
 
 
-def exact_joint(model, sampling: Sampling, prompt=PROMPT) -> dict:
-    """P(t1, t2, t3) of target-only sampling, by enumeration."""
+def exact_joint(model, sampling: Sampling, prompt=PROMPT, cache=None) -> dict:
+    """P(t1, t2, t3) of target-only sampling, by enumeration. cache: makes the model's cache
+    (a quantized KV cache: test_kv_cache.py)."""
     seqs = mx.array([prompt + [a, b] for a in range(V) for b in range(V)])
-    probs = np.array(sampling.probs(model(seqs)[:, -3:]))         # [V*V, 3, V]
+    logits = model(seqs, cache=None if cache is None else cache())
+    probs = np.array(sampling.probs(logits[:, -3:]))              # [V*V, 3, V]
     p1 = probs[0, 0]
     p2 = probs[::V, 1]                                            # row a*V: prefix (a, *)
     p3 = probs[:, 2].reshape(V, V, V)
@@ -129,16 +131,16 @@ class NoisyOracle:
 
 
 def speculative_counts(model, drafter, sampling, n, block_size=3, prompt=PROMPT, lookup=None,
-                       sources=None):
+                       sources=None, kv=None):
     """Counts of the first three tokens over n seeded runs, and the accepted counts of the
     drafting cycles that made them (of `sources`, when a list is given to collect them). A run
     stops once it has three tokens: the cycles after them cannot change them. The prompt but
     its last token is prefilled once, in the chunk a fresh run's prefill makes of it (the same
     rows, so the same numbers); each run starts from a copy and prefills the last token alone,
-    as a fresh run would."""
+    as a fresh run would. kv: the target's KV cache quantized (`model.views.KVQuant`)."""
     layers = () if drafter is None else (0,) if drafter == "oracle" else \
         drafter.args.target_layer_ids
-    adapter = TargetAdapter(model, layers)
+    adapter = TargetAdapter(model, layers, kv=kv)
     drafter = NoisyOracle(model, sampling) if drafter == "oracle" else drafter
     step_size = 2048                                     # stream_tokens' prefill chunk
     # (the doubles keep no context cache to trim: their prefix holds no features, and the

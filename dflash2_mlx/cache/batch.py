@@ -1,5 +1,6 @@
 """The batch engine's caches: for an attention layer one mlx-lm `BatchKVCache` whose rows keep
-their own length, so each row drops its own rejected tail after a verify; for a recurrent
+their own length, so each row drops its own rejected tail after a verify (a quantized layer's
+rows hold mlx-lm's quantized triples: `RaggedQuantizedKVCache`); for a recurrent
 (GatedDeltaNet) layer mlx-lm's `ArraysCache` with B rows of state (`RecurrentRows`).
 
 Layout (docs/batching.md): the B rows share one slot axis [B, n_kv, S, D]; every step writes
@@ -25,7 +26,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import (ArraysCache, BatchKVCache, KVCache, QuantizedKVCache,
+                                 RotatingKVCache)
 
 from ..model.views import RollbackRotatingKVCache
 
@@ -55,20 +57,34 @@ class RaggedKVCache(BatchKVCache):
         buffer out of slots grows by `step` slots, as mlx-lm's, and drops those rows then.
         Rope positions (`offset`) stay put until `commit`."""
         B, _, T, _ = keys.shape
-        prev = self._idx
-        if self.keys is None or prev + T > self.keys.shape[2]:
+        new = self._encode(keys, values)
+        prev, parts = self._idx, self._parts()
+        if parts is None or prev + T > parts[0].shape[2]:
             grow = -(-T // self.step) * self.step
-            k = mx.zeros((B, keys.shape[1], grow, keys.shape[3]), keys.dtype)
-            v = mx.zeros((B, values.shape[1], grow, values.shape[3]), values.dtype)
-            if self.keys is None:
-                self.keys, self.values = k, v
-            else:
-                self.keys = mx.concatenate([self.keys[:B, :, :prev], k], axis=2)
-                self.values = mx.concatenate([self.values[:B, :, :prev], v], axis=2)
+            room = [mx.zeros((B, n.shape[1], grow, n.shape[3]), n.dtype) for n in new]
+            parts = room if parts is None else [mx.concatenate([p[:B, :, :prev], r], axis=2)
+                                                for p, r in zip(parts, room)]
+            self._set_parts(parts)
         self._idx = prev + T
-        self.keys[:B, :, prev : self._idx] = keys
-        self.values[:B, :, prev : self._idx] = values
-        return self.keys[:B, :, : self._idx], self.values[:B, :, : self._idx]
+        for p, n in zip(parts, new):
+            p[:B, :, prev : self._idx] = n
+        return self._fetch(B, self._idx)
+
+    # ---- the arrays: keys and values, each [B, n_kv, S, D] (a subclass may split them)
+    def _parts(self) -> list | None:
+        """Every array of the cache, slot axis 2 (None: nothing written yet)."""
+        return None if self.keys is None else [self.keys, self.values]
+
+    def _set_parts(self, parts: list | None) -> None:
+        self.keys, self.values = (None, None) if parts is None else parts
+
+    def _encode(self, keys: mx.array, values: mx.array) -> list:
+        """A step's keys and values as the parts they are stored in."""
+        return [keys, values]
+
+    def _fetch(self, B: int, n: int):
+        """What attention reads: the first n slots of the first B rows."""
+        return self.keys[:B, :, :n], self.values[:B, :, :n]
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None,
                   **kwargs) -> mx.array:
@@ -126,19 +142,18 @@ class RaggedKVCache(BatchKVCache):
         # holes first, then the kept slots in slot order (a stable sort on the flag)
         order = np.argsort(valid, axis=1, kind="stable")[:, self._idx - n:]
         self.pos = np.take_along_axis(self.pos, order, axis=1)
-        if self.keys is not None:
+        parts = self._parts()
+        if parts is not None:
             # `step` more columns (any slot's copy: free room) so that the next forward
             # writes in place, not growing the buffer with a second copy of every row
-            B, H, D = self.batch, self.keys.shape[1], self.keys.shape[3]
+            B = self.batch
             room = np.zeros((B, self.step), order.dtype)
             idx = mx.array(np.concatenate([order, room], axis=1).astype(np.int32))
             idx = idx[:, None, :, None]
             S = n + self.step
-            self.keys = mx.take_along_axis(self.keys[:B, :, : self._idx],
-                                           mx.broadcast_to(idx, (B, H, S, D)), axis=2)
-            self.values = mx.take_along_axis(
-                self.values[:B, :, : self._idx],
-                mx.broadcast_to(idx, (B, H, S, self.values.shape[3])), axis=2)
+            self._set_parts([mx.take_along_axis(
+                p[:B, :, : self._idx], mx.broadcast_to(idx, (B, p.shape[1], S, p.shape[3])),
+                axis=2) for p in parts])
         self._idx = n
 
     # ---- rows joining and leaving
@@ -151,22 +166,24 @@ class RaggedKVCache(BatchKVCache):
         step, at 16 rows of 1.2k slots, every time a sequence left)."""
         rows = np.asarray(batch_indices, np.int64)
         moved = np.flatnonzero(rows != np.arange(len(rows)))
-        if self.keys is not None:
-            spare = self.keys.shape[0] - len(rows)
+        parts = self._parts()
+        if parts is not None:
+            spare = parts[0].shape[0] - len(rows)
             if len(moved) > len(rows) // 2 or spare > max(1, len(rows) // SPARE_ROWS):
                 idx = mx.array(rows.astype(np.int32))
-                self.keys, self.values = self.keys[idx], self.values[idx]
+                self._set_parts([p[idx] for p in parts])
             elif len(moved):
                 src = mx.array(rows[moved].astype(np.int32))
-                k, v = self.keys[src], self.values[src]
-                mx.eval(k, v)      # read first, then slice writes: they go in place (a
+                copies = [p[src] for p in parts]
+                mx.eval(copies)    # read first, then slice writes: they go in place (a
                 for j, i in enumerate(moved.tolist()):    # scatter copied the buffer)
-                    self.keys[i : i + 1], self.values[i : i + 1] = k[j : j + 1], v[j : j + 1]
+                    for p, c in zip(parts, copies):
+                        p[i : i + 1] = c[j : j + 1]
         self.pos, self.lengths = self.pos[rows], self.lengths[rows]
         self.offset = mx.array(self.lengths, dtype=mx.int32)
         self.left_padding = mx.zeros((len(rows),), mx.int32)
         if not len(rows):
-            self.keys = self.values = None
+            self._set_parts(None)
             self._idx, self.pos = 0, np.zeros((0, 0), np.int64)
             return
         self._drop_trailing_holes()
@@ -177,9 +194,9 @@ class RaggedKVCache(BatchKVCache):
         in one concatenation: joined one by one, k joiners copied the batch's rows k times
         (16 prompts starting in one step: 1.8 s of copies in the next step)."""
         for o in others:
-            if o.window != self.window:
-                raise ValueError(f"cannot join a cache of window {o.window} to one of window "
-                                 f"{self.window}")
+            if o.window != self.window or o.kind != self.kind:
+                raise ValueError(f"cannot join a {o.kind} cache of window {o.window} to a "
+                                 f"{self.kind} one of window {self.window}")
         caches = [c for c in (self, *others) if c.batch]
         if len(caches) <= 1:
             if caches and caches[0] is not self:
@@ -187,36 +204,43 @@ class RaggedKVCache(BatchKVCache):
             return
         n = max(c._idx for c in caches)
 
-        def padded(c: RaggedKVCache):
+        def padded(c: RaggedKVCache) -> list:
             # with `step` free slots on the right in the same copy: else the next forward's
             # update_and_fetch grows the buffer, a second copy of every row
-            left = n - c._idx
-            pos = np.pad(c.pos[:, : c._idx], ((0, 0), (left, 0)), constant_values=-1)
-            widths = [(0, 0), (0, 0), (left, self.step), (0, 0)]
-            return (mx.pad(c.keys[: c.batch, :, : c._idx], widths),
-                    mx.pad(c.values[: c.batch, :, : c._idx], widths), pos)
+            widths = [(0, 0), (0, 0), (n - c._idx, self.step), (0, 0)]
+            return [mx.pad(p[: c.batch, :, : c._idx], widths) for p in c._parts()]
 
-        keys, values, pos = zip(*map(padded, caches))
-        self.keys, self.values = mx.concatenate(keys), mx.concatenate(values)
-        self.pos = np.concatenate(pos)
+        self._set_parts([mx.concatenate(rows) for rows in zip(*map(padded, caches))])
+        self.pos = np.concatenate([np.pad(c.pos[:, : c._idx], ((0, 0), (n - c._idx, 0)),
+                                          constant_values=-1) for c in caches])
         self.lengths = np.concatenate([c.lengths for c in caches])
         self.offset = mx.array(self.lengths, dtype=mx.int32)
         self.left_padding = mx.zeros((self.batch,), mx.int32)
         self._idx = n
 
-    @classmethod
-    def from_single(cls, cache) -> "RaggedKVCache":
-        """One row from a single-sequence cache (mlx-lm's KVCache, or a sliding-window
-        RotatingKVCache without kept sink rows)."""
+    @staticmethod
+    def from_single(cache) -> "RaggedKVCache":
+        """One row from a single-sequence cache (mlx-lm's KVCache, QuantizedKVCache -> a
+        `RaggedQuantizedKVCache` -, or a sliding-window RotatingKVCache without kept sink
+        rows)."""
+        if type(cache) is QuantizedKVCache:
+            out = RaggedQuantizedKVCache(1, cache.group_size, cache.bits)
+            n = cache.offset
+            if n:
+                out._set_parts([p[..., :n, :] for p in (*cache.keys, *cache.values)])
+                out._idx, out.pos = n, np.arange(n)[None]
+            out.lengths = np.array([n], np.int64)
+            out.offset = mx.array(out.lengths, dtype=mx.int32)
+            return out
         if type(cache) is KVCache:
             keys, values, n = cache.keys, cache.values, cache.offset
-            out = cls(1)
+            out = RaggedKVCache(1)
             if n:
                 keys, values = keys[..., :n, :], values[..., :n, :]
             first = 0
         elif isinstance(cache, RotatingKVCache) and cache.keep == 0:
             keys, values, offset, _, max_size, idx = cache.state
-            out = cls(1, window=max_size)
+            out = RaggedKVCache(1, window=max_size)
             if keys is not None:
                 if idx == keys.shape[2]:             # after a multi-row update: in order
                     pass
@@ -230,7 +254,8 @@ class RaggedKVCache(BatchKVCache):
             first = offset - n
         else:
             raise ValueError(f"the batch engine cannot hold a {type(cache).__name__} "
-                             "(attention caches only: KVCache, RotatingKVCache with keep=0)")
+                             "(attention caches only: KVCache, QuantizedKVCache, "
+                             "RotatingKVCache with keep=0)")
         if n:
             out.keys, out.values = keys, values
             out._idx = n
@@ -248,37 +273,86 @@ class RaggedKVCache(BatchKVCache):
         n, length = len(slots), int(self.lengths[row])
         if n and not np.array_equal(self.pos[row, slots], np.arange(length - n, length)):
             raise RuntimeError("a row's kept slots are not its latest positions in order")
-        if self.window is None:
-            if n != length:
-                raise RuntimeError(f"row {row} holds {n} of its {length} positions")
-            out = KVCache()
-        else:
-            out = RollbackRotatingKVCache(self.window, 0)
+        if self.window is None and n != length:
+            raise RuntimeError(f"row {row} holds {n} of its {length} positions")
+        out = self._single()
         if n:
             idx = mx.array(slots.astype(np.int32))
-            keys = mx.contiguous(self.keys[row : row + 1, :, idx])
-            values = mx.contiguous(self.values[row : row + 1, :, idx])
+            parts = [mx.contiguous(p[row : row + 1, :, idx]) for p in self._parts()]
             if self.window is None:
-                out.keys, out.values, out.offset = keys, values, n
+                out.keys, out.values = self._pair(parts)
+                out.offset = n
             else:
-                out.state = (keys, values, length, 0, self.window, n)
+                out.state = (*parts, length, 0, self.window, n)
         return out
+
+    def _single(self):
+        """An empty single-sequence cache of the kind `from_single` takes."""
+        return KVCache() if self.window is None else RollbackRotatingKVCache(self.window, 0)
+
+    @staticmethod
+    def _pair(parts: list) -> tuple:
+        """(keys, values) as a single-sequence cache holds them."""
+        return tuple(parts)
 
     def extract(self, idx):
         return self.to_single(idx)
 
     @classmethod
     def merge(cls, caches):
-        out = cls(0)
-        out.extend(*map(cls.from_single, caches))
+        rows = [cls.from_single(c) for c in caches]
+        out = rows[0]
+        out.extend(*rows[1:])
         return out
 
     def size(self):
         return self._idx
 
     @property
+    def kind(self) -> str:
+        return "float"
+
+    @property
     def nbytes(self):
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+        return sum(p.nbytes for p in self._parts() or ())
+
+
+class RaggedQuantizedKVCache(RaggedKVCache):
+    """`RaggedKVCache` whose keys and values are mlx-lm's quantized triples (packed values,
+    scales, biases: [B, n_kv, S, D * bits / 32] and [B, n_kv, S, D / group_size] twice), as
+    `QuantizedKVCache` stores them. Each slot is quantized on its own along head_dim when it
+    is written, so writing, commit, filter, extend and compaction only move the triples and
+    nothing is ever dequantized and quantized again. `bits` and `group_size` make mlx-lm's
+    attention take its quantized path, as for `QuantizedKVCache`."""
+
+    def __init__(self, batch: int = 0, group_size: int = 64, bits: int = 8):
+        super().__init__(batch)
+        self.group_size, self.bits = group_size, bits
+
+    def _parts(self) -> list | None:
+        return None if self.keys is None else [*self.keys, *self.values]
+
+    def _set_parts(self, parts: list | None) -> None:
+        self.keys, self.values = (None, None) if parts is None else self._pair(parts)
+
+    def _encode(self, keys: mx.array, values: mx.array) -> list:
+        return [*mx.quantize(keys, group_size=self.group_size, bits=self.bits),
+                *mx.quantize(values, group_size=self.group_size, bits=self.bits)]
+
+    def _fetch(self, B: int, n: int):
+        return (tuple(p[:B, :, :n] for p in self.keys),
+                tuple(p[:B, :, :n] for p in self.values))
+
+    def _single(self):
+        return QuantizedKVCache(self.group_size, self.bits)
+
+    @staticmethod
+    def _pair(parts: list) -> tuple:
+        return tuple(parts[:3]), tuple(parts[3:])
+
+    @property
+    def kind(self) -> str:
+        return f"{self.bits}-bit (group size {self.group_size})"
 
 
 class RecurrentRows(ArraysCache):
@@ -330,13 +404,14 @@ def _recurrent(cache) -> bool:
 
 
 def _attention(cache) -> bool:
-    return type(cache) is KVCache or (isinstance(cache, RotatingKVCache) and cache.keep == 0)
+    return type(cache) in (KVCache, QuantizedKVCache) or (isinstance(cache, RotatingKVCache)
+                                                          and cache.keep == 0)
 
 
 def batch_cache(single: list) -> list:
     """One row per layer from a single-sequence target cache: a `RaggedKVCache` per attention
-    layer, a `RecurrentRows` per recurrent one; ValueError naming the layer's cache type when
-    the batch cannot hold it (a quantized cache)."""
+    layer (`RaggedQuantizedKVCache` for a quantized one), a `RecurrentRows` per recurrent one;
+    ValueError naming the layer's cache type when the batch cannot hold it."""
     return [RecurrentRows.from_single(c) if _recurrent(c) else RaggedKVCache.from_single(c)
             for c in single]
 
@@ -347,7 +422,7 @@ def batch_refusal(single: list) -> str | None:
     bad = sorted({type(c).__name__ for c in single if not (_attention(c) or _recurrent(c))})
     if bad:
         return (f"the batch engine serves attention and GatedDeltaNet (ArraysCache) layers; "
-                f"this target has {', '.join(bad)} layers (quantized or other caches): its "
+                f"this target has {', '.join(bad)} layers: its "
                 "requests decode one at a time")
     return None
 
@@ -399,7 +474,7 @@ class RaggedRows:
 
 class SoloRows:
     """The engine's caches for one sequence at a time: the sequence's own, of any kind
-    (quantized, sliding-window, any recurrent one); a snapshot rolls them back."""
+    (sliding-window with sink rows, any recurrent one); a snapshot rolls them back."""
 
     def __init__(self):
         self.cache: list | None = None

@@ -41,7 +41,8 @@ def entry_name(tokens) -> str:
 def identity(target: TargetAdapter, drafter: Drafter | None) -> dict:
     """Who may read a file: a fingerprint of the target and of the drafter (class, config,
     every weight's name, shape and dtype, and 16 values sampled from each, so a fine-tune or a
-    re-quantization differs), their float dtypes and the device. Cheap: one gather per tensor,
+    re-quantization differs), their float dtypes, the device and the target's KV cache
+    setting ([bits, group size], None: float; a file of another setting is never read). Cheap: one gather per tensor,
     no pass over the weights."""
     dtypes: set[str] = set()
 
@@ -68,6 +69,8 @@ def identity(target: TargetAdapter, drafter: Drafter | None) -> dict:
                                        None if vocab is None else host(vocab.ids).tobytes())
     ident["dtype"] = "+".join(sorted(dtypes))
     ident["device"] = str(mx.default_device())
+    kv = getattr(target, "kv", None)
+    ident["kv"] = None if kv is None else [kv.bits, kv.group_size]    # None: float
     return ident
 
 
@@ -119,7 +122,8 @@ class Header:
 
 def read_header(path: Path, ident: dict, vocab_size: int) -> Header:
     """Everything but the tensor data, checked: `Rejected` for a truncated, malformed or
-    foreign file (another format, package or MLX version, model, drafter, dtype, device)."""
+    foreign file (another format, package or MLX version, model, drafter, dtype, device, KV
+    cache setting)."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         raw = f.read(8)
@@ -139,7 +143,7 @@ def read_header(path: Path, ident: dict, vocab_size: int) -> Header:
     for key, ours in (("package", __version__), ("mlx", mx.__version__)):
         expect(meta.get(key) == ours, f"written by {key} {meta.get(key)} (this is {ours})")
     theirs = meta.get("identity") or {}
-    for key in ("dtype", "device", "target", "drafter"):
+    for key in ("dtype", "device", "kv", "target", "drafter"):
         expect(theirs.get(key) == ident[key], f"written for another {key} "
                 f"({theirs.get(key)}; this server: {ident[key]})")
     tokens = meta.get("tokens")

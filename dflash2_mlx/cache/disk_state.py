@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import ArraysCache, KVCache
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
 
 from ..model.drafter import Drafter
 from ..decode.state import DecodeState
@@ -47,6 +47,14 @@ def encode_state(state: DecodeState) -> tuple[dict, list[tuple[str, mx.array]]]:
             if keys is not None:
                 arrays += [(f"t{i}.keys", keys[..., :offset, :]),
                            (f"t{i}.values", values[..., :offset, :])]
+        elif kind is QuantizedKVCache:
+            keys, values, offset, group_size, bits = c.state
+            target.append({"type": "QuantizedKVCache", "offset": offset, "bits": bits,
+                           "group_size": group_size})
+            if keys is not None:        # packed values, scales, biases of each, rows in use
+                arrays += [(f"t{i}.{name}.{j}", p[..., :offset, :])
+                           for name, parts in (("keys", keys), ("values", values))
+                           for j, p in enumerate(parts)]
         elif kind is RollbackRotatingKVCache:
             keys, values, offset, keep, max_size, idx = c.state
             target.append({"type": kind.__name__, "offset": offset, "keep": keep,
@@ -141,6 +149,17 @@ def _fill_target_cache(i: int, desc: dict, c, n: int, tensors: _Tensors) -> None
         return
     offset = desc["offset"]
     expect(offset == n, f"cache {i} covers {offset} tokens, the file lists {n}")
+    if isinstance(c, QuantizedKVCache):
+        expect((desc["bits"], desc["group_size"]) == (c.bits, c.group_size),
+               f"cache {i} is {desc['bits']}-bit (group size {desc['group_size']}), the target "
+               f"quantizes to {c.bits} bits (group size {c.group_size})")
+        keys, values = ([tensors.take(f"t{i}.{name}.{j}", 4) for j in range(3)]
+                        for name in ("keys", "values"))
+        expect(all(p.shape[:3] == keys[0].shape[:3] and p.shape[2] == offset
+                   for p in keys + values), f"cache {i}: {offset} rows expected in "
+               f"{[p.shape for p in keys + values]}")
+        c.keys, c.values, c.offset = tuple(keys), tuple(values), offset
+        return
     keys, values = tensors.take(f"t{i}.keys", 4), tensors.take(f"t{i}.values", 4)
     expect(keys.shape[:3] == values.shape[:3], f"cache {i}: keys {keys.shape}, values "
            f"{values.shape}")

@@ -37,8 +37,10 @@ class DecodeState:
 
     @property
     def nbytes(self) -> int:
-        arrays = [a for c in self.cache + (self.dcache or []) for a in _flat(c.state)]
-        return sum(a.nbytes for a in arrays + self.pending)
+        """Bytes of the target's and the drafter's caches (`cache_nbytes`) and the pending
+        features."""
+        return (sum(cache_nbytes(c) for c in self.cache + (self.dcache or []))
+                + sum(p.nbytes for p in self.pending))
 
     def trim(self, n: int) -> bool:
         """Keep the first n tokens. False when some cache cannot go back that far (a recurrent
@@ -82,6 +84,12 @@ class DecodeState:
         ctx = mx.concatenate(self.pending, axis=1) if len(self.pending) > 1 else self.pending[0]
         self.pending = []
         return ctx
+
+
+def cache_nbytes(cache) -> int:
+    """Bytes one layer's cache holds (as allocated: a KV cache's buffer grows 256 rows at a
+    time): every array of its state; a quantized cache's packed values, scales and biases."""
+    return sum(a.nbytes for a in _flat(cache.state))
 
 
 def _flat(state):

@@ -87,6 +87,17 @@ class KVQuant(NamedTuple):
         return f"{self.bits}-bit, group size {self.group_size}"
 
 
+def kv_bytes_per_token(n_kv_heads: int, head_dim: int, kv: KVQuant | None = None,
+                       itemsize: int = 4) -> int:
+    """Bytes one token takes in one full-attention layer's cache, keys and values: float,
+    head_dim values of `itemsize` bytes a head; quantized, head_dim * bits / 32 uint32 words
+    plus a scale and a bias (of `itemsize` bytes, the activations' dtype) per group."""
+    if kv is None:
+        return 2 * n_kv_heads * head_dim * itemsize
+    return 2 * n_kv_heads * (head_dim * kv.bits // 32 * 4
+                             + 2 * (head_dim // kv.group_size) * itemsize)
+
+
 def model_cache(model: nn.Module, kv: KVQuant | None = None) -> list:
     """mlx-lm's cache for every layer of `model`, with sliding-window caches made trimmable;
     with `kv`, each full-attention layer's `KVCache` is a `QuantizedKVCache` instead (the
