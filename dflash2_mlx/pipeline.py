@@ -251,7 +251,7 @@ class Pipeline:
         prompt (as mlx-lm's `batch_generate`); seed: prompt i uses seed + i. max_batch: the
         most prompts decoding at once; prefill_budget: prompt tokens prefilled per step (None:
         a prompt's whole prefill in the step it joins). A target whose caches the batch cannot
-        hold (quantized caches) decodes its prompts one at a time."""
+        hold (`cache.batch.batch_refusal`) decodes its prompts one at a time."""
         sampling = Sampling(temperature, top_p, top_k)
         lookup = self.lookup if lookup is None else check.lookup(lookup)
         b = self.block_size(block_size, lookup)

@@ -6,7 +6,8 @@ Each job loads a target (and drafter) with `pipeline=` the launched group; rank 
 job's cases and writes tokens, statistics and message counts; the other ranks follow. Every
 rank writes `rank{r}.json` beside the plan. A case may carry the single-process greedy output
 (`truth`): rank 0 then drafts with `OracleDrafter`, which proposes it corrupted at random
-positions, so partial acceptances (rollbacks on every rank) are certain."""
+positions, so partial acceptances (rollbacks on every rank) are certain. A job's "kv" holds
+`load`'s kv_bits and kv_group_size; each rank reports its layers' cache types ("caches")."""
 
 import json
 import os
@@ -75,10 +76,13 @@ def main(plan_path: str) -> int:
             draft = job.get("draft_by_rank", {}).get(str(rank), job.get("draft"))
             pipe = dflash2_mlx.load(job["model"], draft, pipeline=group,
                                     pipeline_split=job.get("split"),
-                                    pipeline_timeout=plan.get("timeout", 30))
+                                    pipeline_timeout=plan.get("timeout", 30), **job.get("kv", {}))
             stage = pipe.stage
             done = {"name": job["name"], "layers": list(stage.layers),
                     "weight_mib": stage.weight_mib, "active_mib": mx.get_active_memory() / 2**20}
+            ours = (stage.target if stage.leader else stage.follower).range.make_cache()
+            done["caches"] = [[type(c).__name__, getattr(c, "bits", None),
+                               getattr(c, "group_size", None)] for c in ours]
             die = job.get("die")
             if stage.leader:
                 done["cases"] = [run_case(pipe, case) for case in job["cases"]]

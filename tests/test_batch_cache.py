@@ -8,7 +8,7 @@ import re
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import QuantizedKVCache
+from mlx_lm.models.cache import ChunkedKVCache, QuantizedKVCache, RotatingKVCache
 
 from dflash2_mlx.cache.batch import SPARE_ROWS, batch_cache, batch_refusal
 from dflash2_mlx.decode.engine import _fill
@@ -203,7 +203,11 @@ def test_commit_checks_its_counts(adapter):
         batch[0].trim(1)
 
 
-def test_quantized_caches_are_refused():
-    """Hybrid GatedDeltaNet targets are batched (test_batch_hybrid.py); quantized caches not."""
+def test_caches_the_batch_cannot_hold_are_refused():
+    """Hybrid GatedDeltaNet targets and quantized caches are batched (test_batch_hybrid.py,
+    test_kv_cache.py); a sliding window with sink rows or a chunked cache is not."""
     assert batch_refusal(tiny("qwen3_5").make_cache()) is None
-    assert re.search("QuantizedKVCache.*one at a time", batch_refusal([QuantizedKVCache()]))
+    assert batch_refusal([QuantizedKVCache(64, 4)]) is None
+    for cache, name in ((RotatingKVCache(8, keep=4), "RotatingKVCache"),
+                        (ChunkedKVCache(8), "ChunkedKVCache")):
+        assert re.search(f"{name}.*one at a time", batch_refusal([cache]))

@@ -253,10 +253,10 @@ def qwen35_dir(fixture_dir):
     return write_target(fixture_dir / "qwen3_5", "qwen3_5", seed=3, **cfg)
 
 
-def single_process(model: str, draft: str, cases: list[dict]) -> list[list[int]]:
+def single_process(model: str, draft: str, cases: list[dict], **kv) -> list[list[int]]:
     """The reference: the same cases in this process (oracle cases: plain greedy, which the
-    oracle's drafts must reproduce)."""
-    pipe = dflash2_mlx.load(model, draft)
+    oracle's drafts must reproduce); kv: `load`'s kv_bits and kv_group_size."""
+    pipe = dflash2_mlx.load(model, draft, **kv)
     out = []
     for case in cases:
         gen = pipe.generate(case["prompt"], max_tokens=case["max_tokens"],
@@ -420,6 +420,37 @@ def test_each_rank_holds_about_half_of_the_weights(exactness_run):
     assert abs((w0 + w1) - total) < 0.5                 # together: the whole target, once
     assert abs(w1 - layers / 2) < 0.5                    # rank 1: its 15 layers, nothing else
     assert abs(w0 - (total - layers / 2)) < 0.5          # rank 0: 15 layers + embedding, norm
+
+
+@pytest.mark.slow  # 15 s
+@needs_launch
+def test_two_ranks_take_the_kv_setting(tmp_path, fixture_dir, dflash2_dir):
+    """`kv_bits` on a pipeline: every rank quantizes its own full-attention layers, and a
+    sequence with rollbacks on both ranks and a batch of prompts joining and leaving equal one
+    process with the same setting."""
+    model = str(write_target(fixture_dir / "llama-hd64-pipeline", "llama", seed=0, head_dim=64))
+    draft, kv = str(dflash2_dir), {"kv_bits": 4, "kv_group_size": 64}
+    cases = [dict(prompt=PROMPT, max_tokens=16, block_size=5, oracle=True, oracle_seed=5),
+             dict(prompt=PROMPT * 2, max_tokens=16, block_size=6, lookup=True)]
+    refs = single_process(model, draft, cases, **kv)
+    cases[0].pop("oracle")
+    cases[0]["truth"] = refs[0]
+    batch = batch_case(4, block_size=4, lookup=True)
+    batch["truth"] = single_process(model, draft, [dict(prompt=p, max_tokens=n, block_size=1)
+                                                   for p, n in zip(batch["prompts"],
+                                                                   batch["max_tokens"])], **kv)
+    plan = {"timeout": 30, "jobs": [{"name": "kv", "model": model, "draft": draft, "kv": kv,
+                                     "cases": cases, "batches": [batch]}]}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    proc = launch([str(RANK_SCRIPT), str(tmp_path / "plan.json")], tmp_path)
+    assert (tmp_path / "rank0.json").exists(), proc.stderr[-3000:]
+    rank0, rank1 = rank_reports(tmp_path)
+    assert "error" not in rank0, rank0["error"]
+    (done,), (follower,) = rank0["jobs"], rank1["jobs"]
+    assert [c["tokens"] for c in done["cases"]] == refs
+    assert done["batches"][0]["tokens"] == batch["truth"]
+    for report in (done, follower):                 # each rank: its two layers, quantized
+        assert report["caches"] == [["QuantizedKVCache", 4, 64]] * 2
 
 
 @pytest.mark.slow  # 24 s

@@ -393,19 +393,19 @@ def test_a_hybrid_gated_delta_net_target_is_batched_exactly(hybrid_pipe):
 
 
 def test_the_mode_and_the_batch_settings(pipe, monkeypatch):
-    from mlx_lm.models.cache import QuantizedKVCache
+    from mlx_lm.models.cache import ChunkedKVCache
 
     from dflash2_mlx.cache.batch import batch_refusal
 
     assert Scheduler(pipe).mode == "batch" and Scheduler(pipe).max_batch == check.MAX_BATCH
     single = Scheduler(pipe, max_batch=1)
     assert (single.mode, single.why, single.rows) == ("single", "max_batch is 1", 1)
-    # the engine decides from the target: one with quantized caches refuses ragged rows
+    # the engine decides from the target: one with chunked caches refuses ragged rows
     monkeypatch.setattr(pipe.adapter, "batch_refusal",
-                        lambda: batch_refusal([QuantizedKVCache()]))
-    quantized = Scheduler(pipe)
-    assert (quantized.mode == "single" and "QuantizedKVCache" in quantized.why
-            and quantized.rows == 1)
+                        lambda: batch_refusal([ChunkedKVCache(8)]))
+    chunked = Scheduler(pipe)
+    assert (chunked.mode == "single" and "ChunkedKVCache" in chunked.why
+            and chunked.rows == 1)
     assert pipe.engine(8).max_batch == 1
     monkeypatch.undo()
     for field, value, words in (("max_batch", 0, "integer >= 1"),

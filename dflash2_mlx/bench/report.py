@@ -18,7 +18,10 @@ def markdown(results: dict) -> str:
     def fmt(x, spec=".2f"):
         return "-" if x is None else format(x, spec)
 
-    lines = []
+    setup = results.get("setup", {})
+    lines = ([f"KV cache: {setup['kv_bits']}-bit, group size {setup['kv_group_size']} (mlx-lm's "
+              "QuantizedKVCache from token 0, for every system)", ""]
+             if setup.get("kv_bits") else [])
     for key, part in parts_of(results):
         base = part.get("baseline", "mlx-lm")
         lines += [f"**{key}**, {part.get('prompt_tokens', 0):.0f} prompt tokens on average"

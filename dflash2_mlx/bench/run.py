@@ -21,14 +21,19 @@ _log = log.get(__name__)
 
 
 def _plain(pipe, ids, temperature, max_tokens, seed, stop_ids) -> Run:
-    """mlx-lm's own decoding of the same target (`generate_step`)."""
+    """mlx-lm's own decoding of the same target (`generate_step`), at the pipeline's KV
+    setting: with `kv_bits`, `QuantizedKVCache` on the full-attention layers from token 0."""
     from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
     from mlx_lm.sample_utils import make_sampler
 
+    kv = pipe.kv
+    cache = [QuantizedKVCache(kv.group_size, kv.bits) if kv and type(c) is KVCache else c
+             for c in make_prompt_cache(pipe.target)]
     mx.random.seed(seed)
     tokens, tic, first = [], time.perf_counter(), None
     for token, _ in generate_step(mx.array(ids), pipe.target, max_tokens=max_tokens,
-                                  sampler=make_sampler(temp=temperature)):
+                                  sampler=make_sampler(temp=temperature), prompt_cache=cache):
         if first is None:
             first = time.perf_counter()
         tokens.append(token)
@@ -100,15 +105,15 @@ def _to_float32(params):
                     else x, params)
 
 
-def _load(model: str, draft: str, reference: bool):
+def _load(model: str, draft: str, reference: bool, kv: dict):
     """The pipeline, the drafter the systems run (a BF16 copy of a quantized one when the
     reference runs too: it reads BF16 checkpoints only), that copy's folder (kept while the
-    bench runs) and the reference (None without it)."""
+    bench runs) and the reference (None without it). kv: `load`'s kv_bits and kv_group_size."""
     import dflash2_mlx
 
     from ..loading.checkpoint import resolve, save_drafter, stored_quantization
 
-    pipe = dflash2_mlx.load(model, draft)
+    pipe = dflash2_mlx.load(model, draft, **kv)
     tmp = None
     if reference and stored_quantization(resolve(draft, "draft model")):
         # the reference reads BF16 checkpoints only: both systems run one BF16 copy
@@ -118,7 +123,7 @@ def _load(model: str, draft: str, reference: bool):
         save_drafter(dequantize_model(pipe.drafter), tmp.name, mx.bfloat16)
         _log.info(f"{draft} is stored quantized: both systems use its BF16 copy {tmp.name}")
         draft = tmp.name
-        pipe = dflash2_mlx.load(model, draft)
+        pipe = dflash2_mlx.load(model, draft, **kv)
     ref = None
     if reference:
         try:
@@ -209,7 +214,8 @@ def run_bench(model: str, draft: str, prompt_sets: dict[str, Sequence[str]], *,
               block_sizes: Sequence[int | str] = (2, 4, 8, "auto"),
               temperatures: Sequence[float] = (0.0, 1.0), max_tokens: int = 128,
               lookup: bool = True, reference: bool = True, seed: int = 0,
-              repeats: int = 1, earlier: dict | None = None,
+              repeats: int = 1, kv_bits: int | None = None, kv_group_size: int | None = None,
+              earlier: dict | None = None,
               checkpoint: Callable[[dict], None] | None = None) -> dict:
     """Run every system on every prompt of each set, alternating; return JSON-ready results
     keyed "<set> T=<t>". Systems: mlx-lm; per block size b, "dflash2-mlx b=<b>" (the drafter
@@ -220,6 +226,9 @@ def run_bench(model: str, draft: str, prompt_sets: dict[str, Sequence[str]], *,
     one system is paired with round k of the baseline (`results.add_ratios`), so a figure is
     a median over prompts x rounds of ratios measured minutes apart at most.
 
+    kv_bits, kv_group_size: the target's KV cache quantized (`load`'s), for mlx-lm too (its
+    `QuantizedKVCache` from token 0); the reference, whose cache is float, is left out then.
+
     Sets named "long-..." (`prompt_sets.LONG_SIZES`) prefill each prompt once (`prefilled`)
     and run every system of ours from a copy of that state, against plain decoding from the
     same state ("dflash2-mlx b=1", the baseline of their speedups); mlx-lm and the reference
@@ -229,7 +238,11 @@ def run_bench(model: str, draft: str, prompt_sets: dict[str, Sequence[str]], *,
     parts are kept as measured and only the rest run (the policy starts fresh: what it learned
     in the kept parts is gone). checkpoint: called with the results after every part, so an
     interrupted run can resume; `setup["complete"]` is False until the last part is in."""
-    pipe, tmp, ref = _load(model, draft, reference)
+    if kv_bits is not None and reference:
+        _log.info("--kv-bits: the reference keeps a float KV cache: left out")
+        reference = False
+    pipe, tmp, ref = _load(model, draft, reference,
+                           {"kv_bits": kv_bits, "kv_group_size": kv_group_size})
     if "auto" in block_sizes:       # measure costs before timing anything
         pipe.width_policy()
     systems = _systems(pipe, ref, block_sizes, lookup, max_tokens)
@@ -241,6 +254,8 @@ def run_bench(model: str, draft: str, prompt_sets: dict[str, Sequence[str]], *,
                                "lookup": lookup, "drafter_block_size":
                                pipe.drafter.args.block_size, "repeats": repeats,
                                "reference": reference, "complete": False}}
+    if pipe.kv is not None:         # (absent in float: unfinished runs of before still resume)
+        results["setup"].update(kv_bits=pipe.kv.bits, kv_group_size=pipe.kv.group_size)
     kept = kept_parts(earlier, results["setup"])
     for set_name, prompts in prompt_sets.items():
         encoded = [pipe.encode(p) for p in prompts]

@@ -11,7 +11,7 @@ from typing import Optional
 import typer
 
 from .. import settings as check
-from .common import app, default_pair, errors, flag
+from .common import KV_BITS, KV_GROUP_SIZE, app, default_pair, errors, flag
 
 
 @app.command()
@@ -39,6 +39,8 @@ def bench(
                                 "(figures: medians of the paired ratios)"),
     reference: bool = typer.Option(True, "--reference/--no-reference",
                                    help="Include dflash.model_mlx when it is importable"),
+    kv_bits: Optional[str] = KV_BITS,
+    kv_group_size: Optional[str] = KV_GROUP_SIZE,
     out: Path = typer.Option(Path("bench-results"), "--out", help="Folder for bench.json, "
                              "bench.md and the plots; an unfinished run there with the same "
                              "settings resumes"),
@@ -68,7 +70,8 @@ def bench(
             chosen = {n: PROMPT_SETS[n](prompts) for n in names}
             results = run_bench(model, draft, chosen, block_sizes=sizes, temperatures=temps,
                                 max_tokens=max_tokens, lookup=lookup, reference=reference,
-                                repeats=repeats, earlier=earlier,
+                                repeats=repeats, kv_bits=kv_bits,
+                                kv_group_size=kv_group_size, earlier=earlier,
                                 checkpoint=lambda r: write(r, out, plots=False))
         write(results, out)
         print(markdown(results))

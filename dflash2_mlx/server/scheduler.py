@@ -4,7 +4,7 @@ submits jobs and reads their events.
 One loop on `engine.Engine`: continuous batching (every running request advances in one
 target forward per step, each still speculating; a request joins at any step, its prefill
 chunked under a per-step budget), one request at a time ("single") where the engine says the
-target cannot batch (quantized caches) or max_batch is 1.
+target cannot batch (`cache.batch.batch_refusal`) or max_batch is 1.
 docs/server.md, "Batching".
 """
 
