@@ -214,7 +214,7 @@ def test_seeded_sampling_equal_alone_and_batched():
     assert engine.solo_why is None
 
 
-@pytest.mark.slow  # 23 s: 2,000 runs
+@pytest.mark.slow  # 15-44 s: 2,000 runs
 def test_sampling_follows_the_quantized_target():
     """Speculative sampling on a quantized cache follows the target's own distribution with
     that cache (three tokens' joint, chi-square), as test_sampling checks in float."""
