@@ -356,3 +356,53 @@ def test_a_batch_step_that_fails_to_allocate_ends_the_newest_only(pipe, failing)
         assert r.json()["usage"]["completion_tokens"] == len(g.tokens)
         assert r.json()["choices"][0]["message"]["content"] == g.text
     assert last.json()["choices"][0]["message"]["content"] == want[3].text
+
+
+def test_a_long_prompts_prefill_peaks_within_the_budget(pipe):
+    """A 3k-token prompt under a budget that leaves ~24 MiB beside its cache: the steps are
+    sized so that the attention scores fit, and MLX's peak stays within the budget; the same
+    prompt prefilled in the pipeline's 2,048-token chunks peaks well past it."""
+    from test_server import in_process
+
+    text = "the quick brown fox jumps over the lazy dog. " * 250
+    ids = pipe.encode(text, chat_template=False)[:3000]
+    text = pipe.tokenizer.decode(ids)
+    n = len(pipe.encode(text, chat_template=False))
+    b = MemoryBudget(pipe)
+    room = b.need([n + 4]) + 24 * 2**20
+    seen = {}
+
+    async def clients(app, http, go):
+        go.set()
+        mx.clear_cache()
+        seen["before"] = mx.get_active_memory()
+        mx.reset_peak_memory()
+        r = await http.post("/v1/completions", json={"model": "llama", "prompt": text,
+                                                     "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200, r.text
+        return (await http.get("/health")).json()["memory"]
+
+    health = in_process(pipe, clients, memory_budget=b.weights + room, max_tokens=8,
+                        prompt_cache_size=0)
+    assert health["peak"] - seen["before"] <= room
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    pipe.generate(text, max_tokens=1, chat_template=False)
+    assert mx.get_peak_memory() - before > 2 * room
+
+
+def test_doctor_model_reads_the_config_alone(llama_dir, tmp_path):
+    """`doctor --model M` on a folder holding only a config.json: bytes per token at each
+    KV setting and the tokens that fit here, at the precision `load` would give it."""
+    from dflash2_mlx.doctor import memory_rows
+
+    (tmp_path / "config.json").write_text((llama_dir / "config.json").read_text())
+    lines = memory_rows(str(tmp_path))
+    text = "\n".join(lines)
+    assert str(tmp_path / "config.json") in lines[0] and "device memory" in text
+    assert len([line for line in lines if "KiB/token" in line]) == 3
+    assert "--kv-bits 8" in text and "--kv-bits 4" in text and "tokens fit" in text
+    with pytest.raises(ValueError, match="config"):
+        (tmp_path / "config.json").write_text("{")
+        memory_rows(str(tmp_path))

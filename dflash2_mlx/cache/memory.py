@@ -240,15 +240,20 @@ class Footprint:
 
 # ---------------------------------------------------------------- a prefill step's peak
 
+# a forward's peak above its cache, per byte of one layer's attention scores: 1.19-1.26
+# measured on this CPU (chunks of 128-2,048 tokens at a 3k context; docs/decisions.md)
+SCORES_PEAK = 1.5
+
+
 def prefill_tokens(room: int, context: int, n_heads: int, *, itemsize: int = 4,
                    dequantized: int = 0, floor: int = 16) -> int:
     """The most prompt tokens one forward may take so that a layer's attention scores
-    (tokens x context x heads, float32) and, for a quantized cache whose attention
-    dequantizes, its float copy of the keys and values (`dequantized` bytes a token of
-    context), stay within `room` bytes; at least `floor`."""
-    per_token = context * n_heads * itemsize
+    (tokens x context x heads, float32, times `SCORES_PEAK` for what sits beside them) and,
+    for a quantized cache whose attention dequantizes, its float copy of the keys and values
+    (`dequantized` bytes a token of context), stay within `room` bytes; at least `floor`."""
+    per_token = context * n_heads * itemsize * SCORES_PEAK
     left = room - context * dequantized
-    return max(floor, left // per_token) if per_token else floor
+    return max(floor, int(left // per_token)) if per_token else floor
 
 
 # ---------------------------------------------------------------- allocation failures
@@ -322,5 +327,5 @@ def _tokens(n: int) -> str:
 
 __all__ = ["KVCost", "Footprint", "kv_cost", "kv_bytes_per_token", "drafter_cost",
            "layer_kinds", "text_config", "device_memory", "budget_bytes", "margin",
-           "weights_bytes", "activation_itemsize", "prefill_tokens", "out_of_memory",
+           "weights_bytes", "activation_itemsize", "prefill_tokens", "SCORES_PEAK", "out_of_memory",
            "estimate_weights", "fit_lines", "gib", "FULL", "SLIDING", "RECURRENT", "STEP"]
