@@ -32,7 +32,8 @@ class MemoryBudget:
         self.setting = setting
         self.limit = memory.budget_bytes(setting, self.device)
         self.weights = memory.weights_bytes(pipe.target) + (
-            memory.weights_bytes(pipe.drafter) if pipe.drafter is not None else 0)
+            memory.weights_bytes(pipe.drafter) if pipe.drafter is not None else 0) + \
+            derived_weights(pipe)
         kv = getattr(pipe, "kv", None)           # the target's quantized KV cache, if any
         self.kv_bits = getattr(kv, "bits", None)
         self.kv_group_size = getattr(kv, "group_size", None) or KV_GROUP_SIZE
@@ -89,10 +90,27 @@ class MemoryBudget:
                 f"most {fit} tokens beside them. Server options that help: {', '.join(hints)}")
 
     def describe(self) -> dict:
+        """The budget's figures for /health. sequence_bytes: one sequence's caches at 4k and
+        8k tokens, all of them counted (target, drafter, pending features)."""
         return {"budget": self.limit, "setting": self.setting, "device": self.device,
                 "device_source": self.source, "weights": self.weights,
                 "kv_bits": self.kv_bits, "kv_bytes_per_token": self.target.per_token,
+                "sequence_bytes": {n: self.need([n]) for n in (4096, 8192)},
                 "most_tokens": self.most_tokens(), "failures": self.failures}
+
+
+def derived_weights(pipe: Pipeline) -> int:
+    """Arrays made from the weights at their first use, counted with them: the target's head
+    restricted to the drafter's draft vocabulary (`head_rows`; 42 MiB for the embedded pair
+    in float32)."""
+    vocab = getattr(pipe.drafter, "draft_vocab", None)
+    head = getattr(pipe.adapter, "head_module", None)
+    if vocab is None or head is None:
+        return 0
+    module = head()
+    parts = [getattr(module, k, None) for k in ("weight", "scales", "biases")]
+    rows = module.weight.shape[0]
+    return sum(a.nbytes for a in parts if a is not None) * vocab.ids.size // rows
 
 
 def model_config(model) -> dict:

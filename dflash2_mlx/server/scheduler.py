@@ -198,7 +198,9 @@ class Scheduler:
         return self._running
 
     def work(self) -> None:
-        """Run jobs until `stop`; on whichever thread calls it."""
+        """Run jobs until `stop`; on whichever thread calls it. MLX's peak memory counts from
+        here (/health's memory "peak"; loading may peak higher, converting weights)."""
+        mx.reset_peak_memory()
         self._running = True
         self._publish()
         try:
