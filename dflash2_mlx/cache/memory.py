@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from .. import settings as check
 
 STEP = 256                   # mlx-lm's caches grow in steps of 256 tokens
+KV_GROUP_SIZE = 64           # a quantized KV cache's group size (mlx-lm's QuantizedKVCache's)
 MARGIN = 0.10                # of the device's memory, kept out of the default budget
 MIN_MARGIN = 512 * 2**20     # bytes
 FULL, SLIDING, RECURRENT = "full_attention", "sliding_attention", "recurrent"
@@ -62,7 +63,7 @@ def layer_kinds(config: dict) -> list[str]:
 
 
 def kv_bytes_per_token(n_kv_heads: int, head_dim: int, kv_bits: int | None = None,
-                       kv_group_size: int = check.DRAFT_GROUP_SIZES[1],
+                       kv_group_size: int = KV_GROUP_SIZE,
                        itemsize: int = 2) -> int:
     """One attention layer's keys and values for one token: in float (`itemsize` bytes a
     value), or quantized to `kv_bits` along head_dim with a scale and a bias (in float) per
@@ -110,7 +111,7 @@ class KVCost:
 
 
 def kv_cost(config: dict, kv_bits: int | None = None,
-            kv_group_size: int = check.DRAFT_GROUP_SIZES[1], itemsize: int = 2) -> KVCost:
+            kv_group_size: int = KV_GROUP_SIZE, itemsize: int = 2) -> KVCost:
     """A target's cache cost from its config.json fields: full-attention layers at
     `kv_bytes_per_token` (quantized when `kv_bits`), sliding-window layers in float up to
     `sliding_window` tokens, recurrent layers their conv and recurrent states (float32)."""
@@ -300,7 +301,7 @@ def estimate_weights(config: dict, itemsize: int | None = None) -> tuple[int, st
 
 def fit_lines(config: dict, *, device: int, source: str, itemsize: int,
               weights: tuple[int, str], budget: int | None = None,
-              group_size: int = check.DRAFT_GROUP_SIZES[1]) -> list[str]:
+              group_size: int = KV_GROUP_SIZE) -> list[str]:
     """`doctor --model`: bytes per token at each KV setting and the tokens of context that fit
     beside the weights in `budget` (default: the device's memory less `margin`)."""
     budget = budget_bytes(None, device) if budget is None else budget
@@ -327,5 +328,6 @@ def _tokens(n: int) -> str:
 
 __all__ = ["KVCost", "Footprint", "kv_cost", "kv_bytes_per_token", "drafter_cost",
            "layer_kinds", "text_config", "device_memory", "budget_bytes", "margin",
-           "weights_bytes", "activation_itemsize", "prefill_tokens", "SCORES_PEAK", "out_of_memory",
-           "estimate_weights", "fit_lines", "gib", "FULL", "SLIDING", "RECURRENT", "STEP"]
+           "weights_bytes", "activation_itemsize", "prefill_tokens", "SCORES_PEAK",
+           "out_of_memory", "estimate_weights", "fit_lines", "gib", "FULL", "SLIDING",
+           "RECURRENT", "STEP", "KV_GROUP_SIZE"]

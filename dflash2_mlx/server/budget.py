@@ -16,9 +16,6 @@ from ..pipeline import Pipeline
 
 log = logs.get(__name__)
 
-KV_GROUP_SIZE = 64           # a quantized KV cache's group size when the pipeline names none
-
-
 class MemoryBudget:
     """The server's budget over `pipe`. setting: `--memory-budget` (None: the device's memory
     less a margin; bytes; "70%" of the device's memory). device: the device's memory in
@@ -36,7 +33,7 @@ class MemoryBudget:
             derived_weights(pipe)
         kv = getattr(pipe, "kv", None)           # the target's quantized KV cache, if any
         self.kv_bits = getattr(kv, "bits", None)
-        self.kv_group_size = getattr(kv, "group_size", None) or KV_GROUP_SIZE
+        self.kv_group_size = getattr(kv, "group_size", None) or memory.KV_GROUP_SIZE
         self.itemsize = memory.activation_itemsize(pipe.target)
         config = model_config(pipe.target)
         text = memory.text_config(config)
