@@ -117,6 +117,47 @@ def _storage() -> Rows:
         yield "calibration", line
 
 
+def model_config(model: str) -> tuple[dict, str]:
+    """(config, where it came from) of a target, reading its config and nothing else: a
+    local folder's config.json, a GGUF file's header, or the Hub's config.json alone."""
+    import json
+
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        from dataclasses import asdict
+
+        from .loading.gguf import model_args, read_gguf_header
+
+        return asdict(model_args(read_gguf_header(path), source=str(path))), str(path)
+    file = path / "config.json" if path.is_dir() else None
+    if file is None:
+        from huggingface_hub import hf_hub_download
+
+        file = Path(hf_hub_download(model, "config.json"))
+    try:
+        return json.loads(file.read_text()), str(file)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{file}: cannot be read as a model config ({e})") from None
+
+
+def memory_rows(model: str) -> list[str]:
+    """`doctor --model M`: M's KV cache bytes per token in float, 8-bit and 4-bit, and the
+    tokens of context that fit on this machine beside its weights (`memory.fit_lines`), at
+    the precision `load` would give it here."""
+    from .cache import memory
+
+    config, where = model_config(model)
+    device, source = memory.device_memory()
+    p = runtime.resolve_precision(metal=runtime.on_metal())
+    text = memory.text_config(config)
+    stored = 4 if str(text.get("torch_dtype") or text.get("dtype")) == "float32" else 2
+    itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}.get(p.dtype, stored)
+    # quantized weights stay quantized on Metal; the CPU dequantizes them to p.dtype
+    weights = memory.estimate_weights(config, None if p.keep_quantized else itemsize)
+    return [f"config          {where}"] + memory.fit_lines(
+        config, device=device, source=source, itemsize=itemsize, weights=weights)
+
+
 def calibration_rows() -> list[str]:
     """One line per stored cost calibration (`policy.calibration.cache_file()`): the pair, backend and
     BLAS it was taken with, when, how long, how far its rounds disagreed, and whether the next

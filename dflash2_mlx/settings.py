@@ -258,6 +258,29 @@ def byte_size(value, name: str = "bytes") -> int:
     return int(size)
 
 
+def memory_budget(value, name: str = "memory_budget") -> int | str | None:
+    """The most memory the server's MLX arrays may take, weights included: None (the
+    default: the device's memory as MLX reports it, less a margin), a size in bytes as
+    `byte_size` takes it ("24GiB", "12G", 25769803776), or a percentage of the device's
+    memory ("70%", 0 < p <= 100) -> None, the bytes, or the percentage normalised ("70%")."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip().endswith("%"):
+        expected = "a percentage of the device's memory in (0, 100] (e.g. 70%)"
+        try:
+            share = float(value.strip()[:-1])
+        except ValueError:
+            raise SettingError(name, value, expected) from None
+        if not 0 < share <= 100:
+            raise SettingError(name, value, expected)
+        return f"{share:g}%"
+    try:
+        return byte_size(value, name)
+    except SettingError:
+        raise SettingError(name, value, "a size in bytes (e.g. 24GiB, 12G, 25769803776) or a "
+                           "percentage of the device's memory (e.g. 70%)") from None
+
+
 def text(value: str, name: str = "prompt") -> str:
     """A non-empty string that is valid Unicode (bytes that were not UTF-8 arrive from argv as
     lone surrogates, and the tokenizer fails on them)."""
@@ -291,6 +314,6 @@ __all__ = ["SettingError", "block_size", "lookup", "temperature", "top_p", "top_
            "prompt_cache_bytes", "shutdown_timeout", "ping_interval", "read_timeout",
            "max_batch", "prefill_chunk", "pipeline_timeout", "prompts_per_set", "repeats",
            "draft_bits", "draft_group_size", "kv_bits", "kv_group_size", "dtype", "byte_size",
-           "text", "prompt", "DTYPES", "DRAFT_BITS", "DRAFT_GROUP_SIZES", "KV_BITS",
-           "KV_GROUP_SIZES", "KV_GROUP_SIZE", "SEED_MAX", "PROMPT_CACHE_DISK_BYTES", "MAX_BATCH",
-           "PREFILL_CHUNK"]
+           "memory_budget", "text", "prompt", "DTYPES", "DRAFT_BITS", "DRAFT_GROUP_SIZES",
+           "KV_BITS", "KV_GROUP_SIZES", "KV_GROUP_SIZE", "SEED_MAX", "PROMPT_CACHE_DISK_BYTES",
+           "MAX_BATCH", "PREFILL_CHUNK"]

@@ -142,6 +142,7 @@ BAD_FLAGS = [  # (arguments, words the one error line must contain)
 OTHER_BAD_FLAGS = [
     (["serve", "--port", "70000"], ["--port", "70000", "0..65535"]),
     (["serve", "--queue-size", "0"], ["--queue-size", "integer >= 1"]),
+    (["serve", "--memory-budget", "150%"], ["--memory-budget", "percentage"]),
     (["serve", "--context-length", "1"], ["--context-length", "integer >= 2"]),
     (["serve", "--max-body-bytes", "10"], ["--max-body-bytes", ">= 1024"]),
     (["serve", "--prompt-cache-size", "-1"], ["--prompt-cache-size", ">= 0"]),

@@ -139,6 +139,18 @@ class PromptCache:
             if self.disk is not None:
                 self.disk.put(old)
 
+    def evict(self, nbytes: int) -> int:
+        """Drop least recently used RAM entries until `nbytes` are freed or none is left (the
+        server's memory budget makes room for a sequence so) -> the bytes freed. Entries go
+        to the disk tier, as those an insert pushes out."""
+        freed = 0
+        while self._entries and freed < nbytes:
+            _, (old, size, _) = self._entries.popitem(last=False)
+            freed += size
+            if self.disk is not None:
+                self.disk.put(old)
+        return freed
+
     def close(self) -> None:
         """Finish the disk tier's queued writes (the server calls it once it stops)."""
         if self.disk is not None:

@@ -61,6 +61,12 @@ PREFILL_CHUNK = typer.Option(
     check.PREFILL_CHUNK, "--prefill-chunk", metavar="TOKENS",
     callback=flag(check.prefill_chunk), help="Prompt tokens a joining request prefills "
     "per step while others decode")
+MEMORY_BUDGET = typer.Option(
+    None, "--memory-budget", metavar="SIZE|PCT", callback=flag(check.memory_budget),
+    help="The most memory the server may take, weights included: bytes (24GiB, 12G) or a "
+    "share of the device's memory (70%). A request joins when its KV cache, for its prompt "
+    "and max tokens, fits; else it waits (default: the device's memory as MLX reports it, "
+    "less a margin; `doctor --model M` says what fits)")
 PING_INTERVAL = typer.Option(
     15.0, "--ping-interval", callback=flag(check.ping_interval),
     help="Seconds of silence before a stream sends a keep-alive ping")
@@ -101,6 +107,7 @@ def serve(
     shutdown_timeout: float = SHUTDOWN_TIMEOUT,
     max_batch: int = MAX_BATCH,
     prefill_chunk: int = PREFILL_CHUNK,
+    memory_budget: Optional[str] = MEMORY_BUDGET,
     ping_interval: float = PING_INTERVAL,
     read_timeout: float = READ_TIMEOUT,
     pipeline: bool = PIPELINE,
@@ -131,7 +138,8 @@ def serve(
             prompt_cache_dir=None if prompt_cache_dir is None else str(prompt_cache_dir),
             prompt_cache_disk_bytes=prompt_cache_disk_bytes or check.PROMPT_CACHE_DISK_BYTES,
             ping_interval=ping_interval, read_timeout=read_timeout, max_batch=max_batch,
-            prefill_chunk=prefill_chunk, keep_billing_header=keep_billing_header)
+            prefill_chunk=prefill_chunk, memory_budget=memory_budget,
+            keep_billing_header=keep_billing_header)
         server.serve(pipe, config, host=host, port=port, shutdown_timeout=shutdown_timeout,
                      ready=lambda url: _log.info(f"serving {config.model_id} on {url}"))
         _log.info("stopped")

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 import mlx.core as mx
 
 from ..cache.batch import SoloRows
+from ..cache.memory import out_of_memory
 from ..model.drafter import Draft, Drafter
 from ..model.target import Target
 from ..policy import Planner
@@ -34,10 +35,13 @@ from .lookup import LookupConfig, LookupIndex
 from .sampling import Sampling, greedy_accept, rejection_accept
 from .sequence import (CANCELLED, LENGTH, STOP, Event, LaunchedStep, Plan, Request, Sequence,
                        commit, offer)
+
+FAILED = "failed"        # a sequence ended by its own prefill's allocation failure
 from .state import DecodeState, prefill, reuse
 from .stats import DRAFTER, LOOKUP, PLAIN, Cycle, GenerationStats
 
-__all__ = ["Engine", "Request", "Event", "stream_tokens", "STOP", "LENGTH", "CANCELLED"]
+__all__ = ["Engine", "Request", "Event", "stream_tokens", "STOP", "LENGTH", "CANCELLED",
+           "FAILED"]
 
 CLEAR_EVERY = 256        # tokens of a sequence between frees of MLX's buffer cache
 
@@ -52,7 +56,10 @@ class Engine:
     sequences decoding at once (the others wait); a target whose caches cannot hold ragged
     rows decodes one at a time (`solo_why` says why: `solo_reason`). prefill_step_size: the
     prefill's chunk.
-    launch: launch all-plain steps ahead (False: every step synchronous; same tokens)."""
+    launch: launch all-plain steps ahead (False: every step synchronous; same tokens).
+    isolate_oom: a sequence whose own prefill fails to allocate ends alone, with an Event
+    whose finish is FAILED (the error in `failures`), and the step goes on for the others;
+    False: the error propagates (the server sets it; docs/server.md, "Memory")."""
 
     def __init__(self, target: Target, drafter: Drafter | None = None, *,
                  lookup: LookupConfig | None = None, max_batch: int | None = None,
@@ -78,6 +85,8 @@ class Engine:
         self.last_prefill = (0, 0.0)                      # the last step's prompt tokens, s
         self.planner = Planner()
         self.vetoed = 0                     # steps whose drafting plain beat (run or launched)
+        self.isolate_oom = False
+        self.failures: dict[int, BaseException] = {}      # id -> why it ended FAILED
 
     @staticmethod
     def solo_reason(target: Target, max_batch: int | None) -> str | None:
@@ -164,8 +173,8 @@ class Engine:
             return events
         joining = self._prefill_waiting(prefill_budget, events, started)
         if joining:
+            self.rows.extend(joining)       # first: a join that fails leaves them in `rows`
             self.caches.join([seq.state for seq in joining])
-            self.rows.extend(joining)
             for seq in joining:
                 self.planner.join(seq.id, seq.req.policy)
         return events
@@ -185,13 +194,19 @@ class Engine:
         while self.queue and budget > 0 and (self.max_batch is None or
                                              len(self.rows) + len(joining) < self.max_batch):
             seq = self.queue[0]
-            n = self._prefill(seq, budget)
-            budget, prefilled = budget - n, prefilled + n
-            self.last_prefill = (prefilled, time.perf_counter() - tic)
-            if seq.todo:
+            try:
+                n = self._prefill(seq, budget)
+                budget, prefilled = budget - n, prefilled + n
+                self.last_prefill = (prefilled, time.perf_counter() - tic)
+                if seq.todo:
+                    break
+                first = self._start(seq)
+            except Exception as e:
+                if not (self.isolate_oom and out_of_memory(e)):
+                    raise
+                self._failed(seq, e, events)
                 break
             self.queue.popleft()
-            first = self._start(seq)
             if first.finish is None:
                 joining.append(seq)
             if first.finish is None and started is not None:
@@ -199,6 +214,15 @@ class Engine:
             else:
                 events.append(first)
         return joining
+
+    def _failed(self, seq: Sequence, e: BaseException, events: list[Event]) -> None:
+        """A sequence's own prefill failed to allocate: it ends (its half-filled state is not
+        kept); the batch never held it."""
+        self.queue.remove(seq)
+        self.failures[seq.id] = e
+        seq.state = None
+        events.append(Event(seq.id, [], FAILED))
+        mx.clear_cache()
 
     def _prefill(self, seq: Sequence, budget: float) -> int:
         """Prefill up to `budget` prompt ids of `seq` -> how many it took. The last chunk is

@@ -11,15 +11,20 @@ from typing import Callable
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse
 
-from ..pipeline import Pipeline
+from .. import log as logs
+from ..cache import memory
 from ..cache.prompt import PromptCache
+from ..decode.engine import Engine
+from ..pipeline import Pipeline
 from . import anthropic_routes, openai_routes, responses
 from .config import ServerConfig
 from .errors import add_handlers
 from .http import BodyLimit, ServiceDep
+from .budget import MemoryBudget
 from .scheduler import Scheduler
 from .service import Service
 
+log = logs.get(__name__)
 health_router = APIRouter()
 
 
@@ -31,13 +36,37 @@ async def health(service: ServiceDep):
                          "busy": scheduler.busy, "waiting": scheduler.waiting,
                          "served": scheduler.served, "cancelled": scheduler.cancelled,
                          "batch": {**scheduler.batch_figures, "waiting": scheduler.waiting},
-                         "prompt_cache": scheduler.cache_figures}, 200 if ok else 503)
+                         "prompt_cache": scheduler.cache_figures,
+                         "memory": scheduler.memory_figures}, 200 if ok else 503)
 
 
 @health_router.api_route("/", methods=["GET", "HEAD"])
 async def root(service: ServiceDep):
     """What a client probing the base URL gets (Claude Code sends HEAD / first)."""
     return {"status": "ok", "model": service.config.model_id}
+
+
+def memory_budget(pipe: Pipeline, config: ServerConfig, batched: bool) -> MemoryBudget | None:
+    """The scheduler's memory budget (`config.memory_budget`); a target whose cache cannot
+    be sized from its config runs without one unless a budget was asked for."""
+    try:
+        budget = MemoryBudget(pipe, config.memory_budget, batched=batched)
+    except (KeyError, TypeError, ValueError) as e:
+        if config.memory_budget is not None or "memory-budget" in str(e):
+            raise
+        log.warning(f"no memory budget: {e}")
+        return None
+    fit = budget.most_tokens()
+    given = "--memory-budget" if config.memory_budget is not None else \
+        f"the device's memory less a margin; {budget.source}"
+    log.info(f"memory budget {memory.gib(budget.limit)} ({given}): weights "
+             f"{memory.gib(budget.weights)}, {budget.target.per_token / 1024:.1f} KiB of KV "
+             f"cache a token, {fit} tokens fit beside them")
+    if fit < config.context_length:
+        log.warning(f"--context-length {config.context_length} is more than the {fit} tokens "
+                    "that fit in the memory budget: longer requests are refused; give "
+                    f"--context-length {fit}, --kv-bits 8 or 4, or a larger --memory-budget")
+    return budget
 
 
 def create_app(pipe: Pipeline, config: ServerConfig, *, worker_thread: bool = True) -> FastAPI:
@@ -52,9 +81,11 @@ def create_app(pipe: Pipeline, config: ServerConfig, *, worker_thread: bool = Tr
                          target=pipe.adapter, drafter=pipe.drafter)
     prompt_cache = (PromptCache(config.prompt_cache_size, config.prompt_cache_bytes, disk)
                     if config.prompt_cache_size > 0 or disk is not None else None)
+    batched = Engine.solo_reason(pipe.adapter, config.max_batch) is None
     scheduler = Scheduler(pipe, queue_size=config.queue_size, block_size=config.block_size,
                           prompt_cache=prompt_cache, max_batch=config.max_batch,
-                          prefill_chunk=config.prefill_chunk)
+                          prefill_chunk=config.prefill_chunk,
+                          memory=memory_budget(pipe, config, batched))
     service = Service(pipe, config, scheduler)
 
     @asynccontextmanager

@@ -28,6 +28,9 @@ class ServerConfig:
     read_timeout: float = 30.0          # seconds a client may take to send headers or a body part
     max_batch: int = check.MAX_BATCH    # sequences decoding at once; 1: one at a time
     prefill_chunk: int = check.PREFILL_CHUNK    # prompt tokens per step beside running streams
+    # the most memory MLX may take, weights included: bytes, "70%" of the device's, or None
+    # (the device's less a margin); docs/server.md, "Memory"
+    memory_budget: int | str | None = None
     # Claude Code's first system block (x-anthropic-billing-header: ...) differs every session;
     # left in, it would end the prefix cache's match after ~25 tokens
     keep_billing_header: bool = False
@@ -35,7 +38,7 @@ class ServerConfig:
     def __post_init__(self):
         for name in ("max_tokens", "context_length", "max_body_bytes", "queue_size",
                      "block_size", "prompt_cache_size", "prompt_cache_bytes", "ping_interval",
-                     "read_timeout", "max_batch", "prefill_chunk"):
+                     "read_timeout", "max_batch", "prefill_chunk", "memory_budget"):
             object.__setattr__(self, name, getattr(check, name)(getattr(self, name), name))
         object.__setattr__(self, "prompt_cache_disk_bytes", check.byte_size(
             self.prompt_cache_disk_bytes, "prompt_cache_disk_bytes"))

@@ -6,6 +6,11 @@ target forward per step, each still speculating; a request joins at any step, it
 chunked under a per-step budget), one request at a time ("single") where the engine says the
 target cannot batch (`cache.batch.batch_refusal`) or max_batch is 1.
 docs/server.md, "Batching".
+
+With a `budget.MemoryBudget`, a request joins only when its caches, at its prompt plus its
+max_tokens, fit beside the running ones (the prefix cache's RAM entries are evicted first to
+make room); otherwise it waits at the head of the queue. A step that still fails to allocate
+ends only the sequence that must end. docs/server.md, "Memory".
 """
 
 from __future__ import annotations
@@ -15,15 +20,20 @@ import queue
 import threading
 from dataclasses import dataclass, field
 
+import mlx.core as mx
+
 from .. import log as logs, settings as check
-from ..decode.engine import Engine
+from ..cache import memory as mem
+from ..decode.engine import FAILED, Engine
 from ..decode.stats import GenerationStats
 from ..pipeline import Pipeline, SequenceText
 from ..decode.sampling import Sampling
+from .budget import MemoryBudget, engine_bytes
 
 log = logs.get(__name__)
 
 BATCH, SINGLE = "batch", "single"
+ADMIT, WAIT = "admit", "wait"            # `_room_for`: a job joins now, or waits for memory
 # the longest a step's prefill should take: a departed client's prompt holds the model no longer
 PREFILL_SECONDS = 1.0
 MIN_PREFILL = 16        # prompt tokens a step prefills at least (~1.7 s after 20k on this CPU)
@@ -72,6 +82,10 @@ class ShuttingDown(Exception):
     pass
 
 
+class NeverFits(Exception):
+    """A request whose caches exceed the memory budget even alone; str(): why, in numbers."""
+
+
 SHUTDOWN = "the server is shutting down"
 
 
@@ -84,15 +98,18 @@ class Scheduler:
     The HTTP layer only calls `submit` and reads `Job.events` (dicts: {"started",
     "cached_tokens"} when the job reaches the model, {"text", "tokens"} per step, then
     {"done": finish_reason, "stats", "prompt_tokens", "cached_tokens", "max_tokens"} or
-    {"error": message, "status"}: 503 for a generation cancelled by the shutdown, 500 for a
-    failure). `/health` reads `cache_figures` and `batch_figures`, which the worker publishes
-    (after every job, after every step): the prompt cache and the engine are only ever touched
-    by the worker.
+    {"error": message, "status"}: 503 for a generation cancelled by the shutdown or ended by
+    an allocation failure, 500 for a failure). `/health` reads `cache_figures`,
+    `batch_figures` and `memory_figures`, which the worker publishes (after every job, after
+    every step): the prompt cache and the engine are only ever touched by the worker.
+
+    memory: the `MemoryBudget` admissions keep to (None: none, rows alone bound them).
     """
 
     def __init__(self, pipe: Pipeline, *, queue_size: int = 16,
                  block_size: int | str | None = None, prompt_cache=None,
-                 max_batch: int = check.MAX_BATCH, prefill_chunk: int = check.PREFILL_CHUNK):
+                 max_batch: int = check.MAX_BATCH, prefill_chunk: int = check.PREFILL_CHUNK,
+                 memory: MemoryBudget | None = None):
         self.pipe = pipe
         self.block_size = block_size
         self.prompt_cache = prompt_cache
@@ -110,6 +127,11 @@ class Scheduler:
         self._closing = threading.Lock()
         self._closed = False
         self.cache_figures: dict | None = None
+        self.memory = memory
+        self.fit = memory.most_tokens() if memory is not None else None   # tokens alone
+        self._held: Job | None = None     # the queue's head, waiting for memory (_closing)
+        self._carried: dict[int, int] = {}    # id(job) -> tokens generated before a rebuild
+        self.memory_figures: dict | None = None
         self.why = Engine.solo_reason(pipe.adapter, self.max_batch)
         self.mode = BATCH if self.why is None else SINGLE
         self.rows = self.max_batch if self.why is None else 1     # requests decoding at once
@@ -117,6 +139,7 @@ class Scheduler:
                  f"{self.prefill_chunk} prompt tokens prefilled per step"
                  if self.mode == BATCH else f"scheduler: one request at a time ({self.why})")
         self.batch_figures: dict = self._figures(0, 0, [])
+        self._publish_memory()
 
     def start(self) -> None:
         """Run the worker on a thread of its own (an app served by another ASGI runner).
@@ -140,6 +163,9 @@ class Scheduler:
                     break
                 if job is not None:
                     job.emit({"error": SHUTDOWN, "status": 503})
+            if self._held is not None:
+                self._held.emit({"error": SHUTDOWN, "status": 503})
+                self._held = None
             # drained (an earlier call's sentinel too, if the worker has not read it yet: one
             # goes back), and nothing is added once closed
             self._queue.put(None)
@@ -147,6 +173,10 @@ class Scheduler:
             self._thread.join(timeout)
 
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> Job:
+        """Queue a request -> its job. Raises QueueFull, ShuttingDown, or NeverFits (its
+        caches exceed the memory budget even alone)."""
+        if self.memory is not None and self.fit < _length(request):
+            raise NeverFits(self.memory.too_long(_length(request)))
         job = Job(request, loop)
         with self._closing:
             if self._closed:
@@ -154,21 +184,23 @@ class Scheduler:
             # a request that a free row takes at the next step is not waiting: two arriving
             # at once on an idle server with queue_size 1 are both served, whichever the
             # worker picks up first
-            if self._queue.qsize() >= self.queue_size + max(0, self.rows - len(self._jobs)):
+            if self.waiting >= self.queue_size + max(0, self.rows - len(self._jobs)):
                 raise QueueFull
             self._queue.put_nowait(job)
         return job
 
     @property
     def waiting(self) -> int:
-        return self._queue.qsize()
+        return self._queue.qsize() + (self._held is not None)
 
     @property
     def alive(self) -> bool:
         return self._running
 
     def work(self) -> None:
-        """Run jobs until `stop`; on whichever thread calls it."""
+        """Run jobs until `stop`; on whichever thread calls it. MLX's peak memory counts from
+        here (/health's memory "peak"; loading may peak higher, converting weights)."""
+        mx.reset_peak_memory()
         self._running = True
         self._publish()
         try:
@@ -233,6 +265,7 @@ class Scheduler:
         pipe = self.pipe
         self._b, self._stop_ids = pipe.block_size(self.block_size), pipe.stop_ids()
         self._engine = pipe.engine(self.max_batch)
+        self._engine.isolate_oom = True
         self._decoding: dict[int, tuple[Job, SequenceText]] = {}  # engine id -> job, text
         self._queue_closed = False
         while True:
@@ -254,24 +287,80 @@ class Scheduler:
         job.emit({"text": text(ev.tokens, ev.finish), "tokens": list(ev.tokens)})
 
     def _publish_batch(self, last=None) -> None:
-        """/health's view of the batch."""
+        """/health's view of the batch and of memory."""
         engine = self._engine
         self.batch_figures = self._figures(
             engine.running, engine.waiting, [engine.stats[rid] for rid in self._decoding], last)
+        self._publish_memory(engine)
+
+    def _publish_memory(self, engine: Engine | None = None) -> None:
+        """/health's "memory": the budget, the weights, the caches' bytes in use and
+        reserved, the prefix cache's, the requests waiting for memory, MLX's active and peak
+        bytes."""
+        m = self.memory
+        if m is not None:
+            self.memory_figures = {
+                **m.describe(), "kv_in_use": engine_bytes(engine) if engine else 0,
+                "kv_reserved": m.need(self._lengths()) if engine else 0,
+                "prompt_cache": self._cached(),
+                "waiting_for_memory": self.waiting if self._held is not None else 0,
+                "active": mx.get_active_memory(), "peak": mx.get_peak_memory()}
 
     def _admit_queued(self) -> None:
-        """Queued jobs join while rows are free (waiting for one when nothing runs)."""
+        """Queued jobs join, in order, while rows are free (waiting for one when nothing
+        runs) and the next one's caches fit in the memory budget (else it waits, held)."""
         while not self._queue_closed and len(self._decoding) < self.rows:
-            try:
-                job = self._queue.get(block=not self._decoding)
-            except queue.Empty:
-                break
+            with self._closing:
+                job, self._held = self._held, None
             if job is None:
-                self._queue_closed = True
-            elif job.cancelled.is_set():        # its client left while it waited
+                try:
+                    job = self._queue.get(block=not self._decoding)
+                except queue.Empty:
+                    break
+                if job is None:
+                    self._queue_closed = True
+                    break
+            if job.cancelled.is_set():        # its client left while it waited
                 self.cancelled += 1
-            else:
+                continue
+            room = self._room_for(job)
+            if room == WAIT:
+                with self._closing:
+                    if self._closed:
+                        job.emit({"error": SHUTDOWN, "status": 503})
+                    else:
+                        self._held = job
+                break
+            if room == ADMIT:
                 self._admit(job)
+            else:                 # alone and with the prefix cache empty: it cannot fit
+                job.emit({"error": f"out of memory: {room}", "status": 400})
+                self.served += 1
+
+    def _room_for(self, job: Job) -> str:
+        """ADMIT when the job's caches fit beside the running ones (the prefix cache's RAM
+        entries evicted, least recently used first, as far as needed), WAIT when they will
+        once some leave, else why they never fit."""
+        m = self.memory
+        if m is None:
+            return ADMIT
+        need = m.need(self._lengths() + [_length(job.request)])
+        if need > m.room:
+            return WAIT if self._decoding else m.too_long(_length(job.request))
+        short = need + self._cached() - m.room
+        if short > 0:
+            freed = self.prompt_cache.evict(short)
+            log.info(f"memory: {mem.gib(freed)} of prefix-cache entries evicted to make room "
+                     "for a request")
+            self._publish()
+        return ADMIT
+
+    def _lengths(self) -> list[int]:
+        """The lengths the admitted jobs may reach (prompt + max_tokens)."""
+        return [_length(job.request) for job, _ in self._decoding.values()]
+
+    def _cached(self) -> int:
+        return self.prompt_cache.nbytes if self.prompt_cache is not None else 0
 
     def _leave_cancelled(self) -> None:
         gone = []
@@ -287,28 +376,103 @@ class Scheduler:
             self._leave(rid, job, "cancelled")
 
     def _step(self) -> None:
-        """One engine step; a failure ends every running job with an error and starts a new
-        engine for the next."""
+        """One engine step. A sequence whose prefill fails to allocate ends alone (the
+        engine's FAILED event); a step that fails to allocate otherwise ends the newest
+        running sequence and rebuilds the others (`_rebuild`); any other failure ends every
+        running job with an error and starts a new engine for the next."""
         engine = self._engine
         budget = self.prefill_budget(engine.running, engine.waiting,
                                      self.pipe.prefill_step_size, engine.last_prefill)
+        budget = self._peak_bound(budget)
         try:
             events = engine.step(prefill_budget=budget, started=self._emit)
         except Exception as e:  # noqa: BLE001 - reported to the batch; the next one runs
+            if mem.out_of_memory(e):
+                self._rebuild(engine, e)
+                return
             log.exception("generation failed")
             for job, _ in self._decoding.values():
                 self._failed(job, e)
                 self._done(job)
             self._decoding.clear()
             self._engine = self.pipe.engine(self.max_batch)
+            self._engine.isolate_oom = True
             return
         for ev in events:
+            if ev.finish == FAILED:
+                job = self._decoding.pop(ev.id)[0]
+                engine.stats.pop(ev.id, None)
+                self._out_of_memory(job, engine.failures.pop(ev.id))
+                continue
             self._emit(ev)
             if ev.finish is not None:
                 self._leave(ev.id, self._decoding.pop(ev.id)[0], ev.finish)
         last = engine.history[-1] if engine.history else None
         engine.history.clear()        # a server's engine runs for good: keep the last
         self._publish_batch(last)
+
+    def _peak_bound(self, budget: int) -> int:
+        """At most the prompt tokens whose attention scores fit in what the budget has left
+        (`MemoryBudget.prefill_tokens`, at the longest waiting prompt's context): a step's
+        peak stays within the budget, not only its caches."""
+        engine, m = self._engine, self.memory
+        if m is None or not engine.queue:
+            return budget
+        context = max(len(seq.req.prompt) for seq in engine.queue)
+        # the caches as they are now: the running ones grow into what they reserved only
+        # after the scores are gone
+        free = m.room - engine_bytes(engine) - self._cached()
+        return min(budget, m.prefill_tokens(free, context))
+
+    def _out_of_memory(self, job: Job, e: BaseException) -> None:
+        """A job ended by an allocation failure: its client is told, in words that name
+        memory; the prefix cache's RAM entries go (to disk, with a disk tier)."""
+        if self.memory is not None:
+            self.memory.failures += 1
+        if self.prompt_cache is not None:
+            self.prompt_cache.evict(self.prompt_cache.nbytes)
+        log.warning(f"out of memory: a generation was ended so that the others go on ({e})")
+        job.emit({"error": "out of memory: the server ended this generation so that the "
+                  f"others could go on ({e}); retry later, or start the server with a smaller "
+                  "--memory-budget, --kv-bits 8 or 4, or a lower --context-length",
+                  "status": 503})
+        self._carried.pop(id(job), None)
+        self._done(job)
+        mx.clear_cache()
+
+    def _rebuild(self, old: Engine, e: BaseException) -> None:
+        """A step failed to allocate where the batch's caches may be half-written: the newest
+        running sequence ends (`_out_of_memory`); the others continue on a new engine from
+        their tokens so far (prompt + generated, prefilled again; greedy output continues as
+        a greedy decoding of the same tokens), the jobs not yet started from scratch."""
+        seqs = {seq.id: seq for seq in list(old.rows) + list(old.queue)}
+        order = {id(job): i for i, job in enumerate(self._jobs)}
+        started = [rid for rid in self._decoding if rid in seqs and seqs[rid].tokens]
+        victim = max(started or self._decoding,
+                     key=lambda rid: order.get(id(self._decoding[rid][0]), -1))
+        decoding, self._decoding = self._decoding, {}
+        self._engine = engine = self.pipe.engine(self.max_batch)
+        engine.isolate_oom = True
+        for rid, (job, text) in decoding.items():
+            seq = seqs.get(rid)
+            if rid == victim or seq is None:       # (None: it ended in the failed step)
+                self._out_of_memory(job, e)
+                continue
+            r = job.request
+            done = self._carried.get(id(job), 0) + len(seq.tokens)
+            state, cached = None, 0
+            if not seq.tokens and self.prompt_cache is not None:
+                state, cached = self.prompt_cache.fetch(r.prompt)
+            ids = list(seq.req.prompt) + seq.tokens
+            new = engine.add(self.pipe.request(
+                engine, ids, r.max_tokens - done, r.sampling, self._b, lookup=self.pipe.lookup,
+                stop_ids=self._stop_ids, seed=r.seed, state=state,
+                keep_state=self.prompt_cache is not None))
+            self._carried[id(job)] = done
+            self._decoding[new] = (job, text)
+        log.warning(f"out of memory in a step: {len(self._decoding)} sequences go on, "
+                    "prefilled again from their tokens")
+        self._publish_batch()
 
     def prefill_budget(self, running: int, waiting: int, step_size: int,
                        last: tuple[int, float] | None = None) -> int:
@@ -359,11 +523,30 @@ class Scheduler:
         """A sequence left (finished or cancelled): its state to the prefix cache, its final
         event to its job."""
         engine = self._engine
-        stats = engine.stats.pop(rid)
+        stats = engine.stats.pop(rid).to_dict()
+        stats["generated_tokens"] = stats.get("generated_tokens", 0) + \
+            self._carried.pop(id(job), 0)
         state = engine.pop_state(rid)
         if state is not None and self.prompt_cache is not None:
             # it covers the prompt and the answer (but its last token): the next turn of
             # this conversation starts from it
             self.prompt_cache.insert(state)
-        self._final(job, finish, stats.to_dict())
+            self._fit_cache(rid)
+        self._final(job, finish, stats)
         self._done(job)
+
+    def _fit_cache(self, leaving: int) -> None:
+        """The prefix cache within what the budget leaves beside the running jobs (but the
+        one leaving)."""
+        if self.memory is None:
+            return
+        lengths = [_length(j.request) for rid, (j, _) in self._decoding.items()
+                   if rid != leaving]
+        over = self.memory.need(lengths) + self._cached() - self.memory.room
+        if over > 0:
+            self.prompt_cache.evict(over)
+
+
+def _length(request: GenerationRequest) -> int:
+    """The most tokens a request's caches may hold: its prompt plus its max_tokens."""
+    return len(request.prompt) + request.max_tokens

@@ -16,7 +16,8 @@ from ..pipeline import Pipeline
 from .chat_prompt import TOOL_MARKERS, TemplateTraits, fold_system, parse_tool_call, tools_in_text
 from .config import ServerConfig
 from .errors import APIError
-from .scheduler import SHUTDOWN, GenerationRequest, Job, QueueFull, Scheduler, ShuttingDown
+from .scheduler import (SHUTDOWN, GenerationRequest, Job, NeverFits, QueueFull, Scheduler,
+                        ShuttingDown)
 from .text_stream import Piece, TextStream
 
 log = logs.get(__name__)
@@ -56,21 +57,30 @@ class Service:
         """The tokens to generate: `asked` (the field `param`; None: as many as allowed)
         clamped to the server's `--max-tokens` and to the room the prompt leaves in the
         context, as hosted APIs' compatible servers do (agents ask for 32k whatever the model).
-        A prompt that fills the context is a 400 worded as the called API words it, which is
-        what agents match on to compact their conversation."""
+        The context is the shorter of `--context-length` and what the memory budget holds
+        for one sequence. A prompt that fills it is a 400 worded as the called API words a
+        context overflow, which is what agents match on to compact their conversation (with
+        the budget's numbers and the flags that help, when the budget is the limit)."""
         c = self.config
-        room = c.context_length - prompt_len
+        fit = self.scheduler.fit          # the most tokens the memory budget holds (or None)
+        length = c.context_length if fit is None else min(c.context_length, fit)
+        room = length - prompt_len
         if room < 1:
-            message = (f"prompt is too long: {prompt_len} tokens > {c.context_length - 1} "
-                       "maximum" if anthropic else
-                       f"This model's maximum context length is {c.context_length} tokens. "
+            memory = length < c.context_length
+            message = (f"prompt is too long: {prompt_len} tokens > {length - 1} maximum"
+                       if anthropic else
+                       f"This model's maximum context length is {length} tokens. "
                        f"However, your messages resulted in {prompt_len} tokens. Please reduce "
                        "the length of the messages.")
+            if memory:        # worded as the context's limit: agents compact on these words
+                message += (" (The limit is this server's memory budget: "
+                            f"{self.scheduler.memory.too_long(prompt_len + 1)}.)")
             raise APIError(400, message, param=prompt_param, code="context_length_exceeded")
         given = min(c.max_tokens, room, asked or c.max_tokens)
         if asked is not None and given < asked:
             log.info(f"{param} = {asked} clamped to {given} (--max-tokens {c.max_tokens}, "
-                     f"{room} tokens of context left after the prompt)")
+                     f"{room} tokens of context left after the prompt"
+                     f"{' in the memory budget' if length < c.context_length else ''})")
         return given
 
     @staticmethod
@@ -137,6 +147,8 @@ class Service:
                            code="queue_full") from None
         except ShuttingDown:
             raise APIError(503, SHUTDOWN, kind="server_error") from None
+        except NeverFits as e:
+            raise APIError(400, f"out of memory: {e}", code="context_length_exceeded") from None
 
     async def run(self, job: Job, text: TextStream, request: Request | None = None
                   ) -> AsyncIterator[tuple[list[Piece], dict | None]]:
