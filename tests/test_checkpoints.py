@@ -220,8 +220,8 @@ def test_mask_token_outside_vocab(tmp_path, llama_dir):
 def test_missing_paths_are_clear(tmp_path, llama_dir):
     with pytest.raises(FileNotFoundError, match="draft model '.*nowhere': no such file"):
         dflash2_mlx.load(str(llama_dir), str(tmp_path / "nowhere"))
-    with pytest.raises(FileNotFoundError, match="could not be fetched from the Hugging Face Hub"):
-        dflash2_mlx.load(str(llama_dir), "no-such-org/no-such-drafter")
+    with pytest.raises(OSError, match="draft model 'no-such-org/no-such-drafter'"):
+        dflash2_mlx.load(str(llama_dir), "no-such-org/no-such-drafter")   # tests/test_hub.py
 
 
 def test_runtime_block_size_bounds(llama_dir, dflash2_dir):

@@ -28,22 +28,22 @@ CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.succ
 
 
 def resolve(path_or_id: str | Path, what: str, allow_patterns: list[str] | None = None) -> Path:
-    """A local file/folder as is; otherwise a Hugging Face Hub id, downloaded (or cached)."""
+    """A local file/folder as is; otherwise a Hugging Face Hub id, downloaded (or cached): a
+    failed download is a one-line `hub.HubError` naming the id and the fix."""
     path = Path(path_or_id).expanduser()
     if path.exists():
         return path
     text = str(path_or_id)
-    if not HUB_ID.match(text) or text.startswith((".", "/", "~")):
+    if not is_hub_id(text):
         raise FileNotFoundError(f"{what} '{text}': no such file or folder")
-    from huggingface_hub import snapshot_download
+    from .hub import snapshot
 
-    try:
-        return Path(snapshot_download(text, allow_patterns=allow_patterns))
-    except Exception as e:  # noqa: BLE001 - re-raised with the cause named and chained
-        raise FileNotFoundError(
-            f"{what} '{text}' is not a local path and could not be fetched from the Hugging "
-            f"Face Hub ({type(e).__name__}: {e}). Pass a local folder, or check the network "
-            "and HF_HUB_OFFLINE.") from e
+    return snapshot(text, what, allow_patterns)
+
+
+def is_hub_id(text: str) -> bool:
+    """"organization/name", not a path that merely looks like one."""
+    return bool(HUB_ID.match(text)) and not text.startswith((".", "/", "~"))
 
 
 def load_target(path_or_id: str | Path, dtype=None, keep_quantized: bool = False,
