@@ -180,8 +180,9 @@ def stored_quantization(folder: str | Path) -> dict | None:
 
 def load_drafter(path_or_id: str | Path, *, hidden_size: int, vocab_size: int, num_layers: int,
                  dtype=None, bits: int | None = None, group_size: int = 64,
-                 keep_quantized: bool = False) -> Drafter:
-    """Read config + weights from a drafter folder, check them against the target's shape.
+                 keep_quantized: bool = False, target: str = "the target") -> Drafter:
+    """Read config + weights from a drafter folder, check them against the target's shape
+    (`target` names it in the error of a mismatch).
 
     A checkpoint stored quantized is dequantized when `dtype` is given, unless `bits` asks for
     quantization or `keep_quantized` is set; `bits` quantizes an unquantized one.
@@ -191,7 +192,8 @@ def load_drafter(path_or_id: str | Path, *, hidden_size: int, vocab_size: int, n
         raise CheckpointError(f"{folder}: a drafter is a folder with config.json and "
                               "*.safetensors")
     args = DrafterArgs.from_file(folder)
-    args.check_against_target(hidden_size, vocab_size, num_layers, str(folder / "config.json"))
+    args.check_against_target(hidden_size, vocab_size, num_layers, str(folder / "config.json"),
+                              target)
     drafter = Drafter(args)
     stored = stored_quantization(folder)
     if stored:   # a checkpoint saved quantized: give the model the same structure first
