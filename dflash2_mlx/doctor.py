@@ -24,11 +24,39 @@ _log = log.get(__name__)
 Rows = Iterator[tuple[str, str]]
 
 
-def report() -> Rows:
-    """Every row `doctor` prints, in order."""
+def report(model: str | None = None) -> Rows:
+    """Every row `doctor` prints, in order; with `model`, its section last (`model_rows`)."""
     yield from _versions()
     yield from _compute()
     yield from _storage()
+    if model is not None:
+        yield from model_rows(model)
+
+
+def model_rows(model: str) -> Rows:
+    """What `doctor --model X` adds, from X's config.json only (a local folder's, or that one
+    file from the Hub): its shape and the drafter a `--model X` run would take, and why. Each
+    part is a function of the config read once."""
+    from .loading.drafters import Shape, target_config
+
+    config, where = target_config(model)
+    shape = Shape.of(config)
+    yield "model", f"{model} (config.json: {where})"
+    yield "shape", str(shape) if shape else "unknown (config.json lacks the fields)"
+    yield from _drafter_rows(model, config)
+
+
+def _drafter_rows(model: str, config: dict) -> Rows:
+    """The drafter a run with `--model model` and no --draft takes, and why."""
+    from .loading.drafters import find
+
+    choice = find(config, model)
+    if choice.row is None:
+        yield "drafter", f"none: {choice.why}; lookup drafting only unless --draft names one"
+        return
+    row = choice.row
+    yield "drafter", f"{row.drafter} (block size {row.block_size}): {choice.why}"
+    yield "drafter card", row.card + (f" ({row.note})" if row.note else "")
 
 
 def _package_version(name: str) -> str:

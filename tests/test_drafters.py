@@ -79,3 +79,15 @@ def test_a_drafter_that_does_not_fit_names_both(llama_dir, tmp_path):
     message = str(e.value)
     assert str(wide / "config.json") in message and f"target model '{llama_dir}'" in message
     assert f"'vocab_size' is {VOCAB + 16}" in message and f"{VOCAB} entries" in message
+
+
+def test_the_start_line_says_why_there_is_no_drafter(llama_dir, capsys):
+    from dflash2_mlx.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", str(llama_dir), "--max-tokens", "2", "--block-size", "4"])
+    err = capsys.readouterr().err
+    assert e.value.code == 0, err
+    assert ("note: no drafter (no published drafter in the table serves its shape (llama, "
+            "hidden size 64, vocabulary 384, 4 layers)): lookup drafting from the context only"
+            ) in err

@@ -190,3 +190,25 @@ def test_hub_errors_are_one_line_naming_the_id_and_the_fix(hub, llama_dir, tmp_p
     assert verbose.returncode == 1 and "Traceback" in verbose.stderr
     assert "RepositoryNotFoundError" in verbose.stderr
 
+
+
+def test_doctor_model_reads_only_config_json_from_the_hub(tmp_path):
+    """`doctor --model ID` answers from the target's config.json alone: the weights stay on
+    the Hub. A Qwen3-8B-shaped config under an mlx-community name finds z-lab's drafter."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "config.json").write_text(json.dumps({
+        "model_type": "qwen3", "hidden_size": 4096, "vocab_size": 151936,
+        "num_hidden_layers": 36, "quantization": {"group_size": 64, "bits": 4}}))
+    (repo / "model.safetensors").write_bytes(b"\0" * 4096)
+    with HubServer({"mlx-community/Qwen3-8B-4bit": repo}) as hub:
+        proc = cli("doctor", "--model", "mlx-community/Qwen3-8B-4bit",
+                   env=hub_env(hub, tmp_path / "hf"))
+    assert proc.returncode == 0, proc.stderr
+    rows = {line[:14].strip(): line[14:] for line in proc.stdout.splitlines()}
+    assert rows["shape"] == "qwen3, hidden size 4096, vocabulary 151936, 36 layers"
+    assert rows["drafter"].startswith("z-lab/Qwen3-8B-DFlash-b16 (block size 16): published "
+                                      "for Qwen/Qwen3-8B")
+    assert "huggingface.co/z-lab/Qwen3-8B-DFlash-b16" in rows["drafter card"]
+    files = {path.rsplit("/", 1)[1] for _, path, _ in hub.requests if "/resolve/" in path}
+    assert files == {"config.json"}, hub.requests

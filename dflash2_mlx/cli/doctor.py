@@ -14,13 +14,19 @@ _log = log.get(__name__)
 
 
 @app.command()
-def doctor(verbose: bool = typer.Option(False, "--verbose", help="Tracebacks")):
-    """MLX version and backend, the BLAS in effect, kernels, precision defaults, caches."""
+def doctor(
+    model: Optional[str] = typer.Option(None, "--model", help="Also report on this target "
+                                        "(folder or hub id; only its config.json is read): its "
+                                        "shape and the drafter a run with it would take"),
+    verbose: bool = typer.Option(False, "--verbose", help="Tracebacks"),
+):
+    """MLX version and backend, the BLAS in effect, kernels, precision defaults, caches; with
+    --model, that target's drafter."""
     with errors(verbose):
         from ..doctor import report
 
-        for name, value in report():
-            print(f"{name:<14}{value}")
+        for name, value in report(model):
+            print(f"{name:<14}{value}", flush=True)
 
 
 @app.command()

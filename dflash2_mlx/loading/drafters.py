@@ -134,9 +134,11 @@ def target_config(model: str) -> tuple[dict, str]:
         from .checkpoint import is_hub_id
         from .hub import file as hub_file
 
-        if path.exists() or not is_hub_id(str(model)):
+        if path.exists():
             raise FileNotFoundError(f"target model '{model}': expected an mlx-lm model folder "
-                                    "or a Hugging Face id (organization/name)")
+                                    "or a .gguf file")
+        if not is_hub_id(str(model)):
+            raise FileNotFoundError(f"target model '{model}': no such file or folder")
         file = hub_file(str(model), "config.json", "target model")
     try:
         config = json.loads(file.read_text())
