@@ -1,8 +1,8 @@
 """Hugging Face Hub downloads by id, into huggingface_hub's own cache ($HF_HOME), with one-line
 errors that name the id and the fix (`HubError`).
 
-`snapshot` asks the Hub about the repository first, with a timeout ($HF_HUB_ETAG_TIMEOUT
-seconds; huggingface_hub's own listing call has none), so a wrong id, a gated repository or a
+`snapshot` and `file` ask the Hub about the repository first, with a timeout
+($HF_HUB_ETAG_TIMEOUT seconds; huggingface_hub's own first calls have none), so a wrong id, a gated repository or a
 Hub that does not answer is told apart before any file moves. When the Hub cannot be asked
 (offline, unreachable) a complete cached copy is used. Progress bars follow `log.progress`:
 on a terminal only.
@@ -41,38 +41,46 @@ def _progress_class():
 def snapshot(repo_id: str, what: str, allow_patterns: list[str] | None = None) -> Path:
     """The local folder of Hub repository `repo_id` (the files matching `allow_patterns`),
     downloaded on first use; `what` names it in errors ("target model", "draft model")."""
-    from huggingface_hub import HfApi, constants, snapshot_download
+    from huggingface_hub import constants, snapshot_download
 
-    def cached() -> Path:
+    def get(cached: bool) -> Path:
+        if not cached:
+            _log.info(f"fetching {what} {repo_id} from {constants.ENDPOINT} into "
+                      f"{constants.HF_HUB_CACHE} (files already there are not fetched again) ...")
         return Path(snapshot_download(repo_id, allow_patterns=allow_patterns,
-                                      local_files_only=True))
+                                      local_files_only=cached, tqdm_class=_progress_class()))
 
-    try:
-        HfApi().model_info(repo_id, timeout=constants.HF_HUB_ETAG_TIMEOUT)
-    except Exception as asked:  # noqa: BLE001 - the cache may still serve; else explained
-        try:
-            path = cached()
-        except Exception:  # noqa: BLE001 - the Hub's answer is the error worth reporting
-            raise explain(asked, repo_id, what) from asked
-        if not constants.HF_HUB_OFFLINE:
-            log.notice(f"{what} '{repo_id}': the Hub could not be asked "
-                       f"({_reason(asked)}); using the cached copy in {path}")
-        return path
-    _log.info(f"fetching {what} {repo_id} from {constants.ENDPOINT} into "
-              f"{constants.HF_HUB_CACHE} (files already there are not fetched again) ...")
-    try:
-        return Path(snapshot_download(repo_id, allow_patterns=allow_patterns,
-                                      tqdm_class=_progress_class()))
-    except Exception as e:  # noqa: BLE001 - explained in one line, the cause chained
-        raise explain(e, repo_id, what) from e
+    return _fetch(repo_id, what, get)
 
 
 def file(repo_id: str, filename: str, what: str) -> Path:
     """One file of Hub repository `repo_id` (e.g. its config.json), downloaded on first use."""
     from huggingface_hub import hf_hub_download
 
+    return _fetch(repo_id, what, lambda cached: Path(hf_hub_download(
+        repo_id, filename, local_files_only=cached, tqdm_class=_progress_class())), filename)
+
+
+def _fetch(repo_id: str, what: str, get, filename: str | None = None) -> Path:
+    """`get(cached=False)` after asking the Hub about `repo_id` within $HF_HUB_ETAG_TIMEOUT
+    seconds (huggingface_hub's own first calls wait without limit, and retry a HEAD that timed
+    out with a minute's timeout); when it cannot be asked, `get(cached=True)`, the cache only.
+    Failures come out explained (`explain`)."""
+    from huggingface_hub import HfApi, constants
+
     try:
-        return Path(hf_hub_download(repo_id, filename, tqdm_class=_progress_class()))
+        HfApi().model_info(repo_id, timeout=constants.HF_HUB_ETAG_TIMEOUT)
+    except Exception as asked:  # noqa: BLE001 - the cache may still serve; else explained
+        try:
+            path = get(True)
+        except Exception:  # noqa: BLE001 - the Hub's answer is the error worth reporting
+            raise explain(asked, repo_id, what, filename) from asked
+        if not constants.HF_HUB_OFFLINE:
+            log.notice(f"{what} '{repo_id}': the Hub could not be asked "
+                       f"({_reason(asked)}); using the cached copy in {path}")
+        return path
+    try:
+        return get(False)
     except Exception as e:  # noqa: BLE001 - explained in one line, the cause chained
         raise explain(e, repo_id, what, filename) from e
 
