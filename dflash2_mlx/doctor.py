@@ -24,11 +24,39 @@ _log = log.get(__name__)
 Rows = Iterator[tuple[str, str]]
 
 
-def report() -> Rows:
-    """Every row `doctor` prints, in order."""
+def report(model: str | None = None) -> Rows:
+    """Every row `doctor` prints, in order; with `model`, its section last (`model_rows`)."""
     yield from _versions()
     yield from _compute()
     yield from _storage()
+    if model is not None:
+        yield from model_rows(model)
+
+
+def model_rows(model: str) -> Rows:
+    """What `doctor --model X` adds, from X's config.json only (a local folder's, or that one
+    file from the Hub): its shape and the drafter a `--model X` run would take, and why. Each
+    part is a function of the config read once."""
+    from .loading.drafters import Shape
+
+    config, where = model_config(model)
+    shape = Shape.of(config)
+    yield "model", f"{model} (config.json: {where})"
+    yield "shape", str(shape) if shape else "unknown (config.json lacks the fields)"
+    yield from _drafter_rows(model, config)
+
+
+def _drafter_rows(model: str, config: dict) -> Rows:
+    """The drafter a run with `--model model` and no --draft takes, and why."""
+    from .loading.drafters import find
+
+    choice = find(config, model)
+    if choice.row is None:
+        yield "drafter", f"none: {choice.why}; lookup drafting only unless --draft names one"
+        return
+    row = choice.row
+    yield "drafter", f"{row.drafter} (block size {row.block_size}): {choice.why}"
+    yield "drafter card", row.card + (f" ({row.note})" if row.note else "")
 
 
 def _package_version(name: str) -> str:
@@ -120,8 +148,6 @@ def _storage() -> Rows:
 def model_config(model: str) -> tuple[dict, str]:
     """(config, where it came from) of a target, reading its config and nothing else: a
     local folder's config.json, a GGUF file's header, or the Hub's config.json alone."""
-    import json
-
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         from dataclasses import asdict
@@ -129,15 +155,9 @@ def model_config(model: str) -> tuple[dict, str]:
         from .loading.gguf import model_args, read_gguf_header
 
         return asdict(model_args(read_gguf_header(path), source=str(path))), str(path)
-    file = path / "config.json" if path.is_dir() else None
-    if file is None:
-        from huggingface_hub import hf_hub_download
+    from .loading.drafters import target_config
 
-        file = Path(hf_hub_download(model, "config.json"))
-    try:
-        return json.loads(file.read_text()), str(file)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{file}: cannot be read as a model config ({e})") from None
+    return target_config(model)
 
 
 def memory_rows(model: str) -> list[str]:

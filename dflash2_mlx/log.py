@@ -95,9 +95,13 @@ def progress(items: Iterable[T] | None, desc: str, total: int | None = None, uni
     items=None: a bar moved by hand (`.update(n)`, `.n` so far, `.close()`) to `total`."""
     from tqdm import tqdm
 
-    quiet = not (logging.getLogger(ROOT).isEnabledFor(logging.INFO) and _is_terminal(sys.stderr))
     return tqdm(items, desc=desc, total=total, unit=unit, mininterval=2.0, dynamic_ncols=True,
-                file=sys.stderr, disable=quiet, leave=False, **kw)
+                file=sys.stderr, disable=not progress_shown(), leave=False, **kw)
+
+
+def progress_shown() -> bool:
+    """Whether progress bars show now: stderr is a terminal and the package logs at INFO."""
+    return logging.getLogger(ROOT).isEnabledFor(logging.INFO) and _is_terminal(sys.stderr)
 
 
 def _is_terminal(stream) -> bool:

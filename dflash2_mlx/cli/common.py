@@ -159,8 +159,9 @@ def load_pipeline(model, draft, omlx_settings, model_id, block_size, lookup, **o
     except ValueError as e:
         raise ValueError(f"--block-size {block_size}: {e}") from e
     if pipe.drafter is None and settings is None:
-        _log.warning("no drafter (--draft): " + ("lookup drafting from the context only"
-                                                 if lookup else "plain target decoding"))
+        _log.warning(f"no drafter ({pipe.info.get('draft_why')}): "
+                     + ("lookup drafting from the context only" if lookup else
+                        "plain target decoding"))
     _log.info(f"ready in {time.perf_counter() - tic:.1f} s")
     return pipe
 
@@ -169,7 +170,8 @@ def load_pipeline(model, draft, omlx_settings, model_id, block_size, lookup, **o
 MODEL = typer.Option(None, "--model", help="Target: mlx-lm model folder, hub id or .gguf file "
                      "(default: the embedded default)")
 DRAFT = typer.Option(None, "--draft", "--draft-model", help="DFlash / DFlash 2 drafter folder "
-                     "or hub id (default: the oMLX setting, else the embedded default's)")
+                     "or hub id; 'none' for none (default: the oMLX setting, else the embedded "
+                     "default's, else the published drafter found for --model)")
 BLOCK_SIZE = typer.Option(
     None, "--block-size", callback=flag(check.block_size), metavar="{1..B,auto}",
     help="Rows verified per cycle, 1..the widest block of the drafter (B) or the lookup (16), "

@@ -16,17 +16,19 @@ _log = log.get(__name__)
 @app.command()
 def doctor(
     model: Optional[str] = typer.Option(
-        None, "--model", help="Also say what fits for this target (a folder, a .gguf file or "
-        "a hub id; its config alone is read): KV cache bytes per token in float, 8-bit and "
-        "4-bit, and the tokens of context that fit beside its weights on this machine"),
+        None, "--model", help="Also report on this target (a folder, a .gguf file or a hub id; "
+        "only its config is read): its shape, the drafter a run with it would take, KV cache "
+        "bytes per token in float, 8-bit and 4-bit, and the tokens of context that fit beside "
+        "its weights on this machine"),
     verbose: bool = typer.Option(False, "--verbose", help="Tracebacks"),
 ):
-    """MLX version and backend, the BLAS in effect, kernels, precision defaults, caches."""
+    """MLX version and backend, the BLAS in effect, kernels, precision defaults, caches; with
+    --model, that target's drafter and what fits."""
     with errors(verbose):
         from ..doctor import memory_rows, report
 
-        for name, value in report():
-            print(f"{name:<14}{value}")
+        for name, value in report(model):
+            print(f"{name:<14}{value}", flush=True)
         if model is not None:
             print(f"\nmemory for {model}:")
             for line in memory_rows(model):

@@ -28,22 +28,22 @@ CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.succ
 
 
 def resolve(path_or_id: str | Path, what: str, allow_patterns: list[str] | None = None) -> Path:
-    """A local file/folder as is; otherwise a Hugging Face Hub id, downloaded (or cached)."""
+    """A local file/folder as is; otherwise a Hugging Face Hub id, downloaded (or cached): a
+    failed download is a one-line `hub.HubError` naming the id and the fix."""
     path = Path(path_or_id).expanduser()
     if path.exists():
         return path
     text = str(path_or_id)
-    if not HUB_ID.match(text) or text.startswith((".", "/", "~")):
+    if not is_hub_id(text):
         raise FileNotFoundError(f"{what} '{text}': no such file or folder")
-    from huggingface_hub import snapshot_download
+    from .hub import snapshot
 
-    try:
-        return Path(snapshot_download(text, allow_patterns=allow_patterns))
-    except Exception as e:  # noqa: BLE001 - re-raised with the cause named and chained
-        raise FileNotFoundError(
-            f"{what} '{text}' is not a local path and could not be fetched from the Hugging "
-            f"Face Hub ({type(e).__name__}: {e}). Pass a local folder, or check the network "
-            "and HF_HUB_OFFLINE.") from e
+    return snapshot(text, what, allow_patterns)
+
+
+def is_hub_id(text: str) -> bool:
+    """"organization/name", not a path that merely looks like one."""
+    return bool(HUB_ID.match(text)) and not text.startswith((".", "/", "~"))
 
 
 def load_target(path_or_id: str | Path, dtype=None, keep_quantized: bool = False,
@@ -180,8 +180,9 @@ def stored_quantization(folder: str | Path) -> dict | None:
 
 def load_drafter(path_or_id: str | Path, *, hidden_size: int, vocab_size: int, num_layers: int,
                  dtype=None, bits: int | None = None, group_size: int = 64,
-                 keep_quantized: bool = False) -> Drafter:
-    """Read config + weights from a drafter folder, check them against the target's shape.
+                 keep_quantized: bool = False, target: str = "the target") -> Drafter:
+    """Read config + weights from a drafter folder, check them against the target's shape
+    (`target` names it in the error of a mismatch).
 
     A checkpoint stored quantized is dequantized when `dtype` is given, unless `bits` asks for
     quantization or `keep_quantized` is set; `bits` quantizes an unquantized one.
@@ -191,7 +192,8 @@ def load_drafter(path_or_id: str | Path, *, hidden_size: int, vocab_size: int, n
         raise CheckpointError(f"{folder}: a drafter is a folder with config.json and "
                               "*.safetensors")
     args = DrafterArgs.from_file(folder)
-    args.check_against_target(hidden_size, vocab_size, num_layers, str(folder / "config.json"))
+    args.check_against_target(hidden_size, vocab_size, num_layers, str(folder / "config.json"),
+                              target)
     drafter = Drafter(args)
     stored = stored_quantization(folder)
     if stored:   # a checkpoint saved quantized: give the model the same structure first

@@ -11,7 +11,7 @@ from ..model.drafter import Drafter
 from ..model.kernels import resolve_kernel_path
 from ..model.target import KVQuant, TargetAdapter
 from ..pipeline import Pipeline
-from . import blas, runtime
+from . import blas, drafters, runtime
 from .checkpoint import load_drafter, load_target, resolve, stored_quantization
 from .omlx import OmlxSettings, OmlxSettingsError
 from .weights import quantization
@@ -40,21 +40,33 @@ def _drafting_plan(draft: str | None, settings: OmlxSettings | None) -> str | No
 
 
 def _pair(model: str | None, draft: str | None, settings: OmlxSettings | None):
-    """(target, drafter or None) to load: the embedded default pair without a model; the
-    drafter as the oMLX settings plan it."""
+    """(target, drafter or None, why that drafter) to load: the embedded default pair without
+    a model; the drafter given, else the one the oMLX settings plan, else the published one the
+    table finds for the target (`drafters`); "none" asks for no drafter and no look-up."""
     if model is None:
         from .defaults import default_pair
 
         target_path, default_draft = default_pair()
-        model, draft = str(target_path), str(default_draft) if draft is None else draft
-    return model, _drafting_plan(draft, settings)
+        if draft is None:
+            return str(target_path), str(default_draft), "the embedded default's drafter"
+        model = str(target_path)
+    if draft is not None and draft.strip().lower() == drafters.NONE:
+        return model, None, "--draft none"
+    planned = _drafting_plan(draft, settings)
+    if draft is not None:
+        return model, planned, "given"
+    if settings is not None:
+        return model, planned, (f"{settings.source}: dflash_draft_model" if planned else
+                                f"{settings.source}: DFlash off")
+    choice = drafters.choose(model)
+    return model, choice.drafter, choice.why
 
 
 def _load_info(model, draft, backend: str, settings: OmlxSettings | None,
-               drafter: Drafter | None) -> dict:
+               drafter: Drafter | None, why: str) -> dict:
     """What `load` loaded, for `Pipeline.info`."""
     adaptive = settings is not None and settings.verify_mode == "adaptive"
-    return {"model": str(model), "draft": None if draft is None else str(draft),
+    return {"model": str(model), "draft": None if draft is None else str(draft), "draft_why": why,
             "backend": backend,
             "verify_mode": ("adaptive" if adaptive else "dflash") if drafter else "off",
             "omlx_settings": settings.source if settings else None,
@@ -62,7 +74,7 @@ def _load_info(model, draft, backend: str, settings: OmlxSettings | None,
 
 
 def _load_drafter(draft: str, draft_dir, adapter: TargetAdapter, p, kernels: str | None,
-                  s: OmlxSettings) -> Drafter:
+                  s: OmlxSettings, model: str) -> Drafter:
     """The drafter for `adapter`'s target at the resolved precision `p`; a drafter stored
     quantized at other settings is used as stored (a notice says so)."""
     stored = stored_quantization(draft_dir)
@@ -73,7 +85,7 @@ def _load_drafter(draft: str, draft_dir, adapter: TargetAdapter, p, kernels: str
     drafter = load_drafter(draft_dir, hidden_size=adapter.hidden_size,
                            vocab_size=adapter.vocab_size, num_layers=adapter.num_layers,
                            dtype=runtime.parse_dtype(p.draft_dtype), bits=p.draft_bits,
-                           group_size=p.draft_group_size)
+                           group_size=p.draft_group_size, target=f"target model '{model}'")
     drafter.kernels = kernels
     stored = quantization(drafter)
     if p.draft_bits and stored and (stored["bits"], stored["group_size"]) != \
@@ -125,7 +137,9 @@ def load(model: str | None = None, draft: str | None = None, *,
     chosen = blas.use_fast_blas()
     if chosen.note:
         log.notice(chosen.note)
-    model, draft = _pair(model, draft, settings)
+    model, draft, why = _pair(model, draft, settings)
+    if draft is not None and why not in ("given", "the embedded default's drafter"):
+        _log.info(f"drafter {draft}: {why}")
     s = settings or OmlxSettings(model_id=str(model))
     draft_dtype = {16: "bfloat16", 32: "float32"}.get(s.draft_activation_bits)
     p = runtime.resolve_precision(dtype, s.draft_bits if draft_bits is None else draft_bits,
@@ -148,9 +162,9 @@ def load(model: str | None = None, draft: str | None = None, *,
                                        keep_quantized=p.keep_quantized, lazy=plan is not None)
     drafter = None
     if draft is not None and (plan is None or plan.leader):
-        drafter = _load_drafter(draft, draft_dir, TargetAdapter(target), p, path, s)
+        drafter = _load_drafter(draft, draft_dir, TargetAdapter(target), p, path, s, model)
     pipe = Pipeline(target, tokenizer, drafter, max_ctx=s.max_ctx,
-                    info=_load_info(model, draft, p.backend, settings, drafter),
+                    info=_load_info(model, draft, p.backend, settings, drafter, why),
                     lookup=check.lookup(lookup) and s.verify_mode != "off",
                     block_size=_settings_block_size(settings, drafter),
                     kv_bits=kv_bits, kv_group_size=kv_group_size)

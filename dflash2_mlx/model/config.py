@@ -179,21 +179,22 @@ class DrafterArgs:
                     f"({self.vocab_size})")
 
     def check_against_target(self, hidden_size: int, vocab_size: int, num_layers: int,
-                             source: str = "config.json") -> None:
-        """The drafter must read this target's features and speak its vocabulary."""
+                             source: str = "config.json", target: str = "the target") -> None:
+        """The drafter must read this target's features and speak its vocabulary (`source`
+        names the drafter's config, `target` the target, in the error)."""
         if self.hidden_size != hidden_size:
-            raise CheckpointError(f"{source}: 'hidden_size' is {self.hidden_size} but the "
-                                  f"target's hidden size is {hidden_size}")
+            raise CheckpointError(f"{source}: 'hidden_size' is {self.hidden_size} but "
+                                  f"{target}'s hidden size is {hidden_size}")
         if self.vocab_size != vocab_size:
-            raise CheckpointError(f"{source}: 'vocab_size' is {self.vocab_size} but the "
-                                  f"target's vocabulary has {vocab_size} entries")
+            raise CheckpointError(f"{source}: 'vocab_size' is {self.vocab_size} but "
+                                  f"{target}'s vocabulary has {vocab_size} entries")
         outside = [i for i in self.target_layer_ids if not 0 <= i < num_layers]
         if outside:
-            raise CheckpointError(f"{source}: 'target_layer_ids' {outside} are outside the "
-                                  f"target's layers 0..{num_layers - 1}")
+            raise CheckpointError(f"{source}: 'target_layer_ids' {outside} are outside "
+                                  f"{target}'s layers 0..{num_layers - 1}")
         if not 0 <= self.mask_token_id < vocab_size:
             raise CheckpointError(f"{source}: 'mask_token_id' {self.mask_token_id} is outside "
-                                  f"the vocabulary 0..{vocab_size - 1}")
+                                  f"{target}'s vocabulary 0..{vocab_size - 1}")
 
     def to_config(self) -> dict:
         """The published config.json layout (backbone top level, drafting keys in dflash_config)."""

@@ -1,0 +1,158 @@
+"""The published drafter of a target: a table of the DFlash / DFlash 2 drafters their publishers
+list, matched on the target's own config.json (family, hidden size, vocabulary, layer count),
+so a quantized or renamed copy of a target finds its drafter and a look-alike name does not.
+
+Each row comes from the publisher's model card or README (`card`); the target's fields from the
+target's published config.json. Several rows may fit one shape (a family's versions share
+shapes): the row whose target name the model's id contains wins, else the first.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+NONE = "none"              # --draft none / draft="none": no drafter, and no look-up
+ZLAB = "https://github.com/z-lab/dflash#supported-models"
+
+
+@dataclass(frozen=True)
+class Published:
+    """One published drafter and the target shape it serves."""
+
+    target: str                     # the target it was trained for, as its card names it
+    model_types: tuple[str, ...]    # mlx-lm `model_type`s of that target
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+    drafter: str                    # Hugging Face repository
+    block_size: int
+    card: str                       # where the row comes from
+    note: str = ""
+
+    def fits(self, shape: "Shape") -> bool:
+        return (shape.model_type in self.model_types and shape.hidden_size == self.hidden_size
+                and shape.vocab_size == self.vocab_size and shape.num_layers == self.num_layers)
+
+    def named_by(self, model: str) -> bool:
+        """The model's id or folder names this row's target ("Qwen3-8B" in
+        "mlx-community/Qwen3-8B-4bit"), ignoring case and the organization."""
+        base = self.target.rsplit("/", 1)[-1].lower()
+        name = Path(str(model).rstrip("/")).name.lower()
+        return name == base or name.startswith((base + "-", base + "_", base + "."))
+
+
+# Rows: z-lab's README table (`ZLAB`) and the drafters' model cards. Block sizes: the "-b16"
+# names; Qwen3.5's from the README's own serving examples (15 speculative tokens = block 16 for
+# Qwen3.5-27B, 16 draft tokens for Qwen3.5-35B-A3B); LLaMA3.1's from its card (9 speculative
+# tokens = block 10). Target fields: the targets' published config.json (Qwen3.5's under
+# `text_config`). Which published drafters are not here, and why: docs/cli.md.
+TABLE: tuple[Published, ...] = (
+    Published("Qwen/Qwen3-4B", ("qwen3",), 2560, 151936, 36, "z-lab/Qwen3-4B-DFlash-b16", 16,
+              "https://huggingface.co/z-lab/Qwen3-4B-DFlash-b16",
+              "trained without thinking traces: best with thinking off"),
+    Published("Qwen/Qwen3-8B", ("qwen3",), 4096, 151936, 36, "z-lab/Qwen3-8B-DFlash-b16", 16,
+              "https://huggingface.co/z-lab/Qwen3-8B-DFlash-b16",
+              "trained without thinking traces: best with thinking off"),
+    Published("meta-llama/Llama-3.1-8B-Instruct", ("llama",), 4096, 128256, 32,
+              "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat", 10,
+              "https://huggingface.co/z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat"),
+    Published("Qwen/Qwen3.5-27B", ("qwen3_5",), 5120, 248320, 64, "z-lab/Qwen3.5-27B-DFlash", 16,
+              "https://huggingface.co/z-lab/Qwen3.5-27B-DFlash"),
+    Published("Qwen/Qwen3.5-35B-A3B", ("qwen3_5_moe",), 2048, 248320, 40,
+              "z-lab/Qwen3.5-35B-A3B-DFlash", 16,
+              "https://huggingface.co/z-lab/Qwen3.5-35B-A3B-DFlash"),
+)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a drafter must agree with, read from a target's config.json."""
+
+    model_type: str
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+
+    @classmethod
+    def of(cls, config: dict) -> "Shape | None":
+        """The shape of a config (a multimodal one's text model: `text_config`); None when a
+        field is missing."""
+        text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+
+        def field(key):
+            value = text.get(key, config.get(key))
+            return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+        values = [field(k) for k in ("hidden_size", "vocab_size", "num_hidden_layers")]
+        model_type = config.get("model_type")
+        if not isinstance(model_type, str) or None in values:
+            return None
+        return cls(model_type, *values)
+
+    def __str__(self) -> str:
+        return (f"{self.model_type}, hidden size {self.hidden_size}, vocabulary "
+                f"{self.vocab_size}, {self.num_layers} layers")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The drafter a look-up chose (None: none) and why, in words for the start line."""
+
+    drafter: str | None
+    why: str
+    row: Published | None = None
+
+
+def find(config: dict, model: str = "", table: tuple[Published, ...] = TABLE) -> Choice:
+    """The published drafter for a target with this config.json (`model`: its id or folder,
+    which breaks ties between rows of one shape)."""
+    shape = Shape.of(config)
+    if shape is None:
+        return Choice(None, "its config.json lacks model_type, hidden_size, vocab_size or "
+                      "num_hidden_layers")
+    rows = [row for row in table if row.fits(shape)]
+    if not rows:
+        return Choice(None, f"no published drafter in the table serves its shape ({shape})")
+    named = [row for row in rows if row.named_by(model)]
+    row = (named or rows)[0]
+    how = (f"published for {row.target}, whose shape it has ({shape})" if named else
+           f"published for {row.target}; the target has its shape ({shape}) under another name")
+    return Choice(row.drafter, how, row)
+
+
+def target_config(model: str) -> tuple[dict, str]:
+    """(config.json of target `model`, where it was read): a local folder's, else the Hub's
+    (that one file; `hub.HubError` when it cannot be had)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        file = path / "config.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"target model '{model}': no config.json in {path}")
+    else:
+        from .checkpoint import is_hub_id
+        from .hub import file as hub_file
+
+        if path.exists():
+            raise FileNotFoundError(f"target model '{model}': expected an mlx-lm model folder "
+                                    "or a .gguf file")
+        if not is_hub_id(str(model)):
+            raise FileNotFoundError(f"target model '{model}': no such file or folder")
+        file = hub_file(str(model), "config.json", "target model")
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{file}: not a readable config.json ({e})") from e
+    if not isinstance(config, dict):
+        raise ValueError(f"{file}: expected a JSON object")
+    return config, str(file)
+
+
+def choose(model: str) -> Choice:
+    """The published drafter for target `model` (a folder or Hub id; only its config.json is
+    read). A .gguf file has no config.json to match: none."""
+    if str(model).endswith(".gguf"):
+        return Choice(None, "a .gguf target has no config.json to match (pass --draft)")
+    config, _ = target_config(model)
+    return find(config, model)
