@@ -74,6 +74,9 @@ class ChatMessage(_Strict):
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None
     tool_call_id: Optional[str] = None
+    # an assistant turn's reasoning, sent back (vLLM's and mlx-lm's names)
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
 
 
 class StreamOptions(_Strict):
@@ -110,6 +113,8 @@ class ChatRequest(_OpenAISampling):
     tools: Optional[list[Tool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedTool, None] = None
     top_logprobs: Optional[int] = None                 # refused when asked for (not served)
+    reasoning_effort: Optional[str] = None             # "none" / "minimal": thinking off
+    chat_template_kwargs: Optional[dict] = None        # mlx-lm's and vLLM's extension
 
 
 class CompletionRequest(_OpenAISampling):

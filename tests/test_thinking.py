@@ -1,0 +1,177 @@
+"""Thinking models: the reasoning split from the answer (`server.thinking`), in every API,
+streamed and not, switched per request and server-wide, on a tiny thinking target
+(`write_thinking_target`: a Qwen3-like template that opens `<think>` in the generation prompt,
+and weights that write a set reasoning, `</think>`, a set answer and, where asked, a tool
+call). The splitter's own tests run on the fixture tokenizer's real ids."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+
+import dflash2_mlx  # noqa: E402
+from dflash2_mlx.server.chat_prompt import parse_tool_call  # noqa: E402
+from dflash2_mlx.server.text_stream import TextStream  # noqa: E402
+from dflash2_mlx.server.thinking import Markers, ThinkingSplit, effort_switch  # noqa: E402
+from dflash2_mlx.testing import ANSWER, REASONING, write_thinking_target  # noqa: E402
+from test_server import in_process  # noqa: E402
+
+CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory):
+    """The thinking target (it calls get_weather after its answer), loaded without drafter."""
+    folder = write_thinking_target(tmp_path_factory.mktemp("thinker") / "think",
+                                   call=json.dumps(CALL, separators=(",", ":")))
+    return dflash2_mlx.load(str(folder), None)
+
+
+def split_all(split: ThinkingSplit, tok, ids: list[int], by_char: bool = False):
+    """(reasoning, answer) of the ids, detokenized one token at a time (by_char: each
+    delta fed a character at a time, so markers arrive in pieces)."""
+    detok = tok.detokenizer
+    detok.reset()
+    out = {True: "", False: ""}
+    for t in ids:
+        detok.add_token(t)
+        delta = detok.last_segment
+        for i, part in enumerate(delta if by_char else [delta]):
+            for reasoning, text in split.feed(part, [t] if i == 0 else []):
+                out[reasoning] += text
+    for reasoning, text in split.finish():
+        out[reasoning] += text
+    return out[True], out[False]
+
+
+# --------------------------------------------------------------------------- the splitter
+
+def test_markers_and_the_prompt_that_opens_the_block(thinker):
+    tok = thinker.tokenizer
+    markers = Markers.of(tok)
+    assert (markers.start, markers.end) == ("<think>", "</think>")
+    on = tok.apply_chat_template(HI, add_generation_prompt=True)
+    off = tok.apply_chat_template(HI, add_generation_prompt=True, enable_thinking=False)
+    assert markers.opens_in(on) and not markers.opens_in(off)
+    assert not markers.opens_in(tok.encode("hi"))
+
+
+@pytest.mark.parametrize("by_char", [False, True])
+def test_split_from_inside_and_from_a_block_the_model_opens(thinker, by_char):
+    tok = thinker.tokenizer
+    markers = Markers.of(tok)
+    ids = tok.encode(REASONING + "</think>" + ANSWER, add_special_tokens=False)
+    split = ThinkingSplit(markers, inside=True)
+    assert split_all(split, tok, ids, by_char) == (REASONING, ANSWER)
+    assert split.reasoning_tokens == ids.index(markers.end_ids[0]) + 1
+    # a template that leaves <think> to the model (Qwen3's): the block opens in the output
+    ids = tok.encode("<think>" + REASONING + "</think>" + ANSWER, add_special_tokens=False)
+    split = ThinkingSplit(markers, inside=False)
+    assert split_all(split, tok, ids, by_char) == (REASONING, ANSWER)
+    assert split.reasoning_tokens == ids.index(markers.end_ids[0]) + 1
+    # never closed (max_tokens in the middle of the reasoning): all of it is reasoning
+    ids = tok.encode(REASONING + "</thi", add_special_tokens=False)
+    assert split_all(ThinkingSplit(markers, inside=True), tok, ids, by_char) == \
+        (REASONING + "</thi", "")
+
+
+def test_a_tool_call_inside_the_reasoning_is_not_a_call(thinker):
+    tok = thinker.tokenizer
+    call = "<tool_call>" + json.dumps(CALL) + "</tool_call>"
+    ids = tok.encode("I could write " + call + " here.</think>Fine." + call,
+                     add_special_tokens=False)
+    detok = tok.detokenizer
+    detok.reset()
+    text = TextStream(["here"], ("<tool_call>", "</tool_call>"),
+                      lambda t: parse_tool_call(t, TOOLS),
+                      thinking=ThinkingSplit(Markers.of(tok), inside=True))
+    pieces = []
+    for t in ids:
+        detok.add_token(t)
+        pieces += text.feed(detok.last_segment, [t])
+    pieces += text.finish()
+    # the stop string "here" is looked for in the answer only
+    kinds = []
+    for p in pieces:
+        if kinds and kinds[-1][0] == p.kind:
+            kinds[-1] = (p.kind, kinds[-1][1] + p.text)
+        else:
+            kinds.append((p.kind, p.text))
+    assert kinds == [("reasoning", "I could write " + call + " here."), ("text", "Fine."),
+                     ("tool", "")]
+    assert [p.calls for p in pieces if p.kind == "tool"] == [[CALL]]
+    assert text.stopped is None and text.made_tool_call
+
+
+def test_efforts():
+    assert [effort_switch(e) for e in (None, "none", "minimal", "low", "high")] == \
+        [None, False, False, True, True]
+
+
+# --------------------------------------------------------------------------- OpenAI chat
+
+def sse_data(text: str) -> list:
+    return [json.loads(line[6:]) for line in text.split("\n")
+            if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def chat(thinker, bodies: list[dict], **config) -> list[httpx.Response]:
+    async def clients(app, http, go):
+        go.set()
+        return [await http.post("/v1/chat/completions", json={"model": "llama",
+                                                             "max_tokens": 32, **b})
+                for b in bodies]
+    return in_process(thinker, clients, **config)
+
+
+def test_openai_chat_splits_reasoning_streamed_and_not(thinker):
+    plain, streamed = chat(thinker, [{"messages": HI, "tools": TOOLS},
+                                     {"messages": HI, "tools": TOOLS, "stream": True,
+                                      "stream_options": {"include_usage": True}}])
+    body = plain.json()
+    message = body["choices"][0]["message"]
+    assert message["reasoning_content"] == message["reasoning"] == REASONING
+    assert message["content"] == ANSWER
+    (call,) = message["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == CALL["arguments"]
+    assert body["choices"][0]["finish_reason"] == "tool_calls"
+    # <think> is the prompt's; the reasoning and </think> are 2 of the 7 tokens (the answer,
+    # <tool_call>, the call, </tool_call>, <|im_end|>)
+    assert body["usage"]["completion_tokens"] == 7
+    assert body["usage"]["completion_tokens_details"]["reasoning_tokens"] == 2
+    chunks = sse_data(streamed.text)
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == REASONING
+    assert "".join(d.get("reasoning", "") for d in deltas) == REASONING
+    assert "".join(d.get("content", "") for d in deltas) == ANSWER
+    assert [c["function"]["name"] for d in deltas for c in d.get("tool_calls", [])] == \
+        ["get_weather"]
+    assert chunks[-1]["usage"]["completion_tokens_details"]["reasoning_tokens"] == 2
+
+
+def test_openai_switches_turn_thinking_off(thinker):
+    """reasoning_effort "none", chat_template_kwargs and --chat-template-args give the prompt
+    an empty block: the answer comes alone; a request's switch goes over the server's."""
+    effort, kwargs, on = chat(thinker, [
+        {"messages": HI, "reasoning_effort": "none"},
+        {"messages": HI, "chat_template_kwargs": {"enable_thinking": False}},
+        {"messages": HI, "reasoning_effort": "high",
+         "chat_template_kwargs": {"enable_thinking": True}}])
+    for r in (effort, kwargs):
+        message = r.json()["choices"][0]["message"]
+        assert message["content"].startswith(ANSWER) and "reasoning_content" not in message
+        assert r.json()["usage"]["completion_tokens_details"]["reasoning_tokens"] == 0
+    assert on.json()["choices"][0]["message"]["reasoning_content"] == REASONING
+    off, low = chat(thinker, [{"messages": HI}, {"messages": HI, "reasoning_effort": "low"}],
+                    chat_template_args={"enable_thinking": False})
+    assert "reasoning" not in off.json()["choices"][0]["message"]
+    assert low.json()["choices"][0]["message"]["reasoning"] == REASONING
+    (refused,) = chat(thinker, [{"messages": HI, "chat_template_kwargs": {"tools": []}}])
+    assert refused.status_code == 400 and "chat_template_kwargs" in refused.text
