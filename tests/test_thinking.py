@@ -175,3 +175,78 @@ def test_openai_switches_turn_thinking_off(thinker):
     assert low.json()["choices"][0]["message"]["reasoning"] == REASONING
     (refused,) = chat(thinker, [{"messages": HI, "chat_template_kwargs": {"tools": []}}])
     assert refused.status_code == 400 and "chat_template_kwargs" in refused.text
+
+
+# --------------------------------------------------------------------------- Anthropic
+
+def post(thinker, path: str, bodies: list[dict], **config) -> list[httpx.Response]:
+    async def clients(app, http, go):
+        go.set()
+        return [await http.post(path, json={"model": "llama", **b}) for b in bodies]
+    return in_process(thinker, clients, **config)
+
+
+def sse_events(text: str) -> list[tuple[str, dict]]:
+    out, event = [], None
+    for line in text.split("\n"):
+        if line.startswith("event: "):
+            event = line[7:]
+        elif line.startswith("data: ") and line != "data: [DONE]":
+            out.append((event, json.loads(line[6:])))
+    return out
+
+
+ANTHROPIC_TOOLS = [{"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}]
+
+
+def test_anthropic_thinking_blocks_streamed_and_not(thinker):
+    body = {"max_tokens": 32, "messages": HI, "tools": ANTHROPIC_TOOLS,
+            "thinking": {"type": "adaptive"}}
+    plain, streamed, off = post(thinker, "/v1/messages", [
+        body, {**body, "stream": True}, {**body, "thinking": {"type": "disabled"}}])
+    thinking, text, use = plain.json()["content"]
+    assert thinking["type"] == "thinking" and thinking["thinking"] == REASONING
+    assert thinking["signature"]
+    assert text == {"type": "text", "text": ANSWER}
+    assert (use["type"], use["name"], use["input"]) == ("tool_use", "get_weather",
+                                                        CALL["arguments"])
+    assert plain.json()["stop_reason"] == "tool_use"
+    events = sse_events(streamed.text)
+    starts = [d["content_block"]["type"] for e, d in events if e == "content_block_start"]
+    assert starts == ["thinking", "text", "tool_use"]
+    deltas = [d["delta"] for e, d in events if e == "content_block_delta"]
+    assert "".join(d.get("thinking", "") for d in deltas) == REASONING
+    assert [d["signature"] for d in deltas if d["type"] == "signature_delta"] == \
+        [thinking["signature"]]
+    assert "".join(d.get("text", "") for d in deltas) == ANSWER
+    assert events[-1][0] == "message_stop"
+    assert [b["type"] for b in off.json()["content"]] == ["text", "tool_use"]
+
+
+# --------------------------------------------------------------------------- Responses
+
+def test_responses_reasoning_items_streamed_and_not(thinker):
+    body = {"input": "hi", "tools": [{"type": "function", **TOOLS[0]["function"]}],
+            "include": ["reasoning.encrypted_content"]}
+    plain, streamed, off = post(thinker, "/v1/responses", [
+        body, {**body, "stream": True}, {**body, "reasoning": {"effort": "none"}}])
+    reasoning, message, call = plain.json()["output"]
+    assert reasoning["type"] == "reasoning" and reasoning["summary"] == []
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": REASONING}]
+    assert reasoning["encrypted_content"]
+    assert message["content"][0]["text"] == ANSWER
+    assert (call["type"], call["name"]) == ("function_call", "get_weather")
+    assert plain.json()["usage"]["output_tokens_details"]["reasoning_tokens"] == 2
+    events = sse_events(streamed.text)
+    kinds = [e for e, _ in events]
+    assert "".join(d["delta"] for e, d in events if e == "response.reasoning_text.delta") == \
+        REASONING
+    assert kinds.index("response.reasoning_text.done") < kinds.index(
+        "response.output_text.delta")
+    done = [d["item"]["type"] for e, d in events if e == "response.output_item.done"]
+    assert done == ["reasoning", "message", "function_call"]
+    assert kinds[-1] == "response.completed"
+    final = events[-1][1]["response"]
+    assert final["output"][0]["content"] == reasoning["content"]
+    assert final["usage"]["output_tokens_details"]["reasoning_tokens"] == 2
+    assert [i["type"] for i in off.json()["output"]] == ["message", "function_call"]
