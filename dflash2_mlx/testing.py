@@ -213,16 +213,18 @@ THINK_TEMPLATE = (
 
 def write_thinking_target(folder: Path, reasoning: str = REASONING, answer: str = ANSWER,
                           call: str | None = None, reply: str | None = None,
-                          **overrides) -> Path:
+                          family: str = "llama", **overrides) -> Path:
     """A llama with a thinking tokenizer (`<think>`, `</think>`) and a Qwen3-like template
     (`THINK_TEMPLATE`), wired as `write_tool_target`'s: after the `<think>` that ends its
     generation prompt it writes `reasoning`, `</think>`, `answer`, then with `call`
     `<tool_call>call</tool_call>`, then <|im_end|>; thinking off (the prompt ends `</think>`),
     `answer` alone. With `reply`, a prompt whose last message is a tool result is answered
-    `reply` (one token, whatever it holds: `</think>` in it ends its reasoning)."""
+    `reply` (one token, whatever it holds: `</think>` in it ends its reasoning). Another
+    `family` (with its config in `overrides`) keeps its random weights: the tokenizer and
+    template only."""
     from tokenizers import Tokenizer
 
-    write_target(folder, "llama", seed=6, **overrides)
+    write_target(folder, family, seed=6, **overrides)
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     words = ["<think>", "</think>", "<tool_call>", "</tool_call>", reasoning, answer]
     tok.add_tokens(words + ([call] if call else []) + ([TOOL_SEEN, reply] if reply else []))
@@ -231,6 +233,8 @@ def write_thinking_target(folder: Path, reasoning: str = REASONING, answer: str 
     cfg["chat_template"] = THINK_TEMPLATE
     cfg["model_max_length"] = overrides.get("max_position_embeddings", 4096)
     (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    if family != "llama":
+        return folder
     tail = ["<tool_call>", call, "</tool_call>"] if call else []
     links = _chain(tok, [reasoning, "</think>", answer, *tail, "<|im_end|>"],
                    tok.token_to_id("<think>"))

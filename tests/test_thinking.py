@@ -250,3 +250,124 @@ def test_responses_reasoning_items_streamed_and_not(thinker):
     assert final["output"][0]["content"] == reasoning["content"]
     assert final["usage"]["output_tokens_details"]["reasoning_tokens"] == 2
     assert [i["type"] for i in off.json()["output"]] == ["message", "function_call"]
+
+
+# --------------------------------------------------------------------------- prefix reuse
+
+# a system prompt of a few hundred tokens, as agents send (theirs are thousands)
+SYSTEM = " ".join(["You are a small assistant. Print the answer, then stop."] * 30)
+
+
+def three_turns(pipe, api: str, max_tokens: int = 32) -> list[tuple[int, int]]:
+    """A three-turn conversation on `api`, each answer sent back as that API's clients send
+    it (the reasoning included) -> (cached, prompt) tokens of each turn."""
+    async def clients(app, http, go):
+        go.set()
+        turns, history = [], []
+        for ask in ("hi", "and then?", "thanks"):
+            if api == "openai":
+                history.append({"role": "user", "content": ask})
+                r = (await http.post("/v1/chat/completions", json={
+                    "model": "llama", "max_tokens": max_tokens, "messages": [
+                        {"role": "system", "content": SYSTEM}, *history]})).json()
+                m = r["choices"][0]["message"]
+                history.append({"role": "assistant", "content": m["content"],
+                                **({"reasoning_content": m["reasoning_content"]}
+                                   if "reasoning_content" in m else {})})
+                cached, prompt = (r["usage"]["prompt_tokens_details"]["cached_tokens"],
+                                  r["usage"]["prompt_tokens"])
+            elif api == "anthropic":
+                history.append({"role": "user", "content": ask})
+                r = (await http.post("/v1/messages", json={
+                    "model": "llama", "max_tokens": max_tokens, "system": SYSTEM,
+                    "thinking": {"type": "enabled", "budget_tokens": 1024},
+                    "messages": history})).json()
+                history.append({"role": "assistant", "content": r["content"]})
+                cached = r["usage"]["cache_read_input_tokens"]
+                prompt = cached + r["usage"]["input_tokens"]
+            else:
+                history.append({"role": "user", "content": ask})
+                r = (await http.post("/v1/responses", json={
+                    "model": "llama", "max_output_tokens": max_tokens, "instructions": SYSTEM,
+                    "input": history, "include": ["reasoning.encrypted_content"]})).json()
+                history.extend(r["output"])
+                cached, prompt = (r["usage"]["input_tokens_details"]["cached_tokens"],
+                                  r["usage"]["input_tokens"])
+            turns.append((cached, prompt))
+        return turns
+    return in_process(pipe, clients)
+
+
+@pytest.mark.parametrize("api", ["openai", "anthropic", "responses"])
+def test_later_turns_read_their_prompt_from_the_prefix_cache(thinker, api):
+    """The template drops the earlier turns' reasoning sent back: the next prompt parts from
+    the cached turn where its block opened, and reads all before it from the cache."""
+    turns = three_turns(thinker, api)
+    print(api, [f"{c}/{p} = {c / p:.1%}" for c, p in turns[1:]])
+    assert turns[0][0] == 0
+    for cached, prompt in turns[1:]:
+        assert cached >= 0.9 * prompt, turns
+
+
+@pytest.mark.slow  # 10 s
+def test_a_hybrid_thinker_reads_later_turns_from_its_checkpoint(tmp_path):
+    """A target with recurrent layers cannot trim its cached turn back to where the next
+    prompt parts from it: the state kept at the block's start serves it."""
+    from test_families import CONFIGS
+
+    cfg = {k: v for k, v in CONFIGS["qwen3_5"].items() if k != "model_type"}
+    folder = write_thinking_target(tmp_path / "hybrid", family="qwen3_5", **cfg)
+    turns = three_turns(dflash2_mlx.load(str(folder), None), "anthropic", max_tokens=8)
+    print("qwen3_5", [f"{c}/{p} = {c / p:.1%}" for c, p in turns[1:]])
+    for cached, prompt in turns[1:]:
+        assert cached >= 0.9 * prompt, turns
+
+
+# --------------------------------------------------------------------------- history
+
+def test_reasoning_sent_back_reaches_the_template(thinker):
+    """Each API's way of sending a turn's reasoning back becomes the assistant message's
+    `reasoning_content`; the template renders it inside a tool round trip and drops it
+    once a new user query follows."""
+    from dflash2_mlx.server.anthropic_routes import anthropic_messages
+    from dflash2_mlx.server.openai_routes import openai_messages
+    from dflash2_mlx.server.responses import chat_messages, parse_request, seal
+    from dflash2_mlx.server.schemas import ChatRequest, MessagesRequest
+
+    use = {"id": "call_1", "name": "get_weather", "input": CALL["arguments"]}
+    anthropic = anthropic_messages(MessagesRequest.model_validate({
+        "model": "llama", "max_tokens": 8, "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": REASONING, "signature": "x"},
+                {"type": "redacted_thinking", "data": "opaque"},
+                {"type": "tool_use", **use}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1",
+                                          "content": "sunny"}]}]}))
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+            "arguments": json.dumps(CALL["arguments"])}
+    out = {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}
+    responses = [chat_messages(parse_request({"model": "llama", "input": [
+        {"role": "user", "content": "hi"}, item, call, out]})) for item in (
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": REASONING}]},
+        # Codex sends the item back without its text: this server's sealed copy
+        {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": seal(REASONING)})]
+    openai = openai_messages(ChatRequest.model_validate({"model": "llama", "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "reasoning_content": REASONING,
+         "tool_calls": [{"id": "call_1", "type": "function", "function": {
+             "name": "get_weather", "arguments": json.dumps(CALL["arguments"])}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]}))
+    block = "<think>\n" + REASONING.strip("\n") + "\n</think>"
+    tok = thinker.tokenizer
+    for messages in (anthropic, *responses, openai):
+        assert messages[1]["role"] == "assistant"
+        assert messages[1]["reasoning_content"] == REASONING
+        rendered = tok.apply_chat_template(messages, tools=TOOLS, tokenize=False,
+                                           add_generation_prompt=True)
+        assert block in rendered
+        later = messages + [{"role": "assistant", "content": "It is sunny."},
+                            {"role": "user", "content": "thanks"}]
+        assert block not in tok.apply_chat_template(later, tools=TOOLS, tokenize=False,
+                                                    add_generation_prompt=True)

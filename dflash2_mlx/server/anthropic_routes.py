@@ -29,7 +29,8 @@ async def messages(req: MessagesRequest, request: Request, service: ServiceDep):
     tools, left_out = anthropic_tools(req)
     prompt = render(service, req, tools)
     limit = service.max_tokens(req.max_tokens, len(prompt), anthropic=True)
-    job = service.submit(GenerationRequest(prompt, limit, sampling, None))
+    job = service.submit(GenerationRequest(prompt, limit, sampling, None,
+                                           service.checkpoint(prompt)))
     text = service.tool_stream(stops, tools, prompt)
     head = {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant",
             "model": service.config.model_id}

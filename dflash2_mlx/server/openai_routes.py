@@ -109,7 +109,8 @@ async def chat(req: ChatRequest, request: Request, service: ServiceDep):
                     if req.max_completion_tokens is not None
                     else (req.max_tokens, "max_tokens"))
     limit = service.max_tokens(asked, len(prompt), param)
-    job = service.submit(GenerationRequest(prompt, limit, sampling, req.seed))
+    job = service.submit(GenerationRequest(prompt, limit, sampling, req.seed,
+                                           service.checkpoint(prompt)))
     text = service.tool_stream(stops, tools, prompt)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
             "model": service.config.model_id}

@@ -617,7 +617,8 @@ async def create_response(body: Annotated[dict[str, Any], Body()], request: Requ
             raise
         # a stream reports it as Codex reads it: response.failed with the error's code
         return event_stream(_failed(head, e))
-    job = service.submit(GenerationRequest(prompt, limit, sampling, req.seed))
+    job = service.submit(GenerationRequest(prompt, limit, sampling, req.seed,
+                                           service.checkpoint(prompt)))
     text = service.tool_stream([], tools, prompt)
     headers = service.headers(limit, hosted)
     sealed = "reasoning.encrypted_content" in (req.include or [])

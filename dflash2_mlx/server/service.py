@@ -128,6 +128,17 @@ class Service:
         return self.pipe.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                                        add_generation_prompt=True, **args)
 
+    def checkpoint(self, prompt: list[int]) -> int | None:
+        """Where the next turn's prompt may part from this one's prompt and output, for a
+        thinking model: at the block its prompt opens (a template that drops earlier reasoning
+        renders the answer there), else at its end. The prefix cache keeps a state there too
+        when it cannot trim back to it (recurrent layers)."""
+        if self.markers is None:
+            return None
+        if self.markers.opens_in(prompt):
+            return self.markers.rfind_start(prompt)
+        return len(prompt)
+
     def tool_stream(self, stops: list[str], tools: list[dict] | None,
                     prompt: list[int] | None = None) -> TextStream:
         """The response's text: reasoning split off (a chat `prompt` to a thinking model),

@@ -36,7 +36,11 @@ class Markers:
     def opens_in(self, prompt: Sequence[int]) -> bool:
         """Does the prompt leave a think block open (its last start after its last end)? The
         generation then starts inside it, as mlx-lm's server decides."""
-        return _rfind(prompt, self.start_ids) > _rfind(prompt, self.end_ids)
+        return self.rfind_start(prompt) > _rfind(prompt, self.end_ids)
+
+    def rfind_start(self, ids: Sequence[int]) -> int:
+        """Where the last start marker begins in ids (-1: none)."""
+        return _rfind(ids, self.start_ids)
 
 
 def _rfind(ids: Sequence[int], seq: tuple[int, ...]) -> int:
