@@ -371,3 +371,75 @@ def test_reasoning_sent_back_reaches_the_template(thinker):
                             {"role": "user", "content": "thanks"}]
         assert block not in tok.apply_chat_template(later, tools=TOOLS, tokenize=False,
                                                     add_generation_prompt=True)
+
+
+# --------------------------------------------------------------------------- mlx-lm's server
+
+def mlx_lm_server(model: str):
+    """`mlx_lm.server` on the model, on a free loopback port -> (process, url) once it
+    answers."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "mlx_lm.server", "--model", model,
+                             "--host", "127.0.0.1", "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        try:
+            httpx.get(url + "/v1/models", timeout=2)
+            return proc, url
+        except httpx.TransportError:
+            assert proc.poll() is None and time.time() < deadline, "mlx_lm.server did not start"
+            time.sleep(0.3)
+
+
+@pytest.mark.server
+@pytest.mark.slow  # 8 s
+def test_the_split_matches_mlx_lm_server(tmp_path):
+    """The same chat requests, greedy, to mlx-lm's server and to ours, both real processes on
+    the thinking target: the same reasoning, the same answer and the same tool calls, with
+    thinking on, off (chat_template_kwargs) and streamed. With tools offered only: mlx-lm
+    parses a call without them too, this server leaves it in the text."""
+    from fixtures import Server
+
+    folder = write_thinking_target(tmp_path / "think",
+                                   call=json.dumps(CALL, separators=(",", ":")))
+    bodies = [{"messages": HI, "tools": TOOLS},
+              {"messages": HI, "tools": TOOLS,
+               "chat_template_kwargs": {"enable_thinking": False}},
+              {"messages": HI, "tools": TOOLS, "stream": True}]
+    ours = Server("--model", folder)
+    theirs, url = mlx_lm_server(str(folder))
+    try:
+        got = {}
+        for name, base, model in (("ours", ours.url, "think"), ("mlx-lm", url, str(folder))):
+            got[name] = [said(httpx.post(base + "/v1/chat/completions", timeout=60, json={
+                "model": model, "max_tokens": 32, "temperature": 0, **b}), b.get("stream"))
+                for b in bodies]
+    finally:
+        theirs.terminate()
+        theirs.wait(30)
+        assert ours.stop() == 0, "".join(ours.log)
+    assert got["ours"] == got["mlx-lm"]
+    made = [("get_weather", CALL["arguments"])]
+    assert got["ours"] == [(REASONING, ANSWER, made), ("", ANSWER, made),
+                           (REASONING, ANSWER, made)]
+
+
+def said(r: httpx.Response, stream: bool) -> tuple[str, str, list]:
+    """(reasoning, answer, [(tool, arguments)]) of a chat response, streamed or not."""
+    assert r.status_code == 200, r.text
+    parts = ([c["choices"][0]["delta"] for c in sse_data(r.text) if c.get("choices")]
+             if stream else [r.json()["choices"][0]["message"]])
+    calls = [c["function"] for p in parts for c in p.get("tool_calls") or []]
+    return ("".join(p.get("reasoning") or "" for p in parts),
+            "".join(p.get("content") or "" for p in parts),
+            [(c["name"], json.loads(c["arguments"])) for c in calls])
