@@ -199,7 +199,7 @@ class StreamOptions(_Closed):
 class Reasoning(_Closed):
     """The reasoning settings: an effort of "none" or "minimal" turns thinking off, any other
     on; summaries are not made (the reasoning comes whole, as reasoning_text)."""
-    effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh"]] = None
+    effort: Optional[str] = None                       # "low" ... "xhigh", "max": all on
     summary: Optional[Literal["auto", "concise", "detailed", "none"]] = None
     generate_summary: Optional[str] = None
 
