@@ -110,9 +110,16 @@ def test_a_tool_call_inside_the_reasoning_is_not_a_call(thinker):
     assert text.stopped is None and text.made_tool_call
 
 
-def test_efforts():
+def test_efforts_and_template_args():
+    from dflash2_mlx import settings
+
     assert [effort_switch(e) for e in (None, "none", "minimal", "low", "high")] == \
         [None, False, False, True, True]
+    assert settings.chat_template_args('{"enable_thinking": false}') == \
+        {"enable_thinking": False}
+    for bad in ("{bad", "[1]", {"tokenize": True}):
+        with pytest.raises(settings.SettingError, match="chat_template_args"):
+            settings.chat_template_args(bad)
 
 
 # --------------------------------------------------------------------------- OpenAI chat
