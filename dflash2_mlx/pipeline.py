@@ -288,15 +288,16 @@ class Pipeline:
     def request(self, engine: Engine, ids: list[int], max_tokens: int, sampling: Sampling,
                 b: int | str, *, lookup: bool, stop_ids: frozenset, seed: int | None,
                 state: DecodeState | None = None, keep_state: bool = False,
-                progress=None) -> Request:
+                progress=None, checkpoint: int | None = None) -> Request:
         """One prompt (ids) for `engine`, with its width policy for the checked block size `b`
-        (`block_size`; a prompt at or past max_ctx runs plain). state, keep_state, progress:
-        as `engine.Request`'s (the prefix cache, a long prefill's progress)."""
+        (`block_size`; a prompt at or past max_ctx runs plain). state, keep_state, progress,
+        checkpoint: as `engine.Request`'s (the prefix cache, a long prefill's progress)."""
         wide = b if self.max_ctx is None or len(ids) < self.max_ctx else 1
         policy = engine.planner.policy(wide, self.width_policy() if wide == "auto" else None,
                                        alone=engine.solo)
         return Request(ids, max_tokens, sampling, policy, stop_ids, lookup and wide != 1, seed,
-                       state, keep_state, progress, GenerationStats(block_size=wide))
+                       state, keep_state, progress, GenerationStats(block_size=wide),
+                       checkpoint)
 
     def generate_batch(self, prompts: Sequence[str | Sequence[int]],
                        **options) -> list[Generation]:

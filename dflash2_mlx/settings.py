@@ -12,6 +12,7 @@ This module must not import mlx (the CLI validates flags before anything heavy l
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 import re
@@ -279,6 +280,26 @@ def memory_budget(value, name: str = "memory_budget") -> int | str | None:
     except SettingError:
         raise SettingError(name, value, "a size in bytes (e.g. 24GiB, 12G, 25769803776) or a "
                            "percentage of the device's memory (e.g. 70%)") from None
+
+
+# apply_chat_template's own arguments: the server sets them, template arguments may not
+TEMPLATE_OWN_ARGS = ("conversation", "messages", "tools", "tokenize", "add_generation_prompt",
+                     "return_dict", "chat_template", "continue_final_message")
+
+
+def chat_template_args(value, name: str = "chat_template_args") -> dict:
+    """Arguments for the chat template: a JSON object, as a dict or as its text (mlx-lm's
+    `--chat-template-args '{"enable_thinking": false}'`), without apply_chat_template's own."""
+    expected = ('a JSON object of template arguments (not ' + ", ".join(TEMPLATE_OWN_ARGS) +
+                '), e.g. \'{"enable_thinking": false}\'')
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise SettingError(name, value, expected) from None
+    if not isinstance(value, dict) or set(value) & set(TEMPLATE_OWN_ARGS):
+        raise SettingError(name, value, expected)
+    return dict(value)
 
 
 def text(value: str, name: str = "prompt") -> str:

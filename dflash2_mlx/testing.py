@@ -133,14 +133,24 @@ def write_tool_target(folder: Path, call: str = TOOL_CALL, reply: str | None = N
     cfg["model_max_length"] = overrides.get("max_position_embeddings", 4096)
     (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
 
-    def chain(tokens: list[str], start: int) -> list[tuple[int, int]]:
-        ids = [start] + [tok.token_to_id(t) for t in tokens]
-        return list(zip(ids[:-1], ids[1:]))
-
     newline = tok.encode("<|im_start|>assistant\n").ids[-1]   # every chat prompt ends so
-    links = chain(["<tool_call>", call, "</tool_call>", "<|im_end|>"], newline)
+    links = _chain(tok, ["<tool_call>", call, "</tool_call>", "<|im_end|>"], newline)
     if reply:
-        links += chain([reply, "<|im_end|>"], tok.token_to_id(TOOL_SEEN))
+        links += _chain(tok, [reply, "<|im_end|>"], tok.token_to_id(TOOL_SEEN))
+    _wire(folder, links)
+    return folder
+
+
+def _chain(tok, tokens: list[str], start: int) -> list[tuple[int, int]]:
+    """(token, next token) pairs: `start`, then `tokens` in order."""
+    ids = [start] + [tok.token_to_id(t) for t in tokens]
+    return list(zip(ids[:-1], ids[1:]))
+
+
+def _wire(folder: Path, links: list[tuple[int, int]]) -> None:
+    """The target's weights rewired so that greedy decoding follows `links`: every layer adds
+    nothing (o_proj, down_proj zero), so the next token depends on the current one only, and
+    the head maps each link's token to its next (one embedding dimension per link)."""
     w = dict(mx.load(str(folder / "model.safetensors")))
     for k in w:
         if k.endswith(("o_proj.weight", "down_proj.weight")):
@@ -151,9 +161,86 @@ def write_tool_target(folder: Path, call: str = TOOL_CALL, reply: str | None = N
     for d, (src, dst) in enumerate(links):
         one = (mx.arange(embed.shape[1]) == d).astype(embed.dtype)
         embed[src] = one * 4.0
-        head[dst] = head[dst] + one * 10.0            # <|im_end|> ends two chains
+        head[dst] = head[dst] + one * 10.0            # <|im_end|> ends several chains
     w["model.embed_tokens.weight"], w["lm_head.weight"] = embed, head
     mx.save_safetensors(str(folder / "model.safetensors"), w)
+
+
+# --------------------------------------------------------------------------- a thinker
+
+REASONING = "\nThe user greets me. A short greeting back will do.\n"
+ANSWER = "\n\nHello! How can I help?"
+# Qwen3's template in small: earlier turns' reasoning is dropped (kept after the last user
+# query: a tool round trip), an assistant turn's `reasoning_content` (or a <think> block in
+# its content) is what it renders, tool results are user turns; the generation prompt opens
+# the think block (Qwen3.5's) unless enable_thinking is false, which writes an empty one.
+THINK_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{% if messages[0].role == 'system' %}"
+    "{{ messages[0].content }}\n\n{% endif %}Tools:\n{% for tool in tools %}"
+    "{{ tool | tojson }}\n{% endfor %}Call one as <tool_call>{...}</tool_call><|im_end|>\n"
+    "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}"
+    "<|im_end|>\n{% endif %}"
+    "{% set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}"
+    "{% for message in messages[::-1] %}{% set index = (messages|length - 1) - loop.index0 %}"
+    "{% if ns.multi_step_tool and message.role == 'user' %}"
+    "{% set ns.multi_step_tool = false %}{% set ns.last_query_index = index %}"
+    "{% endif %}{% endfor %}"
+    "{% for message in messages %}{% set content = message.content or '' %}"
+    "{% if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
+    "<|im_start|>{{ message.role }}\n{{ content }}<|im_end|>\n"
+    "{% elif message.role == 'assistant' %}{% set reasoning_content = '' %}"
+    "{% if message.reasoning_content is string %}"
+    "{% set reasoning_content = message.reasoning_content %}"
+    "{% elif '</think>' in content %}"
+    "{% set reasoning_content = content.split('</think>')[0].rstrip('\n')"
+    ".split('<think>')[-1].lstrip('\n') %}"
+    "{% set content = content.split('</think>')[-1].lstrip('\n') %}{% endif %}"
+    "<|im_start|>assistant\n"
+    "{% if loop.index0 > ns.last_query_index and reasoning_content %}"
+    "<think>\n{{ reasoning_content.strip('\n') }}\n</think>\n\n{% endif %}"
+    "{{ content.lstrip('\n') }}"
+    "{% for tool_call in message.tool_calls or [] %}{% set tool_call = tool_call.function %}"
+    "<tool_call>{\"name\":\"{{ tool_call.name }}\",\"arguments\":"
+    "{{ tool_call.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ content }}\n"
+    "</tool_response><|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>"
+    "{% else %}<think>{% endif %}"
+    "{% if messages[-1].role == 'tool' %}" + TOOL_SEEN + "{% endif %}{% endif %}"
+)
+
+
+def write_thinking_target(folder: Path, reasoning: str = REASONING, answer: str = ANSWER,
+                          call: str | None = None, reply: str | None = None,
+                          family: str = "llama", **overrides) -> Path:
+    """A llama with a thinking tokenizer (`<think>`, `</think>`) and a Qwen3-like template
+    (`THINK_TEMPLATE`), wired as `write_tool_target`'s: after the `<think>` that ends its
+    generation prompt it writes `reasoning`, `</think>`, `answer`, then with `call`
+    `<tool_call>call</tool_call>`, then <|im_end|>; thinking off (the prompt ends `</think>`),
+    `answer` alone. With `reply`, a prompt whose last message is a tool result is answered
+    `reply` (one token, whatever it holds: `</think>` in it ends its reasoning). Another
+    `family` (with its config in `overrides`) keeps its random weights: the tokenizer and
+    template only."""
+    from tokenizers import Tokenizer
+
+    write_target(folder, family, seed=6, **overrides)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    words = ["<think>", "</think>", "<tool_call>", "</tool_call>", reasoning, answer]
+    tok.add_tokens(words + ([call] if call else []) + ([TOOL_SEEN, reply] if reply else []))
+    tok.save(str(folder / "tokenizer.json"))
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = THINK_TEMPLATE
+    cfg["model_max_length"] = overrides.get("max_position_embeddings", 4096)
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    if family != "llama":
+        return folder
+    tail = ["<tool_call>", call, "</tool_call>"] if call else []
+    links = _chain(tok, [reasoning, "</think>", answer, *tail, "<|im_end|>"],
+                   tok.token_to_id("<think>"))
+    if reply:
+        links += _chain(tok, [reply, "<|im_end|>"], tok.token_to_id(TOOL_SEEN))
+    _wire(folder, links)
     return folder
 
 

@@ -5,7 +5,8 @@ each body as sent). The texts in them are cut to `CUT` characters at replay (eve
 block and tool stays as sent): the tests' byte-level tokenizer makes ~75k tokens of Claude
 Code's 78k characters. The target answers every prompt with a call to the client's own tool
 and a prompt after a tool result with a reply (`write_tool_target`), so each client's round
-trip runs as it would against a real model."""
+trip runs as it would against a real model; a thinking target (`write_thinking_target`) does
+the same after its reasoning, which each client gets as its API's reasoning."""
 
 from __future__ import annotations
 
@@ -232,3 +233,88 @@ def test_context_overflow_is_worded_as_each_api_words_it(agent_pipes):
     assert plain.status_code == 400
     assert plain.json()["error"]["code"] == "context_length_exceeded"
     assert head.status_code == 200
+
+
+# --------------------------------------------------------------------------- a thinking target
+
+THOUGHT = "\nThe command ran.\n"          # the reasoning of the reply after a tool result
+
+
+@pytest.fixture(scope="module")
+def thinking_pipes(tmp_path_factory):
+    """Per client, a one-layer thinker (`write_thinking_target`): its reasoning, `</think>`,
+    an answer and a call to the client's tool; after a tool result, THOUGHT then REPLY."""
+    from dflash2_mlx.testing import write_thinking_target
+
+    root = tmp_path_factory.mktemp("thinking-agents")
+    draft = write_drafter(root / "draft", drafter_args(layer_ids=(0,), num_target_layers=1))
+    pipes = {}
+    for name, call in CALLS.items():
+        target = write_thinking_target(
+            root / name, call=json.dumps(call, separators=(",", ":")),
+            reply=THOUGHT + "</think>" + REPLY, num_hidden_layers=1, num_attention_heads=1,
+            num_key_value_heads=1, max_position_embeddings=CONTEXT)
+        pipes[name] = dflash2_mlx.load(str(target), str(draft))
+    return pipes
+
+
+@pytest.mark.slow  # 31 s
+def test_claude_code_on_a_thinking_target_gets_thinking_blocks(thinking_pipes):
+    from dflash2_mlx.testing import ANSWER, REASONING
+
+    first, second = run(thinking_pipes["claude-code"], replayed("claude-code"))
+    for (streamed, plain), kinds in ((first, ["thinking", "text", "tool_use"]),
+                                     (second, ["thinking", "text"])):
+        assert streamed.status_code == plain.status_code == 200, (streamed.text, plain.text)
+        events = sse_events(streamed.text)
+        assert events[-1][0] == "message_stop", events[-3:]
+        assert [d["content_block"]["type"] for e, d in events
+                if e == "content_block_start"] == kinds
+        assert [b["type"] for b in plain.json()["content"]] == kinds
+    thinking, text, use = first[1].json()["content"]
+    assert (thinking["thinking"], text["text"], use["name"]) == (REASONING, ANSWER, "Bash")
+    assert use["input"] == CALLS["claude-code"]["arguments"]
+    thinking, text = second[1].json()["content"]
+    assert (thinking["thinking"], text["text"]) == (THOUGHT, REPLY)
+
+
+@pytest.mark.slow  # 7 s
+@pytest.mark.parametrize("client", ["codex", "codex-gpt-5.5"])
+def test_codex_on_a_thinking_target_gets_reasoning_items(thinking_pipes, client):
+    from dflash2_mlx.testing import ANSWER, REASONING
+
+    call = "custom_tool_call" if client == "codex-gpt-5.5" else "function_call"
+    first, second = run(thinking_pipes[client], replayed(client))
+    for (streamed, plain), kinds in ((first, ["reasoning", "message", call]),
+                                     (second, ["reasoning", "message"])):
+        assert streamed.status_code == plain.status_code == 200, (streamed.text, plain.text)
+        events = sse_events(streamed.text)
+        assert events[-1][0] == "response.completed", events[-3:]
+        assert [d["item"]["type"] for e, d in events if e == "response.output_item.done"] == \
+            kinds
+        assert [i["type"] for i in plain.json()["output"]] == kinds
+    reasoning, message, made = first[1].json()["output"]
+    assert reasoning["content"][0]["text"] == REASONING
+    assert message["content"][0]["text"] == ANSWER
+    assert made["name"] == CALLS[client]["name"].split("__")[-1]
+    reasoning, message = second[1].json()["output"]
+    assert (reasoning["content"][0]["text"], message["content"][0]["text"]) == (THOUGHT, REPLY)
+
+
+def test_opencode_on_a_thinking_target_gets_reasoning_content(thinking_pipes):
+    from dflash2_mlx.testing import ANSWER, REASONING
+
+    title, main, result = run(thinking_pipes["opencode"], replayed("opencode"))
+    for streamed, plain in (title, main, result):
+        assert streamed.status_code == plain.status_code == 200, (streamed.text, plain.text)
+        assert sse_events(streamed.text)[-1][1] == "[DONE]"
+    for (streamed, plain), (thought, answer) in ((main, (REASONING, ANSWER)),
+                                                 (result, (THOUGHT, REPLY))):
+        message = plain.json()["choices"][0]["message"]
+        assert (message["reasoning_content"], message["content"]) == (thought, answer)
+        deltas = [d["choices"][0]["delta"] for _, d in sse_events(streamed.text)[:-1]
+                  if d.get("choices")]
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == thought
+        assert "".join(d.get("content") or "" for d in deltas) == answer
+    (call,) = main[1].json()["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "bash"

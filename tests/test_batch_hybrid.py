@@ -194,6 +194,28 @@ def test_state_kept_on_leaving_resumes_exactly():
     assert engine.stats[0].cached_tokens == cached
 
 
+def test_a_checkpoint_in_the_prompt_is_kept_and_resumes_exactly():
+    """`Request.checkpoint`: the prefill stops there to keep a copy of the state (a hybrid
+    state cannot be trimmed back to it); a prompt that parts from the first one there starts
+    from that copy, exactly, with the checkpoint's prefix not prefilled again."""
+    adapter = hybrid("qwen3_5")
+    drafter = random_drafter(drafter_args(block_size=8, layer_ids=FEATURES))
+    rng = random.Random(13)
+    vocab = adapter.vocab_size
+    prompt = [rng.randrange(vocab - 1) for _ in range(30)]
+    engine = Engine(adapter, drafter)
+    run(engine, {0: [(0, Request(prompt, 6, policy=FixedWidth(4), keep_state=True,
+                                 checkpoint=21))]}, budget=8)
+    kept = engine.pop_checkpoint(0)
+    assert kept is not None and kept.tokens == prompt[:21]
+    assert engine.pop_state(0).tokens[:30] == prompt
+    follow = prompt[:21] + [7, 8, 9, 10]
+    engine = Engine(adapter, drafter)
+    out = run(engine, {0: [(0, Request(follow, 12, policy=FixedWidth(4), state=kept))]})
+    assert out[0] == (mlx_lm_greedy(adapter.model, follow, 12), "length")
+    assert engine.stats[0].cached_tokens == 21
+
+
 def test_memory_returns_to_idle_after_a_burst():
     adapter = hybrid("qwen3_next")
     drafter = random_drafter(drafter_args(block_size=8, layer_ids=FEATURES))

@@ -34,6 +34,10 @@ KEEP_BILLING_HEADER = typer.Option(
     False, "--keep-billing-header", help="Keep Claude Code's per-session "
     "`x-anthropic-billing-header` system block in the prompt (by default it is left out, "
     "so that a new session reuses the prefix cache)")
+CHAT_TEMPLATE_ARGS = typer.Option(
+    None, "--chat-template-args", metavar="JSON", callback=flag(check.chat_template_args),
+    help="Arguments for the chat template, as mlx-lm takes them, e.g. "
+    "'{\"enable_thinking\": false}'; a request's own switches go over them")
 MAX_BODY_BYTES = typer.Option(4 * 2**20, "--max-body-bytes", callback=flag(check.max_body_bytes),
                               help="Largest request body")
 QUEUE_SIZE = typer.Option(16, "--queue-size", callback=flag(check.queue_size),
@@ -98,6 +102,7 @@ def serve(
     context_length: Optional[int] = CONTEXT_LENGTH,
     beyond_positions: bool = BEYOND_POSITIONS,
     keep_billing_header: bool = KEEP_BILLING_HEADER,
+    chat_template_args: Optional[str] = CHAT_TEMPLATE_ARGS,
     max_body_bytes: int = MAX_BODY_BYTES,
     queue_size: int = QUEUE_SIZE,
     prompt_cache_size: int = PROMPT_CACHE_SIZE,
@@ -139,7 +144,7 @@ def serve(
             prompt_cache_disk_bytes=prompt_cache_disk_bytes or check.PROMPT_CACHE_DISK_BYTES,
             ping_interval=ping_interval, read_timeout=read_timeout, max_batch=max_batch,
             prefill_chunk=prefill_chunk, memory_budget=memory_budget,
-            keep_billing_header=keep_billing_header)
+            keep_billing_header=keep_billing_header, chat_template_args=chat_template_args or {})
         server.serve(pipe, config, host=host, port=port, shutdown_timeout=shutdown_timeout,
                      ready=lambda url: _log.info(f"serving {config.model_id} on {url}"))
         _log.info("stopped")

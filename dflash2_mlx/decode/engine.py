@@ -76,6 +76,7 @@ class Engine:
         self.rows: list[Sequence] = []                # decoding, in the caches' row order
         self.queue: deque[Sequence] = deque()         # prefilling (the first) or waiting
         self.states: dict[int, DecodeState] = {}
+        self.checkpoints: dict[int, DecodeState] = {}      # rid -> its state at its checkpoint
         self.stats: dict[int, GenerationStats] = {}
         self.history: list[tuple[int, int, float]] = []   # per decode step: sequences,
         self._next = 0                                    # rows verified (B x T), seconds
@@ -138,6 +139,10 @@ class Engine:
     def pop_state(self, rid: int) -> DecodeState | None:
         """The single-sequence state of a sequence that left with `keep_state`."""
         return self.states.pop(rid, None)
+
+    def pop_checkpoint(self, rid: int) -> DecodeState | None:
+        """The state a sequence had at its request's `checkpoint`, when one was kept."""
+        return self.checkpoints.pop(rid, None)
 
     def run(self, request: Request) -> Iterator[Event]:
         """One request to its end on this engine, its events as they come (the first token
@@ -225,6 +230,35 @@ class Engine:
         mx.clear_cache()
 
     def _prefill(self, seq: Sequence, budget: float) -> int:
+        """Prefill up to `budget` prompt ids of `seq` -> how many it took, stopping at its
+        request's checkpoint first to keep a copy of the state there (`_checkpoint`)."""
+        cut = self._checkpoint(seq)
+        if cut is None or cut > budget or cut == len(seq.todo):
+            n = self._prefill_ids(seq, budget)
+        else:
+            n = self._prefill_ids(seq, cut)
+            self._checkpoint(seq)
+            if budget > n and seq.todo:
+                n += self._prefill_ids(seq, budget - n)
+        if not seq.todo:
+            self._checkpoint(seq)
+        return n
+
+    def _checkpoint(self, seq: Sequence) -> int | None:
+        """Prompt ids left before the sequence's checkpoint, None when there is none to keep
+        (none asked, passed, or a state that can be trimmed back to it: the prefix cache does
+        that); at the checkpoint, a copy of the state is kept for `pop_checkpoint`."""
+        at, state = seq.req.checkpoint, seq.state
+        if (at is None or not seq.req.keep_state or seq.id in self.checkpoints
+                or at < len(state.tokens) or at > len(seq.req.prompt)
+                or all(c.is_trimmable() for c in state.cache)):
+            return None
+        if at == len(state.tokens):
+            self.checkpoints[seq.id] = state.copy()
+            return None
+        return at - len(state.tokens)
+
+    def _prefill_ids(self, seq: Sequence, budget: float) -> int:
         """Prefill up to `budget` prompt ids of `seq` -> how many it took. The last chunk is
         `state.prefill`'s (its last row alone gives the first token's logits)."""
         todo, state = seq.todo, seq.state

@@ -28,7 +28,9 @@ class Request:
     `AdaptiveWidth`, `policy.batch.BatchAwareWidth`; None: plain decoding);
     lookup: draft from its context too; state: a `DecodeState` to start from (advanced in
     place); keep_state: keep its state when it leaves (`Engine.pop_state`); progress(done,
-    total): called between the chunks of a long prefill; stats: the record to fill."""
+    total): called between the chunks of a long prefill; stats: the record to fill;
+    checkpoint: with keep_state, a prompt position whose state is kept too when the state
+    cannot be trimmed back to it (recurrent layers): `Engine.pop_checkpoint`."""
 
     prompt: list[int]
     max_tokens: int = 256
@@ -41,6 +43,7 @@ class Request:
     keep_state: bool = False
     progress: Callable[[int, int], object] | None = None
     stats: GenerationStats | None = None
+    checkpoint: int | None = None
 
 
 @dataclass(frozen=True)

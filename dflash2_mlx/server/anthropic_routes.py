@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 from typing import Any, AsyncIterator
@@ -26,11 +27,11 @@ async def messages(req: MessagesRequest, request: Request, service: ServiceDep):
     sampling = Sampling(req.temperature, req.top_p, req.top_k)
     stops = service.stops(req.stop_sequences)
     tools, left_out = anthropic_tools(req)
-    prompt = service.render_chat(anthropic_messages(req, service.config.keep_billing_header),
-                                 tools)
+    prompt = render(service, req, tools)
     limit = service.max_tokens(req.max_tokens, len(prompt), anthropic=True)
-    job = service.submit(GenerationRequest(prompt, limit, sampling, None))
-    text = service.tool_stream(stops, tools)
+    job = service.submit(GenerationRequest(prompt, limit, sampling, None,
+                                           service.checkpoint(prompt)))
+    text = service.tool_stream(stops, tools, prompt)
     head = {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant",
             "model": service.config.model_id}
     headers = service.headers(limit, left_out)
@@ -40,14 +41,18 @@ async def messages(req: MessagesRequest, request: Request, service: ServiceDep):
     final = None
     async for pieces, final in service.run(job, text, request):
         for p in pieces:
-            if p.kind == "text" and blocks and blocks[-1]["type"] == "text":
-                blocks[-1]["text"] += p.text
-            elif p.kind == "text":
-                blocks.append({"type": "text", "text": p.text})
-            else:
+            field = {"text": "text", "reasoning": "thinking"}.get(p.kind)
+            if field is None:
                 blocks.extend(_tool_use(c) for c in p.calls)
+            elif blocks and blocks[-1]["type"] == field:
+                blocks[-1][field] += p.text
+            else:
+                blocks.append({"type": field, field: p.text})
     if final is None:
         return JSONResponse({}, 499)      # the client left; nobody reads this
+    for b in blocks:
+        if b["type"] == "thinking":
+            b["signature"] = signature(b["thinking"])
     reason, seq = _stop_reason(final, text)
     return JSONResponse({**head, "content": blocks, "stop_reason": reason, "stop_sequence": seq,
                          "usage": _anthropic_usage(final)}, headers=headers)
@@ -58,9 +63,19 @@ async def count_tokens(req: CountTokensRequest, service: ServiceDep):
     """The prompt's tokens as this server renders it (tools and system turns included)."""
     service.check_model(req.model)
     tools, _ = anthropic_tools(req)
-    prompt = service.render_chat(anthropic_messages(req, service.config.keep_billing_header),
-                                 tools)
-    return {"input_tokens": len(prompt)}
+    return {"input_tokens": len(render(service, req, tools))}
+
+
+def render(service: Service, req: CountTokensRequest, tools: list[dict] | None) -> list[int]:
+    """The prompt ids, with the request's thinking switch (`thinking.type`)."""
+    return service.render_chat(anthropic_messages(req, service.config.keep_billing_header),
+                               tools, thinking=None if req.thinking is None else req.thinking.on)
+
+
+def signature(thinking: str) -> str:
+    """A thinking block's `signature`: the API requires one, clients send it back with the
+    block. Here a digest of the text (nothing checks it: the block is read as it comes)."""
+    return hashlib.sha256(thinking.encode()).hexdigest()[:32]
 
 
 BILLING_HEADER = "x-anthropic-billing-header:"
@@ -78,7 +93,9 @@ def anthropic_messages(req: CountTokensRequest, keep_billing_header: bool = Fals
                        ) -> list[dict]:
     """The conversation as chat messages (OpenAI shape): `system` first, a system turn where
     it stands (`Service.render_chat` folds it into the first where the template needs it),
-    thinking blocks left out, tool_result blocks as tool turns."""
+    an assistant turn's thinking blocks as its `reasoning_content` (the field Qwen's and GLM's
+    templates read; a template that drops earlier reasoning drops it), redacted_thinking
+    blocks left out, tool_result blocks as tool turns."""
     out: list[dict] = []
     if system := _system_blocks(req, keep_billing_header):
         out.append({"role": "system", "content": system})
@@ -86,11 +103,13 @@ def anthropic_messages(req: CountTokensRequest, keep_billing_header: bool = Fals
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
             continue
-        text, calls = [], []
+        text, calls, thinking = [], [], []
         for j, b in enumerate(m.content):
             where = f"messages.{i}.content.{j}"
             if b.type == "text":
                 text.append(b.text or "")
+            elif b.type == "thinking" and m.role == "assistant" and b.thinking:
+                thinking.append(b.thinking)
             elif b.type in ("thinking", "redacted_thinking"):
                 continue
             elif m.role == "system":
@@ -108,8 +127,10 @@ def anthropic_messages(req: CountTokensRequest, keep_billing_header: bool = Fals
                                    param=where)
                 out.append({"role": "tool", "tool_call_id": b.tool_use_id,
                             "content": content_text(b.content)})
-        if text or calls:
+        if text or calls or thinking:
             msg: dict[str, Any] = {"role": m.role, "content": "".join(text)}
+            if thinking:
+                msg["reasoning_content"] = "\n\n".join(thinking)
             if calls:
                 msg["tool_calls"] = calls
             out.append(msg)
@@ -164,7 +185,8 @@ async def _anthropic_events(service: Service, job: Job, text: TextStream, head: 
     """message_start goes out when the job reaches the model, with the prompt tokens read from
     the prefix cache (until then, keep-alive comments; after it, ping events, as Anthropic
     sends them through a long wait)."""
-    index, open_text, started = 0, False, False
+    index, started = 0, False
+    block: dict | None = None          # the text or thinking block open, as built so far
     try:
         async for pieces, final in service.run(job, text):
             if not started and job.cached_tokens is not None:
@@ -177,35 +199,37 @@ async def _anthropic_events(service: Service, job: Job, text: TextStream, head: 
                 # Anthropic's own keep-alive event, as its API sends it through a long wait
                 yield sse({"type": "ping"}, "ping") if started else PING
             for p in pieces:
-                if p.kind == "text":
-                    if not open_text:
+                kind = {"text": "text", "reasoning": "thinking"}.get(p.kind)
+                if block is not None and block["type"] != kind:
+                    for event in _close(block, index):
+                        yield event
+                    index, block = index + 1, None
+                if kind is not None:
+                    if block is None:
+                        block = {"type": kind, kind: ""}
+                        start = {**block, **({"signature": ""} if kind == "thinking" else {})}
                         yield sse({"type": "content_block_start", "index": index,
-                                   "content_block": {"type": "text", "text": ""}},
-                                  "content_block_start")
-                        open_text = True
+                                   "content_block": start}, "content_block_start")
+                    block[kind] += p.text
                     yield sse({"type": "content_block_delta", "index": index,
-                               "delta": {"type": "text_delta", "text": p.text}},
+                               "delta": {"type": f"{kind}_delta", kind: p.text}},
                               "content_block_delta")
                     continue
-                if open_text:
-                    yield sse({"type": "content_block_stop", "index": index},
-                              "content_block_stop")
-                    index, open_text = index + 1, False
                 for call in p.calls:
-                    block = _tool_use(call)
+                    use = _tool_use(call)
                     yield sse({"type": "content_block_start", "index": index,
-                               "content_block": {**block, "input": {}}}, "content_block_start")
+                               "content_block": {**use, "input": {}}}, "content_block_start")
                     yield sse({"type": "content_block_delta", "index": index,
                                "delta": {"type": "input_json_delta",
-                                         "partial_json": json.dumps(block["input"])}},
+                                         "partial_json": json.dumps(use["input"])}},
                               "content_block_delta")
                     yield sse({"type": "content_block_stop", "index": index},
                               "content_block_stop")
                     index += 1
             if final is not None:
-                if open_text:
-                    yield sse({"type": "content_block_stop", "index": index},
-                              "content_block_stop")
+                if block is not None:
+                    for event in _close(block, index):
+                        yield event
                 reason, seq = _stop_reason(final, text)
                 out = _anthropic_usage(final)
                 out.pop("dflash2")
@@ -216,3 +240,13 @@ async def _anthropic_events(service: Service, job: Job, text: TextStream, head: 
     except APIError as e:
         yield sse(error_body(e, True), "error")
 
+
+def _close(block: dict, index: int) -> list[str]:
+    """The events that end a streamed text or thinking block (a thinking block's signature
+    comes last, as a signature_delta)."""
+    out = []
+    if block["type"] == "thinking":
+        out.append(sse({"type": "content_block_delta", "index": index, "delta": {
+            "type": "signature_delta", "signature": signature(block["thinking"])}},
+            "content_block_delta"))
+    return out + [sse({"type": "content_block_stop", "index": index}, "content_block_stop")]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import settings as check
@@ -34,12 +34,17 @@ class ServerConfig:
     # Claude Code's first system block (x-anthropic-billing-header: ...) differs every session;
     # left in, it would end the prefix cache's match after ~25 tokens
     keep_billing_header: bool = False
+    # passed to every chat template render, as mlx-lm's --chat-template-args (e.g.
+    # {"enable_thinking": false}); a request's own switches go over them
+    chat_template_args: dict = field(default_factory=dict)
 
     def __post_init__(self):
         for name in ("max_tokens", "context_length", "max_body_bytes", "queue_size",
                      "block_size", "prompt_cache_size", "prompt_cache_bytes", "ping_interval",
                      "read_timeout", "max_batch", "prefill_chunk", "memory_budget"):
             object.__setattr__(self, name, getattr(check, name)(getattr(self, name), name))
+        object.__setattr__(self, "chat_template_args", check.chat_template_args(
+            self.chat_template_args, "chat_template_args"))
         object.__setattr__(self, "prompt_cache_disk_bytes", check.byte_size(
             self.prompt_cache_disk_bytes, "prompt_cache_disk_bytes"))
 

@@ -17,6 +17,7 @@ from .scheduler import GenerationRequest, Job
 from .schemas import ChatRequest, CompletionRequest, _OpenAISampling, content_text
 from .service import Service, finish_reason, openai_tool_calls, usage
 from .text_stream import TextStream
+from .thinking import effort_switch
 
 router = APIRouter(route_class=JSONRoute, dependencies=[Authorized])
 
@@ -65,6 +66,8 @@ def openai_messages(req: ChatRequest) -> list[dict]:
             msg["name"] = m.name
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
+        if reasoning := m.reasoning_content or m.reasoning:
+            msg["reasoning_content"] = reasoning     # the name Qwen's and GLM's templates read
         if m.tool_calls:
             calls = []
             for j, c in enumerate(m.tool_calls):
@@ -99,30 +102,44 @@ async def chat(req: ChatRequest, request: Request, service: ServiceDep):
     sampling = Sampling(req.temperature, req.top_p, req.top_k)
     stops = service.stops(req.stop)
     tools = openai_tools(req)
-    prompt = service.render_chat(openai_messages(req), tools)
+    prompt = service.render_chat(openai_messages(req), tools,
+                                 template_args=req.chat_template_kwargs,
+                                 thinking=effort_switch(req.reasoning_effort))
     asked, param = ((req.max_completion_tokens, "max_completion_tokens")
                     if req.max_completion_tokens is not None
                     else (req.max_tokens, "max_tokens"))
     limit = service.max_tokens(asked, len(prompt), param)
-    job = service.submit(GenerationRequest(prompt, limit, sampling, req.seed))
-    text = service.tool_stream(stops, tools)
+    job = service.submit(GenerationRequest(prompt, limit, sampling, req.seed,
+                                           service.checkpoint(prompt)))
+    text = service.tool_stream(stops, tools, prompt)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
             "model": service.config.model_id}
     if req.stream:
         return event_stream(_chat_chunks(service, job, text, head, _include_usage(req)))
-    content, calls, final = [], [], None
+    content, reasoning, calls, final = [], [], [], None
     async for pieces, final in service.run(job, text, request):
         for p in pieces:
-            content.append(p.text) if p.kind == "text" else calls.extend(p.calls)
+            if p.kind == "tool":
+                calls.extend(p.calls)
+            else:
+                (content if p.kind == "text" else reasoning).append(p.text)
     if final is None:
         return JSONResponse({}, 499)      # the client left; nobody reads this
     message: dict[str, Any] = {"role": "assistant", "content": "".join(content)}
+    if reasoning:
+        message.update(_reasoning("".join(reasoning)))
     if calls:
         message["tool_calls"] = openai_tool_calls(calls, 0, False)
     return {**head, "object": "chat.completion",
             "choices": [{"index": 0, "message": message, "logprobs": None,
                          "finish_reason": finish_reason(final, text)}],
-            "usage": usage(final)}
+            "usage": usage(final, text)}
+
+
+def _reasoning(text: str) -> dict:
+    """The reasoning under both names clients read: `reasoning_content` (vLLM, DeepSeek) and
+    `reasoning` (mlx-lm's server, OpenRouter)."""
+    return {"reasoning_content": text, "reasoning": text}
 
 
 @router.post("/v1/completions")
@@ -181,13 +198,15 @@ async def _chat_chunks(service: Service, job: Job, text: TextStream, head: dict,
             for p in pieces:
                 if p.kind == "text":
                     yield chunk({"content": p.text})
+                elif p.kind == "reasoning":
+                    yield chunk(_reasoning(p.text))
                 else:
                     yield chunk({"tool_calls": openai_tool_calls(p.calls, calls, True)})
                     calls += len(p.calls)
             if final is not None:
                 yield chunk({}, finish_reason(final, text))
                 if include_usage:
-                    yield sse({**base, "choices": [], "usage": usage(final)})
+                    yield sse({**base, "choices": [], "usage": usage(final, text)})
     except APIError as e:
         yield sse(error_body(e, False))
     yield sse("[DONE]")

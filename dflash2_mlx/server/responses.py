@@ -2,10 +2,10 @@
 
 A request's `instructions` and `input` items become the chat messages `/v1/chat/completions`
 would get for the same conversation, so the prompt ids, and with them the greedy text, are the
-same; the pieces `TextStream` cuts out become output items (`message` with `output_text`,
-`function_call`), streamed as the API's typed events. Stateless: nothing is stored, so
-`previous_response_id`, `store: true` and stored items are refused, as is every field this
-server does not know. Built-in tools it cannot run (web search, ...) are left out of the prompt
+same; the pieces `TextStream` cuts out become output items (`reasoning` with
+`reasoning_text`, `message` with `output_text`, `function_call`), streamed as the API's typed
+events. Stateless: nothing is stored, so `previous_response_id`, `store: true` and stored
+items are refused, as is every field this server does not know. Built-in tools it cannot run (web search, ...) are left out of the prompt
 and named in the `x-dflash2-ignored-tools` header; namespace tools are flattened into function
 tools and their calls answered with the `namespace` field, as Codex routes them; custom
 (freeform) tools become functions of one string, `input`. docs/server.md lists every field.
@@ -13,6 +13,7 @@ tools and their calls answered with the `namespace` field, as Codex routes them;
 
 from __future__ import annotations
 
+import base64
 import itertools
 import json
 import time
@@ -30,6 +31,7 @@ from .scheduler import GenerationRequest, Job
 from .schemas import MaxTokens, Seed, Temperature, TopK, TopP, content_text
 from .service import Service, finish_reason, openai_tool_calls, usage
 from .text_stream import Piece, TextStream
+from .thinking import effort_switch
 
 router = APIRouter(route_class=JSONRoute, dependencies=[Authorized])
 
@@ -92,9 +94,38 @@ class FunctionCallOutputItem(_Closed):
 
 
 class ReasoningItem(BaseModel):
-    """A reasoning item sent back (this server makes none): taken and left out."""
+    """A reasoning item sent back: its text reaches the template as the next assistant turn's
+    `reasoning_content` (`reasoning_text`, else this server's `encrypted_content`, else the
+    summary); one with none of them (another server's encrypted reasoning) is left out."""
     model_config = ConfigDict(extra="allow")
     type: Literal["reasoning"]
+    content: Optional[list[dict]] = None
+    summary: Optional[list[dict]] = None
+    encrypted_content: Optional[str] = None
+
+    def text(self) -> str:
+        for parts in (self.content, self.summary):
+            got = "".join(p.get("text") or "" for p in parts or [] if isinstance(p, dict))
+            if got:
+                return got
+        return unseal(self.encrypted_content) or ""
+
+
+SEAL = "dflash2:"      # this server's `encrypted_content`: the reasoning, in base64
+
+
+def seal(text: str) -> str:
+    return SEAL + base64.b64encode(text.encode()).decode()
+
+
+def unseal(content: str | None) -> str | None:
+    """The reasoning in an `encrypted_content` this server made; None for any other."""
+    if not content or not content.startswith(SEAL):
+        return None
+    try:
+        return base64.b64decode(content[len(SEAL):], validate=True).decode()
+    except (ValueError, UnicodeDecodeError):
+        return None
 
 
 ITEM_TYPES = ("message", "function_call", "function_call_output", "custom_tool_call",
@@ -162,7 +193,15 @@ class TextConfig(_Closed):
 
 class StreamOptions(_Closed):
     include_obfuscation: Optional[bool] = None         # no obfuscation field is ever sent
-    reasoning_summary_delivery: Optional[str] = None   # no reasoning summaries are made
+    reasoning_summary_delivery: Optional[str] = None   # the reasoning comes whole, no summary
+
+
+class Reasoning(_Closed):
+    """The reasoning settings: an effort of "none" or "minimal" turns thinking off, any other
+    on; summaries are not made (the reasoning comes whole, as reasoning_text)."""
+    effort: Optional[str] = None                       # "low" ... "xhigh", "max": all on
+    summary: Optional[Literal["auto", "concise", "detailed", "none"]] = None
+    generate_summary: Optional[str] = None
 
 
 class ResponsesRequest(_Closed):
@@ -187,13 +226,14 @@ class ResponsesRequest(_Closed):
     user: Optional[str] = None
     safety_identifier: Optional[str] = None
     prompt_cache_key: Optional[str] = None
-    include: Optional[list[Literal["reasoning.encrypted_content"]]] = None   # none is made
+    # the reasoning, sealed, for a client that sends reasoning items back without their text
+    include: Optional[list[Literal["reasoning.encrypted_content"]]] = None
     truncation: Optional[Literal["disabled"]] = None   # an overlong prompt is a 400
     text: Optional[TextConfig] = None
     top_logprobs: Optional[Literal[0]] = None
     max_tool_calls: Optional[int] = None               # counts built-in tool calls: none here
     service_tier: Optional[str] = None                 # one tier here
-    reasoning: Optional[dict] = None                   # no reasoning settings: the template's
+    reasoning: Optional[Reasoning] = None              # effort "none" / "minimal": thinking off
     access_programs: Optional[dict] = None
     # OpenAI's hosted features: refused unless null
     previous_response_id: Optional[Any] = None
@@ -346,18 +386,31 @@ def _arguments(text: str, where: str) -> dict:
 def chat_messages(req: ResponsesRequest) -> list[dict]:
     """`instructions` and `input` as chat messages (the shape `openai_routes.openai_messages`
     gives): a function_call joins the assistant turn before it, a function_call_output is a
-    tool turn."""
+    tool turn, a reasoning item's text is the next assistant turn's `reasoning_content`."""
     out: list[dict[str, Any]] = []
     if req.instructions:
         out.append({"role": "system", "content": req.instructions})
     items = ([MessageItem(role="user", content=req.input)] if isinstance(req.input, str)
              else req.input)
+    reasoning: list[str] = []           # reasoning items waiting for their assistant turn
+
+    def think(turn: dict) -> None:
+        if reasoning:
+            turn["reasoning_content"] = "\n\n".join(
+                ([turn["reasoning_content"]] if turn.get("reasoning_content") else [])
+                + reasoning)
+            reasoning.clear()
+
     for i, item in enumerate(items):
         if item.type == "reasoning":
+            if text := item.text():
+                reasoning.append(text)
             continue
         if item.type == "message":
             out.append({"role": "system" if item.role == "developer" else item.role,
                         "content": content_text(item.content)})
+            if item.role == "assistant":
+                think(out[-1])
         elif item.type in ("function_call", "custom_tool_call"):
             args = (_arguments(item.arguments, f"input.{i}.arguments")
                     if item.type == "function_call" else {"input": item.input})
@@ -367,6 +420,7 @@ def chat_messages(req: ResponsesRequest) -> list[dict]:
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            think(out[-1])
         else:
             out.append({"role": "tool", "content": content_text(item.output),
                         "tool_call_id": item.call_id})
@@ -390,20 +444,26 @@ class Output:
     returned as the stream events that describe it (without `sequence_number`), so a streamed
     and a plain response hold the same items."""
 
-    def __init__(self, names: ToolNames | None = None):
+    def __init__(self, names: ToolNames | None = None, sealed: bool = False):
         self.names = names or ToolNames([])
+        self.sealed = sealed                       # reasoning items get `encrypted_content`
         self.items: list[dict] = []
-        self._message: dict | None = None          # the message item being written
+        self._message: dict | None = None          # the message or reasoning item being written
         self._parts: list[str] = []
 
     def feed(self, pieces: list[Piece]) -> list[dict]:
         events: list[dict] = []
         for p in pieces:
-            if p.kind == "text":
-                events += self._open_message()
+            if p.kind in ("text", "reasoning"):
+                kind = "message" if p.kind == "text" else "reasoning"
+                if self._message is not None and self._message["type"] != kind:
+                    events += self._close_message("completed")
+                events += self._open_message(kind)
                 self._parts.append(p.text)
-                events.append({"type": "response.output_text.delta", **self._where(),
-                               "delta": p.text, "logprobs": []})
+                delta = ("response.output_text.delta" if kind == "message"
+                         else "response.reasoning_text.delta")
+                events.append({"type": delta, **self._where(), "delta": p.text,
+                               **({"logprobs": []} if kind == "message" else {})})
                 continue
             events += self._close_message("completed")
             for call in openai_tool_calls(p.calls, 0, False):
@@ -435,26 +495,34 @@ class Output:
         return {"item_id": self._message["id"], "output_index": len(self.items),
                 "content_index": 0}
 
-    def _open_message(self) -> list[dict]:
+    def _open_message(self, kind: str = "message") -> list[dict]:
+        """A message item (its text as one output_text part) or a reasoning item (its text as
+        one reasoning_text part, no summary)."""
         if self._message is not None:
             return []
-        self._message = {"id": _id("msg"), "type": "message", "status": "in_progress",
-                         "role": "assistant", "content": []}
+        self._message = ({"id": _id("msg"), "type": "message", "status": "in_progress",
+                          "role": "assistant", "content": []} if kind == "message" else
+                         {"id": _id("rs"), "type": "reasoning", "status": "in_progress",
+                          "summary": [], "content": []})
         self._parts = []
         return [{"type": "response.output_item.added", "output_index": len(self.items),
-                 "item": {**self._message, "content": []}},
+                 "item": dict(self._message)},
                 {"type": "response.content_part.added", **self._where(),
-                 "part": _outputcontent_text("")}]
+                 "part": _part(kind, "")}]
 
     def _close_message(self, status: str) -> list[dict]:
         if self._message is None:
             return []
-        text, where = "".join(self._parts), self._where()
-        item = {**self._message, "status": status, "content": [_outputcontent_text(text)]}
+        text, where, kind = "".join(self._parts), self._where(), self._message["type"]
+        item = {**self._message, "status": status, "content": [_part(kind, text)]}
+        if kind == "reasoning" and self.sealed:
+            item["encrypted_content"] = seal(text)
         self.items.append(item)
         self._message = None
-        return [{"type": "response.output_text.done", **where, "text": text, "logprobs": []},
-                {"type": "response.content_part.done", **where, "part": _outputcontent_text(text)},
+        done = ({"type": "response.output_text.done", **where, "text": text, "logprobs": []}
+                if kind == "message" else
+                {"type": "response.reasoning_text.done", **where, "text": text})
+        return [done, {"type": "response.content_part.done", **where, "part": _part(kind, text)},
                 {"type": "response.output_item.done", "output_index": where["output_index"],
                  "item": item}]
 
@@ -470,7 +538,10 @@ def _custom_input(arguments: str) -> str:
     return arguments
 
 
-def _outputcontent_text(text: str) -> dict:
+def _part(kind: str, text: str) -> dict:
+    """A message's output_text part, or a reasoning item's reasoning_text part."""
+    if kind == "reasoning":
+        return {"type": "reasoning_text", "text": text}
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
@@ -478,14 +549,16 @@ def _status(final: dict, text: TextStream) -> str:
     return "incomplete" if finish_reason(final, text) == "length" else "completed"
 
 
-def response_usage(final: dict) -> dict:
-    """The Responses API's usage, plus the `dflash2` figures every route reports."""
-    u = usage(final)
+def response_usage(final: dict, text: TextStream | None = None) -> dict:
+    """The Responses API's usage (the reasoning tokens `text` counted), plus the `dflash2`
+    figures every route reports."""
+    u = usage(final, text)
     return {"input_tokens": u["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"],
                                      "cache_write_tokens": 0},
             "output_tokens": u["completion_tokens"],
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {
+                "reasoning_tokens": u["completion_tokens_details"]["reasoning_tokens"]},
             "total_tokens": u["total_tokens"], "dflash2": u["dflash2"]}
 
 
@@ -496,7 +569,9 @@ def _head(req: ResponsesRequest, model_id: str) -> dict:
             "metadata": req.metadata or {}, "max_output_tokens": req.max_output_tokens,
             "parallel_tool_calls": True if req.parallel_tool_calls is None
             else req.parallel_tool_calls,
-            "previous_response_id": None, "reasoning": None, "store": False,
+            "previous_response_id": None,
+            "reasoning": req.reasoning.model_dump() if req.reasoning is not None else None,
+            "store": False,
             "background": False, "service_tier": "default", "text": {"format": {"type": "text"}},
             "truncation": "disabled",
             "temperature": 1.0 if req.temperature is None else req.temperature,
@@ -508,13 +583,13 @@ def _head(req: ResponsesRequest, model_id: str) -> dict:
 
 
 def _response(head: dict, status: str, output: list[dict], final: dict | None = None,
-              error: dict | None = None) -> dict:
+              error: dict | None = None, text: TextStream | None = None) -> dict:
     done = status in ("completed", "incomplete", "failed")
     return {**head, "status": status, "output": output, "error": error,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete"
             else None,
             "completed_at": int(time.time()) if done else None,
-            "usage": response_usage(final) if final is not None else None}
+            "usage": response_usage(final, text) if final is not None else None}
 
 
 # --------------------------------------------------------------------------- the route
@@ -530,7 +605,9 @@ async def create_response(body: Annotated[dict[str, Any], Body()], request: Requ
     sampling = Sampling(1.0 if req.temperature is None else req.temperature,
                         1.0 if req.top_p is None else req.top_p, req.top_k)
     tools, names = chat_tools(req)
-    prompt = service.render_chat(chat_messages(req), tools, param="input")
+    effort = req.reasoning.effort if req.reasoning is not None else None
+    prompt = service.render_chat(chat_messages(req), tools, param="input",
+                                 thinking=effort_switch(effort))
     head = _head(req, service.config.model_id)
     try:
         limit = service.max_tokens(req.max_output_tokens, len(prompt), "max_output_tokens",
@@ -540,19 +617,21 @@ async def create_response(body: Annotated[dict[str, Any], Body()], request: Requ
             raise
         # a stream reports it as Codex reads it: response.failed with the error's code
         return event_stream(_failed(head, e))
-    job = service.submit(GenerationRequest(prompt, limit, sampling, req.seed))
-    text = service.tool_stream([], tools)
+    job = service.submit(GenerationRequest(prompt, limit, sampling, req.seed,
+                                           service.checkpoint(prompt)))
+    text = service.tool_stream([], tools, prompt)
     headers = service.headers(limit, hosted)
+    sealed = "reasoning.encrypted_content" in (req.include or [])
     if req.stream:
-        return event_stream(_events(service, job, text, head, names), headers)
-    out, final = Output(names), None
+        return event_stream(_events(service, job, text, head, Output(names, sealed)), headers)
+    out, final = Output(names, sealed), None
     async for pieces, final in service.run(job, text, request):
         out.feed(pieces)
     if final is None:
         return JSONResponse({}, 499)      # the client left; nobody reads this
     status = _status(final, text)
     out.finish(status)
-    return JSONResponse(_response(head, status, out.items, final), headers=headers)
+    return JSONResponse(_response(head, status, out.items, final, text=text), headers=headers)
 
 
 async def _failed(head: dict, e: APIError) -> AsyncIterator[str]:
@@ -564,7 +643,7 @@ async def _failed(head: dict, e: APIError) -> AsyncIterator[str]:
 
 
 async def _events(service: Service, job: Job, text: TextStream, head: dict,
-                  names: ToolNames) -> AsyncIterator[str]:
+                  out: Output) -> AsyncIterator[str]:
     """The typed event stream: response.created, response.in_progress, the events of each
     output item, then response.completed (or .incomplete; an error: error, response.failed)."""
     numbers = itertools.count()
@@ -575,7 +654,6 @@ async def _events(service: Service, job: Job, text: TextStream, head: dict,
     yield typed({"type": "response.created", "response": _response(head, "in_progress", [])})
     yield typed({"type": "response.in_progress",
                  "response": _response(head, "in_progress", [])})
-    out = Output(names)
     try:
         async for pieces, final in service.run(job, text):
             if not pieces and final is None:
@@ -587,7 +665,8 @@ async def _events(service: Service, job: Job, text: TextStream, head: dict,
                 for event in out.finish(status):
                     yield typed(event)
                 yield typed({"type": f"response.{status}",
-                             "response": _response(head, status, out.items, final)})
+                             "response": _response(head, status, out.items, final,
+                                                   text=text)})
     except APIError as e:
         yield typed({"type": "error", "code": e.code or e.kind, "message": e.message,
                      "param": e.param})

@@ -48,6 +48,8 @@ class GenerationRequest:
     max_tokens: int
     sampling: Sampling
     seed: int | None = None
+    # a prompt position the prefix cache keeps a state at too (`Service.checkpoint`)
+    checkpoint: int | None = None
 
 
 @dataclass
@@ -511,7 +513,8 @@ class Scheduler:
             rid = engine.add(pipe.request(engine, r.prompt, r.max_tokens, r.sampling, self._b,
                                           lookup=pipe.lookup, stop_ids=self._stop_ids,
                                           seed=r.seed, state=state,
-                                          keep_state=self.prompt_cache is not None))
+                                          keep_state=self.prompt_cache is not None,
+                                          checkpoint=r.checkpoint))
         except Exception as e:  # noqa: BLE001 - reported to that request; the others run
             log.exception("generation failed")
             self._failed(job, e)
@@ -526,11 +529,16 @@ class Scheduler:
         stats = engine.stats.pop(rid).to_dict()
         stats["generated_tokens"] = stats.get("generated_tokens", 0) + \
             self._carried.pop(id(job), 0)
-        state = engine.pop_state(rid)
+        state, kept = engine.pop_state(rid), engine.pop_checkpoint(rid)
+        if kept is not None and self.prompt_cache is not None:
+            # where the next turn's prompt parts from this one's output (its reasoning
+            # dropped), for a state that cannot be trimmed back there
+            self.prompt_cache.insert(kept)
         if state is not None and self.prompt_cache is not None:
             # it covers the prompt and the answer (but its last token): the next turn of
             # this conversation starts from it
             self.prompt_cache.insert(state)
+        if self.prompt_cache is not None and (state is not None or kept is not None):
             self._fit_cache(rid)
         self._final(job, finish, stats)
         self._done(job)

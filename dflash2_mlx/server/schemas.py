@@ -74,6 +74,9 @@ class ChatMessage(_Strict):
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None
     tool_call_id: Optional[str] = None
+    # an assistant turn's reasoning, sent back (vLLM's and mlx-lm's names)
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
 
 
 class StreamOptions(_Strict):
@@ -110,6 +113,8 @@ class ChatRequest(_OpenAISampling):
     tools: Optional[list[Tool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedTool, None] = None
     top_logprobs: Optional[int] = None                 # refused when asked for (not served)
+    reasoning_effort: Optional[str] = None             # "none" / "minimal": thinking off
+    chat_template_kwargs: Optional[dict] = None        # mlx-lm's and vLLM's extension
 
 
 class CompletionRequest(_OpenAISampling):
@@ -120,10 +125,12 @@ class CompletionRequest(_OpenAISampling):
 
 
 class AnthropicBlock(_Strict):
-    """text, tool_use (assistant turns) and tool_result (user turns) content blocks; thinking
-    blocks are taken and left out of the prompt (this server makes none)."""
+    """text, tool_use and thinking (assistant turns) and tool_result (user turns) content
+    blocks; redacted_thinking blocks are taken and left out (this server makes none)."""
     type: Literal["text", "tool_use", "tool_result", "thinking", "redacted_thinking"]
     text: Optional[str] = None
+    thinking: Optional[str] = None
+    signature: Optional[str] = None
     id: Optional[str] = None
     name: Optional[str] = None
     input: Optional[dict] = None
@@ -152,10 +159,22 @@ class AnthropicToolChoice(_Strict):
     disable_parallel_tool_use: Optional[bool] = None
 
 
+class ThinkingConfig(_Strict):
+    """Thinking on ("enabled", "adaptive": the model decides how long) or off; the budget is
+    the model's to keep (not enforced)."""
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: Optional[int] = None
+
+    @property
+    def on(self) -> bool:
+        return self.type != "disabled"
+
+
 class CountTokensRequest(_Strict):
     """POST /v1/messages/count_tokens: the prompt part of a Messages request. Fields such as
-    thinking, context_management, output_config, metadata and cache_control are ignored."""
+    context_management, output_config, metadata and cache_control are ignored."""
     model: str
+    thinking: Optional[ThinkingConfig] = None
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: Union[str, list[TextPart], None] = None
     tools: Optional[list[AnthropicTool]] = None

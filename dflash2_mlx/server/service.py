@@ -12,6 +12,7 @@ from typing import AsyncIterator
 from fastapi import Request
 
 from .. import log as logs
+from .. import settings as check
 from ..pipeline import Pipeline
 from .chat_prompt import TOOL_MARKERS, TemplateTraits, fold_system, parse_tool_call, tools_in_text
 from .config import ServerConfig
@@ -19,6 +20,7 @@ from .errors import APIError
 from .scheduler import (SHUTDOWN, GenerationRequest, Job, NeverFits, QueueFull, Scheduler,
                         ShuttingDown)
 from .text_stream import Piece, TextStream
+from .thinking import Markers, ThinkingSplit, switch
 
 log = logs.get(__name__)
 
@@ -36,6 +38,7 @@ class Service:
         self.pipe, self.config, self.scheduler = pipe, config, scheduler
         tok = pipe.tokenizer
         self.has_template = bool(getattr(tok, "has_chat_template", tok.chat_template))
+        self.markers = Markers.of(tok)          # None: the model writes no reasoning block
         self.traits = TemplateTraits(self._template if self.has_template else None)
         if self.traits.tools and getattr(tok, "has_tool_calling", False):
             self.tool_markers, self.tool_parser = ((tok.tool_call_start, tok.tool_call_end),
@@ -102,11 +105,19 @@ class Service:
 
     # ---- prompts
     def render_chat(self, messages: list[dict], tools: list[dict] | None,
-                    param: str = "messages") -> list[int]:
+                    param: str = "messages", template_args: dict | None = None,
+                    thinking: bool | None = None) -> list[int]:
         """Messages (OpenAI shape, content as a string) -> prompt ids, through the model's
         chat template exactly as `Pipeline.encode` renders one user message. param: the
-        request's field that holds the messages (named by a refusal)."""
+        request's field that holds the messages (named by a refusal); template_args: the
+        thinking: the request's thinking switch (None: the server's `--chat-template-args`),
+        over those; template_args: the request's own template arguments (OpenAI's
+        `chat_template_kwargs`), over both."""
         tok = self.pipe.tokenizer
+        taken = sorted(set(template_args or {}) & set(check.TEMPLATE_OWN_ARGS))
+        if taken:
+            raise APIError(400, f"chat_template_kwargs: {', '.join(taken)} are set by the "
+                           "server, not by a request", param="chat_template_kwargs")
         if not self.traits.system_anywhere:
             messages = fold_system(messages)
         if not self.traits.tools:
@@ -115,27 +126,45 @@ class Service:
             text = "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages)
             return tok.encode(text + "assistant:")
         try:
-            text = self._template(messages, tools=tools)
+            text = self._template(messages, tools=tools,
+                                  **{**switch(thinking), **(template_args or {})})
         except Exception as e:  # noqa: BLE001 - a template's own refusal (jinja raise_exception)
             raise APIError(400, f"the chat template refused these messages: {e}",
                            param=param) from None
         return tok.encode(text, add_special_tokens=False)
 
-    def _template(self, messages: list[dict], tools: list[dict] | None) -> str:
+    def _template(self, messages: list[dict], tools: list[dict] | None, **args) -> str:
+        args = {**self.config.chat_template_args, **args}
         return self.pipe.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                       add_generation_prompt=True)
+                                                       add_generation_prompt=True, **args)
 
-    def tool_stream(self, stops: list[str], tools: list[dict] | None) -> TextStream:
-        """The response's text: stop strings cut, tool calls parsed (when tools were offered
-        and the template's calls can be found)."""
+    def checkpoint(self, prompt: list[int]) -> int | None:
+        """Where the next turn's prompt may part from this one's prompt and output, for a
+        thinking model: at the block its prompt opens (a template that drops earlier reasoning
+        renders the answer there), else at its end. The prefix cache keeps a state there too
+        when it cannot trim back to it (recurrent layers)."""
+        if self.markers is None:
+            return None
+        if self.markers.opens_in(prompt):
+            return self.markers.rfind_start(prompt)
+        return len(prompt)
+
+    def tool_stream(self, stops: list[str], tools: list[dict] | None,
+                    prompt: list[int] | None = None) -> TextStream:
+        """The response's text: reasoning split off (a chat `prompt` to a thinking model),
+        stop strings cut, tool calls parsed from the answer (when tools were offered and the
+        template's calls can be found)."""
+        thinking = (ThinkingSplit(self.markers, self.markers.opens_in(prompt))
+                    if self.markers is not None and prompt is not None else None)
         if not tools:
-            return TextStream(stops)
+            return TextStream(stops, thinking=thinking)
         if self.tool_markers is None:
             raise APIError(400, "this model's chat template renders tools but mlx-lm knows no "
                            "parser for its tool calls: a request with tools cannot be served",
                            param="tools")
         parser = self.tool_parser
-        return TextStream(stops, self.tool_markers, lambda text: parser(text, tools))
+        return TextStream(stops, self.tool_markers, lambda text: parser(text, tools),
+                          thinking=thinking)
 
     # ---- running
     def submit(self, req: GenerationRequest) -> Job:
@@ -188,7 +217,7 @@ class Service:
                     job.cancel("done")
                     yield [], event
                     return
-                pieces = text.feed(event["text"])
+                pieces = text.feed(event["text"], event.get("tokens", ()))
                 if text.stopped is not None:
                     job.cancel("stop")
                 if pieces:
@@ -205,12 +234,15 @@ def finish_reason(event: dict, text: TextStream) -> str:
     return "length" if event["done"] == "length" else "stop"
 
 
-def usage(event: dict) -> dict:
+def usage(event: dict, text: TextStream | None = None) -> dict:
+    """OpenAI's usage; with the response's `text`, the reasoning tokens it counted."""
     stats = event["stats"]
     completion = stats.get("generated_tokens", 0)
     return {"prompt_tokens": event["prompt_tokens"], "completion_tokens": completion,
             "total_tokens": event["prompt_tokens"] + completion,
             "prompt_tokens_details": {"cached_tokens": event["cached_tokens"]},
+            "completion_tokens_details": {
+                "reasoning_tokens": text.reasoning_tokens if text is not None else 0},
             "dflash2": {"max_tokens": event.get("max_tokens"),
                         **{k: stats.get(k) for k in USAGE_STATS if k in stats}}}
 

@@ -1,5 +1,5 @@
-"""`TextStream`: what the client sees of the detokenized deltas (stop strings, tool calls),
-as `Piece`s."""
+"""`TextStream`: what the client sees of the detokenized deltas (reasoning, stop strings, tool
+calls), as `Piece`s."""
 
 from __future__ import annotations
 
@@ -7,13 +7,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
 from .. import log as logs
+from .thinking import ThinkingSplit
 
 log = logs.get(__name__)
 
 
 @dataclass
 class Piece:
-    kind: Literal["text", "tool"]
+    kind: Literal["text", "tool", "reasoning"]
     text: str = ""
     calls: list[dict] = field(default_factory=list)    # parsed: [{"name", "arguments"}]
 
@@ -24,11 +25,14 @@ class TextStream:
     start and end markers) cut out and parsed with mlx-lm's parser for the template.
 
     Text that could be the beginning of a stop string or a tool-call marker is held back until
-    the next delta decides it.
+    the next delta decides it. With `thinking`, the reasoning is split off first (as "reasoning"
+    pieces): stop strings and tool calls are looked for in the answer only.
     """
 
     def __init__(self, stops: list[str] = (), tool_markers: tuple[str, str] | None = None,
-                 parse: Callable[[str], Any] | None = None):
+                 parse: Callable[[str], Any] | None = None,
+                 thinking: ThinkingSplit | None = None):
+        self.thinking = thinking
         self.stops = [s for s in stops if s]
         self.tool_markers = tool_markers if parse is not None else None
         self.parse = parse
@@ -48,9 +52,31 @@ class TextStream:
                     break
         return best
 
-    def feed(self, delta: str) -> list[Piece]:
+    @property
+    def reasoning_tokens(self) -> int:
+        return self.thinking.reasoning_tokens if self.thinking is not None else 0
+
+    def feed(self, delta: str, tokens: list[int] = ()) -> list[Piece]:
+        """The pieces a delta completes (`tokens`: the delta's token ids, to count the
+        reasoning tokens)."""
         if self.stopped is not None:
             return []
+        if self.thinking is None:
+            return self._answer(delta)
+        return self._split(self.thinking.feed(delta, tokens))
+
+    def _split(self, segments: list[tuple[bool, str]]) -> list[Piece]:
+        out: list[Piece] = []
+        for reasoning, text in segments:
+            if self.stopped is not None:
+                break
+            if reasoning:
+                out.append(Piece("reasoning", text))
+            else:
+                out += self._answer(text)
+        return out
+
+    def _answer(self, delta: str) -> list[Piece]:
         self.buffer += delta
         out: list[Piece] = []
         while True:
@@ -82,7 +108,8 @@ class TextStream:
     def finish(self) -> list[Piece]:
         """The end of the generation: flush what was held back. An unterminated tool call is
         parsed if it can be (the end marker may have been a stop token), else kept as text."""
-        out: list[Piece] = []
+        out = (self._split(self.thinking.finish()) if self.thinking is not None
+               and self.stopped is None else [])
         if self.stopped is None and self.in_tool:
             piece = self._tool_piece(self.buffer)
             if piece.calls:
