@@ -20,6 +20,7 @@ from collections.abc import Sequence
 DTYPES = ("float32", "float16", "bfloat16")
 DRAFT_BITS = (4, 8, 16)             # 16 = unquantized
 DRAFT_GROUP_SIZES = (32, 64, 128)
+KERNELS = ("auto", "stock", "metal")   # "ops": the older name of "stock"
 SEED_MAX = 2**64 - 1                # mx.random.key takes an unsigned 64-bit seed
 PROMPT_CACHE_DISK_BYTES = 8 * 2**30     # the disk tier's bound when only its folder is given
 HUMANEVAL_PROBLEMS = 164            # the most prompts per set `dflash2-mlx bench` can draw
@@ -217,6 +218,19 @@ def draft_group_size(value, name: str = "draft_group_size") -> int | None:
     return _int_choice(value, name, DRAFT_GROUP_SIZES, "one of 32, 64, 128")
 
 
+def kernels(value, name: str = "kernels") -> str | None:
+    """None (auto), "auto", "stock" or "metal" -> the choice ("ops", the older name of "stock",
+    reads as "stock"). auto: the drafter's Metal kernels where Metal runs, the target's verify
+    kernels where the probe on this machine chose them; stock: MLX's own kernels everywhere;
+    metal: every custom kernel, the probe skipped (benchmarks, tests on a Mac)."""
+    if value is None:
+        return None
+    choice = {"ops": "stock"}.get(value, value) if isinstance(value, str) else value
+    if choice not in KERNELS:
+        raise SettingError(name, value, "one of auto, stock, metal")
+    return choice
+
+
 def dtype(value, name: str = "dtype") -> str | None:
     """'float32' | 'fp32' | mx.float32 | ... -> 'float32' (None stays None)."""
     if value is None:
@@ -275,6 +289,6 @@ __all__ = ["SettingError", "block_size", "lookup", "temperature", "top_p", "top_
            "seed", "port", "context_length", "max_body_bytes", "queue_size", "prompt_cache_size",
            "prompt_cache_bytes", "shutdown_timeout", "ping_interval", "read_timeout",
            "max_batch", "prefill_chunk", "pipeline_timeout", "prompts_per_set", "repeats",
-           "draft_bits", "draft_group_size", "dtype", "byte_size", "text", "prompt", "DTYPES",
-           "DRAFT_BITS", "DRAFT_GROUP_SIZES", "SEED_MAX", "PROMPT_CACHE_DISK_BYTES", "MAX_BATCH",
+           "draft_bits", "draft_group_size", "kernels", "dtype", "byte_size", "text", "prompt", "DTYPES",
+           "DRAFT_BITS", "DRAFT_GROUP_SIZES", "KERNELS", "SEED_MAX", "PROMPT_CACHE_DISK_BYTES", "MAX_BATCH",
            "PREFILL_CHUNK"]

@@ -60,7 +60,7 @@ def kernel_spec(name: str) -> dict:
 def _build(name: str):
     if not mx.metal.is_available():
         raise RuntimeError(f"The {name} Metal kernel needs Metal (mx.metal.is_available() is "
-                           "False here); use the MLX-ops path (kernels='ops').")
+                           "False here); use the stock path (kernels='stock').")
     return mx.fast.metal_kernel(**kernel_spec(name))
 
 

@@ -294,7 +294,8 @@ def test_broken_qmm_word_index_fails(workdir):
 
 def test_broken_qmm_group_index_fails(workdir):
     """Every lane scaled by the first group of its 256-wide block."""
-    broken = cpu_kernel("small_m_qmm", workdir, mutate("source", "k0 / group_size", "kb / group_size"))
+    broken = cpu_kernel("small_m_qmm", workdir,
+                        mutate("source", "k0 / group_size", "kb / group_size"))
     args = qmm_inputs(3, 8, 320, 4, 32, mx.float32, seed=2)
     with pytest.raises(AssertionError, match="max error"):
         check_qmm(run_qmm(broken, *args, 32, 4), *args, 32, 4)

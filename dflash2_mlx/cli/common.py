@@ -182,6 +182,11 @@ DRAFT_BITS = typer.Option(None, "--draft-bits", callback=flag(check.draft_bits),
 DRAFT_GROUP_SIZE = typer.Option(None, "--draft-group-size", metavar="{32,64,128}",
                                 callback=flag(check.draft_group_size),
                                 help="Quantization group size (default: 64)")
+KERNELS = typer.Option(
+    None, "--kernels", callback=flag(check.kernels), metavar="{auto,stock,metal}",
+    help="auto: custom kernels where they run (the drafter's on Metal, the target's verify "
+    "kernels where this Mac's probe chose them); stock: MLX's own everywhere; metal: every "
+    "custom kernel (default: $DFLASH2_KERNELS, else auto)")
 DTYPE = typer.Option(None, "--dtype", callback=flag(check.dtype),
                      metavar="{float32,float16,bfloat16}",
                      help="Float weight dtype (default: float32 on CPU, as stored on Metal)")

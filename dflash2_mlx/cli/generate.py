@@ -12,9 +12,10 @@ import typer
 from .. import log
 from .. import settings as check
 from ..files import atomic_write
-from .common import (BLOCK_SIZE, DRAFT, DRAFT_BITS, DRAFT_GROUP_SIZE, DTYPE, LOOKUP, MODEL,
-                     MODEL_ID, OMLX_SETTINGS, PIPELINE_SPLIT, PIPELINE_TIMEOUT, app, errors, flag,
-                     load_pipeline, pipeline_group, prompt_flag, read_stdin, summary, writable)
+from .common import (BLOCK_SIZE, DRAFT, DRAFT_BITS, DRAFT_GROUP_SIZE, DTYPE, KERNELS, LOOKUP,
+                     MODEL, MODEL_ID, OMLX_SETTINGS, PIPELINE_SPLIT, PIPELINE_TIMEOUT, app, errors,
+                     flag, load_pipeline, pipeline_group, prompt_flag, read_stdin, summary,
+                     writable)
 
 _log = log.get(__name__)
 
@@ -56,6 +57,7 @@ def generate(
     draft_bits: Optional[str] = DRAFT_BITS,
     draft_group_size: Optional[str] = DRAFT_GROUP_SIZE,
     dtype: Optional[str] = DTYPE,
+    kernels: Optional[str] = KERNELS,
     no_chat_template: bool = NO_CHAT_TEMPLATE,
     omlx_settings: Optional[str] = OMLX_SETTINGS,
     model_id: Optional[str] = MODEL_ID,
@@ -73,8 +75,8 @@ def generate(
         text = read_stdin() if prompt == "-" else prompt
         pipe = load_pipeline(model, draft, omlx_settings, model_id, block_size, lookup,
                              draft_bits=draft_bits, draft_group_size=draft_group_size,
-                             dtype=dtype, pipeline=group, pipeline_split=pipeline_split,
-                             pipeline_timeout=pipeline_timeout)
+                             dtype=dtype, kernels=kernels, pipeline=group,
+                             pipeline_split=pipeline_split, pipeline_timeout=pipeline_timeout)
         if pipe is None:                     # a follower rank: it served rank 0 and is done
             return
         if verbose:

@@ -11,9 +11,9 @@ import typer
 
 from .. import log
 from .. import settings as check
-from .common import (BLOCK_SIZE, DRAFT, DRAFT_BITS, DRAFT_GROUP_SIZE, DTYPE, LOOKUP, MODEL,
-                     MODEL_ID, OMLX_SETTINGS, PIPELINE_SPLIT, PIPELINE_TIMEOUT, app, errors, flag,
-                     load_pipeline, pipeline_group)
+from .common import (BLOCK_SIZE, DRAFT, DRAFT_BITS, DRAFT_GROUP_SIZE, DTYPE, KERNELS, LOOKUP,
+                     MODEL, MODEL_ID, OMLX_SETTINGS, PIPELINE_SPLIT, PIPELINE_TIMEOUT, app, errors,
+                     flag, load_pipeline, pipeline_group)
 
 _log = log.get(__name__)
 
@@ -83,6 +83,7 @@ def serve(
     draft_bits: Optional[str] = DRAFT_BITS,
     draft_group_size: Optional[str] = DRAFT_GROUP_SIZE,
     dtype: Optional[str] = DTYPE,
+    kernels: Optional[str] = KERNELS,
     omlx_settings: Optional[str] = OMLX_SETTINGS,
     model_id: Optional[str] = MODEL_ID,
     api_key: Optional[str] = API_KEY,
@@ -115,8 +116,8 @@ def serve(
         server = _server(prompt_cache_dir, prompt_cache_disk_bytes)
         pipe = load_pipeline(model, draft, omlx_settings, model_id, block_size, lookup,
                              draft_bits=draft_bits, draft_group_size=draft_group_size,
-                             dtype=dtype, pipeline=group, pipeline_split=pipeline_split,
-                             pipeline_timeout=pipeline_timeout)
+                             dtype=dtype, kernels=kernels, pipeline=group,
+                             pipeline_split=pipeline_split, pipeline_timeout=pipeline_timeout)
         if pipe is None:                     # a rank > 0: it served rank 0 until it closed
             return
         config = server.ServerConfig(
