@@ -133,3 +133,23 @@ def test_kernels_stock_forces_stock(monkeypatch):
     monkeypatch.setattr(kp, "_said_stock", True)
     monkeypatch.setattr("dflash2_mlx.model.kernels.metal_usable", lambda: True)
     assert kp.verify_kernels(object(), "stock") is None     # no probe, no model needed
+
+
+def test_mac_simulation_picks_the_best_width_and_custom_never_loses():
+    """benchmarks/verify_kernel_simulation.py: the policy's pick is the width of most expected
+    speedup, and the cheaper custom verify curve is never slower at any width."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "benchmarks" / "verify_kernel_simulation.py"
+    spec = importlib.util.spec_from_file_location("verify_kernel_simulation", path)
+    sim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sim)
+    assert abs(sim.expected_tokens(sim.alphas_for(5.97), 16) - 5.97) < 1e-6
+    for tau in sim.TAUS:
+        stock = sim.simulate(sim.CURVES["stock"], tau, 0.15)
+        custom = sim.simulate(sim.CURVES["custom"], tau, 0.15)
+        for run in (stock, custom):
+            assert run["speedup"][run["pick"]] == max(run["speedup"].values())
+        assert all(custom["speedup"][w] >= stock["speedup"][w] for w in stock["speedup"])
+    assert "**3.22x**" in sim.table(0.15)      # the figure docs/kernels.md quotes
