@@ -287,8 +287,8 @@ def prompt(value, name: str = "prompt"):
 
 __all__ = ["SettingError", "block_size", "lookup", "temperature", "top_p", "top_k", "max_tokens",
            "seed", "port", "context_length", "max_body_bytes", "queue_size", "prompt_cache_size",
-           "prompt_cache_bytes", "shutdown_timeout", "ping_interval", "read_timeout",
-           "max_batch", "prefill_chunk", "pipeline_timeout", "prompts_per_set", "repeats",
-           "draft_bits", "draft_group_size", "kernels", "dtype", "byte_size", "text", "prompt", "DTYPES",
-           "DRAFT_BITS", "DRAFT_GROUP_SIZES", "KERNELS", "SEED_MAX", "PROMPT_CACHE_DISK_BYTES", "MAX_BATCH",
-           "PREFILL_CHUNK"]
+           "prompt_cache_bytes", "shutdown_timeout", "ping_interval", "read_timeout", "max_batch",
+           "prefill_chunk", "pipeline_timeout", "prompts_per_set", "repeats", "draft_bits",
+           "draft_group_size", "kernels", "dtype", "byte_size", "text", "prompt", "DTYPES",
+           "DRAFT_BITS", "DRAFT_GROUP_SIZES", "KERNELS", "SEED_MAX", "PROMPT_CACHE_DISK_BYTES",
+           "MAX_BATCH", "PREFILL_CHUNK"]

@@ -27,7 +27,8 @@ const uint lane = thread_index_in_simdgroup;
 const int M = x_shape[0], K = x_shape[1];
 const int N = w_shape[0], words = w_shape[1], groups = scales_shape[1];
 const int group_size = K / groups;
-const int n0 = (int(threadgroup_position_in_grid.y) * SIMDS + int(simdgroup_index_in_threadgroup)) * NR;
+const int n0 =
+    (int(threadgroup_position_in_grid.y) * SIMDS + int(simdgroup_index_in_threadgroup)) * NR;
 
 float acc[MAXM][NR];
 for (int mi = 0; mi < MAXM; ++mi) {

@@ -10,7 +10,8 @@
 //             (running max and sum of the split), S = ceil(N / split)
 //   template  T (dtype of q), D (head dim, a multiple of 32, <= 256), SIMDS (SIMD groups per
 //             threadgroup), RPS (rows per SIMD group)
-//   grid      (32 * SIMDS, ceil(G * T / (SIMDS * RPS)), B * Hkv * S), threadgroup (32 * SIMDS, 1, 1)
+//   grid      (32 * SIMDS, ceil(G * T / (SIMDS * RPS)), B * Hkv * S) threads,
+//             threadgroup (32 * SIMDS, 1, 1)
 //
 // Rows: the G * T pairs (query head of the group, block row) of one KV head, SIMDS * RPS per
 // threadgroup, row rr of the threadgroup on SIMD group rr % SIMDS. Query row t sits at position
