@@ -90,7 +90,7 @@ def _versions() -> Rows:
 def _compute() -> Rows:
     import mlx.core as mx
 
-    from .model.kernels import resolve_kernel_path
+    from .model.kernels import kernel_setting, metal_usable, resolve_kernel_path
 
     a = mx.random.normal((512, 512))
     for _ in range(3):            # MKL loads its CPU-specific kernels on the first calls
@@ -101,9 +101,13 @@ def _compute() -> Rows:
     yield "fp32 matmul", (f"{5 * 2 * 512 ** 3 / (time.perf_counter() - tic) / 1e9:.0f} GFLOP/s "
                           "(512 x 512)")
     try:
-        kernels = resolve_kernel_path(None)
-        kernels = {"metal": "metal (custom Metal kernels)",
-                   "ops": "ops (MLX-ops twins, compiled)"}[kernels]
+        setting = kernel_setting(None)
+        drafter = {"metal": "custom Metal kernels",
+                   "ops": "MLX-ops twins, compiled"}[resolve_kernel_path(None)]
+        verify = ("stock" if setting == "stock" else "custom everywhere" if setting == "metal"
+                  else "where the probe chose them (the `kernel probe` rows)" if
+                  metal_usable() else "stock (no Metal)")
+        kernels = f"{setting}: drafter {drafter}; target verify kernels {verify}"
     except (ValueError, RuntimeError) as e:
         kernels = f"error: {e}"
     yield "kernels", kernels
@@ -143,6 +147,19 @@ def _storage() -> Rows:
     yield "omlx settings", f"{omlx} ({'present' if omlx.is_file() else 'absent'})"
     for line in calibration_rows():
         yield "calibration", line
+    for line in kernel_rows():
+        yield "kernel probe", line
+
+
+def kernel_rows() -> list[str]:
+    """One line per shape class the verify kernels' probe decided, per stored calibration: the
+    choice, why, and stock/custom microseconds per width (`policy.kernel_probe`)."""
+    from .policy.calibration import stored_calibrations
+    from .policy.kernel_probe import decision_rows
+
+    rows = [row for entry in stored_calibrations().values() if entry.get("kernels") is not None
+            for row in decision_rows(entry["kernels"])]
+    return rows or ["none probed (the probe runs with the first calibration on a Mac)"]
 
 
 def model_config(model: str) -> tuple[dict, str]:

@@ -25,6 +25,7 @@ from .model.target import Target, TargetAdapter
 from .model.views import KVQuant
 from .policy.adaptive import AdaptiveWidth
 from .policy.calibration import calibration_key, load_or_measure_costs, store_correction
+from .policy.kernel_probe import verify_kernels
 
 _log = log.get(__name__)
 
@@ -72,6 +73,8 @@ class Pipeline:
         self.max_ctx = max_ctx
         self.info = dict(info or {})
         self._policy: AdaptiveWidth | None = None
+        self.kernel_setting = "auto"         # settings.kernels, for the target's verify kernels
+        self.verify_kernels = None           # kernel_probe.KernelRecord; None: stock
         self.stage = None                    # distributed.Stage of a pipeline-sharded target
         bits, group = check.kv_bits(kv_bits), check.kv_group_size(kv_group_size)
         self.kv = KVQuant(bits, group) if bits is not None else None
@@ -164,6 +167,9 @@ class Pipeline:
             widths = {LOOKUP: self.lookup_config.max_width}
             if self.drafter is not None:
                 widths[DRAFTER] = self.drafter.args.block_size
+            # the probe first: the calibration times the kernels that will run
+            self.verify_kernels = verify_kernels(self, self.kernel_setting,
+                                                 calibration_key(self))
             cost = load_or_measure_costs(self, self.max_width(True))
             self._policy = AdaptiveWidth(cost, widths,
                                          store=functools.partial(store_correction,

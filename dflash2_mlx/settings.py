@@ -24,6 +24,7 @@ DRAFT_GROUP_SIZES = (32, 64, 128)
 KV_BITS = (4, 8)                    # the target's quantized KV cache; None = float
 KV_GROUP_SIZES = (32, 64, 128)
 KV_GROUP_SIZE = 64                  # the default group size of a quantized KV cache
+KERNELS = ("auto", "stock", "metal")   # "ops": the older name of "stock"
 SEED_MAX = 2**64 - 1                # mx.random.key takes an unsigned 64-bit seed
 PROMPT_CACHE_DISK_BYTES = 8 * 2**30     # the disk tier's bound when only its folder is given
 HUMANEVAL_PROBLEMS = 164            # the most prompts per set `dflash2-mlx bench` can draw
@@ -233,6 +234,19 @@ def kv_group_size(value, name: str = "kv_group_size") -> int:
     return KV_GROUP_SIZE if size is None else size
 
 
+def kernels(value, name: str = "kernels") -> str | None:
+    """None (auto), "auto", "stock" or "metal" -> the choice ("ops", the older name of "stock",
+    reads as "stock"). auto: the drafter's Metal kernels where Metal runs, the target's verify
+    kernels where the probe on this machine chose them; stock: MLX's own kernels everywhere;
+    metal: every custom kernel, the probe skipped (benchmarks, tests on a Mac)."""
+    if value is None:
+        return None
+    choice = {"ops": "stock"}.get(value, value) if isinstance(value, str) else value
+    if choice not in KERNELS:
+        raise SettingError(name, value, "one of auto, stock, metal")
+    return choice
+
+
 def dtype(value, name: str = "dtype") -> str | None:
     """'float32' | 'fp32' | mx.float32 | ... -> 'float32' (None stays None)."""
     if value is None:
@@ -334,7 +348,8 @@ __all__ = ["SettingError", "block_size", "lookup", "temperature", "top_p", "top_
            "seed", "port", "context_length", "max_body_bytes", "queue_size", "prompt_cache_size",
            "prompt_cache_bytes", "shutdown_timeout", "ping_interval", "read_timeout",
            "max_batch", "prefill_chunk", "pipeline_timeout", "prompts_per_set", "repeats",
-           "draft_bits", "draft_group_size", "kv_bits", "kv_group_size", "dtype", "byte_size",
-           "memory_budget", "text", "prompt", "DTYPES", "DRAFT_BITS", "DRAFT_GROUP_SIZES",
-           "KV_BITS", "KV_GROUP_SIZES", "KV_GROUP_SIZE", "SEED_MAX", "PROMPT_CACHE_DISK_BYTES",
+           "draft_bits", "draft_group_size", "kv_bits", "kv_group_size", "kernels", "dtype",
+           "byte_size", "memory_budget", "text", "prompt", "DTYPES", "DRAFT_BITS",
+           "DRAFT_GROUP_SIZES", "KV_BITS", "KV_GROUP_SIZES", "KV_GROUP_SIZE", "KERNELS", "SEED_MAX",
+           "PROMPT_CACHE_DISK_BYTES",
            "MAX_BATCH", "PREFILL_CHUNK"]

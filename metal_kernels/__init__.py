@@ -18,30 +18,38 @@ from .metal import path_walk_metal, short_conv_metal
 from .ops import pair_lattice, path_walk_ops, short_conv_ops
 
 KernelPath = Literal["metal", "ops"]
-KERNEL_ENV = "DFLASH2_KERNELS"  # "metal" | "ops" | unset (auto)
+KERNEL_ENV = "DFLASH2_KERNELS"  # "auto" | "stock" | "metal" (settings.kernels); unset: auto
 
 
 def metal_usable() -> bool:
     return mx.metal.is_available() and mx.default_device() == mx.gpu
 
 
+def kernel_setting(prefer: str | None = None) -> str:
+    """The `kernels` setting in effect: `prefer` unless None or "auto", else $DFLASH2_KERNELS,
+    else "auto" -> "auto" | "stock" | "metal" (validated by `settings.kernels`)."""
+    from ...settings import kernels as check_kernels
+
+    given = prefer not in (None, "auto")
+    return check_kernels(prefer if given else os.environ.get(KERNEL_ENV) or "auto",
+                         "kernels" if given else f"${KERNEL_ENV}")
+
+
 def resolve_kernel_path(prefer: str | None = None) -> KernelPath:
-    """Pick the kernel path: `prefer` ("metal" | "ops" | "auto" | None), else $DFLASH2_KERNELS.
+    """The drafter's kernel path from the `kernels` setting (`settings.kernels`: "auto",
+    "stock" or its older name "ops", "metal", or None), else $DFLASH2_KERNELS, else auto.
 
     Forcing "metal" where Metal cannot run raises a clear error.
     """
-    choice = prefer if prefer not in (None, "auto") else os.environ.get(KERNEL_ENV, "auto")
-    if choice not in ("metal", "ops", "auto"):
-        source = "kernels=" if prefer not in (None, "auto") else f"${KERNEL_ENV}="
-        raise ValueError(f"{source}{choice!r}: expected 'metal', 'ops' or 'auto'")
+    choice = kernel_setting(prefer)
     if choice == "metal" and not metal_usable():
         raise RuntimeError(
             "The Metal kernels were requested but Metal is not available here "
             f"(mx.metal.is_available()={mx.metal.is_available()}, default device "
-            f"{mx.default_device()}); use kernels='ops' or unset ${KERNEL_ENV}.")
+            f"{mx.default_device()}); use kernels='stock' or unset ${KERNEL_ENV}.")
     if choice == "auto":
         return "metal" if metal_usable() else "ops"
-    return choice
+    return "metal" if choice == "metal" else "ops"
 
 
 _short_conv_compiled = mx.compile(short_conv_ops)
@@ -78,5 +86,5 @@ def path_walk(cand, unary, g, pred_rows, succ_rows, anchor_pred, temperature: fl
                         mx.array(temperature, mx.float32), uniforms)
 
 
-__all__ = ["KernelPath", "KERNEL_ENV", "metal_usable", "resolve_kernel_path", "short_conv",
-           "path_walk", "short_conv_ops", "path_walk_ops", "pair_lattice"]
+__all__ = ["KernelPath", "KERNEL_ENV", "metal_usable", "kernel_setting", "resolve_kernel_path",
+           "short_conv", "path_walk", "short_conv_ops", "path_walk_ops", "pair_lattice"]

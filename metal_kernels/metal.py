@@ -1,4 +1,6 @@
-"""The Metal kernels of `kernels.short_conv` and `kernels.path_walk` (Apple GPUs only).
+"""The Metal kernels (Apple GPUs only): the drafter's `kernels.short_conv` and
+`kernels.path_walk`, and the target's verify kernels, `verify_attention_metal` (multi-row
+attention, two passes) and `small_m_qmm_metal` (quantized matmul of 1-16 rows).
 
 Each kernel's source is `<name>.metal` beside this module in `metal_kernels/` (installed as the
 package `dflash2_mlx.model.kernels`, read once); each `mx.fast.metal_kernel` is built at first
@@ -19,11 +21,21 @@ BODY_MARKER = "// ---- kernel body ----"
 CONV_THREADGROUP = 256   # threads along the channels
 SIMD_WIDTH = 32          # one SIMD group walks one batch row
 WALK_TILE_FLOATS = 4096  # threadgroup memory for staged lattice rows: 16 KiB
+ATTN_SIMDS, ATTN_RPS = 4, 4  # verify attention: SIMD groups per threadgroup, rows per group
+ATTN_SPLIT = 256         # keys per split (pass 1); fixed, so plain steps and verifies agree
+ATTN_HEAD_DIMS = range(32, 257, 32)
+QMM_SIMDS = 2            # small-M qmm: SIMD groups per threadgroup, 4 output features each
+QMM_MAX_ROWS = 16
+QMM_BITS = (4, 8)
 
 _IO = {  # input names, output names
     "short_conv": (("y", "dyn", "base", "residual"), ("out",)),
     "path_walk": (("cand", "first", "lattice", "temperature", "uniforms"), ("ids", "q")),
+    "verify_attention": (("q", "k", "v", "sinks", "params", "scale"), ("o_part", "ml_part")),
+    "verify_attention_merge": (("o_part", "ml_part", "sinks", "params"), ("out",)),
+    "small_m_qmm": (("x", "w", "scales", "biases"), ("y",)),
 }
+_ROW_CONTIGUOUS = {"small_m_qmm"}  # the others read strided inputs in place
 
 
 @functools.cache
@@ -37,18 +49,18 @@ def kernel_source(name: str) -> tuple[str, str]:
 
 
 def kernel_spec(name: str) -> dict:
-    """The `mx.fast.metal_kernel` arguments of kernel `name` ("short_conv" | "path_walk"); the
-    CPU test harness builds its stand-in from the same dict."""
+    """The `mx.fast.metal_kernel` arguments of kernel `name` (a key of `_IO`); the CPU test
+    harness builds its stand-in from the same dict."""
     header, body = kernel_source(name)
     inputs, outputs = _IO[name]
     return dict(name=f"dflash2_{name}", input_names=list(inputs), output_names=list(outputs),
-                source=body, header=header, ensure_row_contiguous=False)
+                source=body, header=header, ensure_row_contiguous=name in _ROW_CONTIGUOUS)
 
 
 def _build(name: str):
     if not mx.metal.is_available():
         raise RuntimeError(f"The {name} Metal kernel needs Metal (mx.metal.is_available() is "
-                           "False here); use the MLX-ops path (kernels='ops').")
+                           "False here); use the stock path (kernels='stock').")
     return mx.fast.metal_kernel(**kernel_spec(name))
 
 
@@ -60,6 +72,16 @@ def short_conv_kernel():
 @functools.cache
 def path_walk_kernel():
     return _build("path_walk")
+
+
+@functools.cache
+def verify_attention_kernels():
+    return _build("verify_attention"), _build("verify_attention_merge")
+
+
+@functools.cache
+def small_m_qmm_kernel():
+    return _build("small_m_qmm")
 
 
 def conv_launch(y: mx.array, dyn: mx.array, base: mx.array, residual: mx.array | None):
@@ -119,3 +141,81 @@ def path_walk_metal(cand: mx.array, unary: mx.array, g: mx.array, pred_rows: mx.
         uniforms = None
     ids, q = path_walk_kernel()(**walk_launch(cand, first, lattice, temperature, uniforms))
     return ids, (q if uniforms is not None else None)
+
+
+# --------------------------------------------------------------------------- verify kernels
+
+def attention_launch(q: mx.array, k: mx.array, v: mx.array, scale: float, window: int = 0,
+                     sinks: mx.array | None = None, split: int = ATTN_SPLIT):
+    """Arguments of pass 1 of the verify attention (also used by the CPU test harness)."""
+    B, Hq, T, D = q.shape
+    Bk, Hkv, N, Dk = k.shape
+    if (Bk, Dk) != (B, D) or tuple(v.shape) != tuple(k.shape) or Hq % Hkv or T > N:
+        raise ValueError(f"verify_attention: q {q.shape}, k {k.shape}, v {v.shape} do not "
+                         "match [B, Hq, T, D], [B, Hkv, N, D] with Hkv | Hq and T <= N")
+    if D not in ATTN_HEAD_DIMS or split % 32:
+        raise ValueError(f"verify_attention: head dim {D} is not a multiple of 32 up to 256 "
+                         f"(or split {split} not a multiple of 32)")
+    S = -(-N // split)
+    rows = (Hq // Hkv) * T
+    has_sinks = sinks is not None
+    params = mx.array([N, T, max(0, int(window)), int(has_sinks), split], mx.int32)
+    return dict(
+        inputs=[q, k, v, sinks if has_sinks else mx.zeros((1,), mx.float32), params,
+                mx.array(scale, mx.float32)],
+        template=[("T", q.dtype), ("D", D), ("SIMDS", ATTN_SIMDS), ("RPS", ATTN_RPS)],
+        grid=(32 * ATTN_SIMDS, -(-rows // (ATTN_SIMDS * ATTN_RPS)), B * Hkv * S),
+        threadgroup=(32 * ATTN_SIMDS, 1, 1),
+        output_shapes=[(B, Hq, T, S, D), (B, Hq, T, S, 2)],
+        output_dtypes=[mx.float32, mx.float32])
+
+
+def merge_launch(first: dict, o_part: mx.array, ml_part: mx.array):
+    """Arguments of pass 2, from pass 1's arguments and outputs."""
+    B, Hq, T, S, D = o_part.shape
+    _, _, _, sinks, params, _ = first["inputs"]
+    dtype = first["template"][0][1]
+    return dict(inputs=[o_part, ml_part, sinks, params], template=[("O", dtype)],
+                grid=(D, B * Hq * T, 1), threadgroup=(min(D, 256), 1, 1),
+                output_shapes=[(B, Hq, T, D)], output_dtypes=[dtype])
+
+
+def verify_attention_metal(q: mx.array, k: mx.array, v: mx.array, scale: float,
+                           window: int = 0, sinks: mx.array | None = None) -> mx.array:
+    """`ops.verify_attention_ops` in two launches: q [B, Hq, T, D] (the last T positions),
+    k, v [B, Hkv, N, D], window 0 (none) or the keys a row sees, sinks [Hq] or None
+    -> [B, Hq, T, D]. Row-invariant: a row's bits do not depend on T."""
+    first = attention_launch(q, k, v, scale, window, sinks)
+    pass1, pass2 = verify_attention_kernels()
+    o_part, ml_part = pass1(**first)
+    return pass2(**merge_launch(first, o_part, ml_part))[0]
+
+
+def qmm_launch(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
+               bits: int):
+    """Arguments of the small-M quantized matmul (also used by the CPU test harness)."""
+    *lead, K = x.shape
+    M = 1
+    for n in lead:
+        M *= n
+    N = w.shape[0]
+    if bits not in QMM_BITS or M > QMM_MAX_ROWS or K % group_size or \
+            tuple(w.shape) != (N, K * bits // 32) or tuple(scales.shape) != (N, K // group_size) \
+            or tuple(biases.shape) != tuple(scales.shape) or group_size % 8:
+        raise ValueError(f"small_m_qmm: x {x.shape}, w {w.shape}, scales {scales.shape}, "
+                         f"{bits}-bit, group {group_size}: expected <= {QMM_MAX_ROWS} rows, "
+                         f"4 or 8 bits and MLX's packing")
+    dtype = (mx.zeros((), x.dtype) + mx.zeros((), scales.dtype)).dtype
+    return dict(inputs=[x.reshape(M, K), w, scales, biases],
+                template=[("T", dtype), ("BITS", bits), ("SIMDS", QMM_SIMDS)],
+                grid=(32 * QMM_SIMDS, -(-N // (4 * QMM_SIMDS)), 1),
+                threadgroup=(32 * QMM_SIMDS, 1, 1),
+                output_shapes=[(M, N)], output_dtypes=[dtype])
+
+
+def small_m_qmm_metal(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
+                      group_size: int = 64, bits: int = 4) -> mx.array:
+    """`mx.quantized_matmul(x, w, scales, biases, transpose=True, ...)` for x [..., K] of at
+    most 16 rows, each weight group read once for all rows; row-invariant."""
+    y = small_m_qmm_kernel()(**qmm_launch(x, w, scales, biases, group_size, bits))[0]
+    return y.reshape(*x.shape[:-1], w.shape[0])

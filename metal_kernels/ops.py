@@ -75,3 +75,29 @@ def path_walk_ops(cand: mx.array, unary: mx.array, g: mx.array, pred_rows: mx.ar
         qs.append(q)
     ids = mx.take_along_axis(cand, mx.stack(indices, axis=1)[..., None], axis=-1)[..., 0]
     return ids.astype(mx.int32), (None if uniforms is None else mx.stack(qs, axis=1))
+
+
+# --------------------------------------------------------------------------- verify kernels
+
+def verify_mask(T: int, N: int, window: int = 0) -> mx.array:
+    """[T, N] bool: query row t sits at position N - T + t and sees the keys up to it (causal
+    inside the verified block), only the last `window` of them when window > 0."""
+    pos = mx.arange(N - T, N)[:, None]
+    keys = mx.arange(N)[None, :]
+    seen = keys <= pos
+    return seen & (keys > pos - window) if window > 0 else seen
+
+
+def verify_attention_ops(q: mx.array, k: mx.array, v: mx.array, scale: float, window: int = 0,
+                         sinks: mx.array | None = None) -> mx.array:
+    """The stock twin of `metal.verify_attention_metal`: q [B, Hq, T, D] (the last T positions),
+    k, v [B, Hkv, N, D], window 0 or the keys a row sees, sinks [Hq] or None -> [B, Hq, T, D]."""
+    mask = verify_mask(q.shape[2], k.shape[2], window)
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
+
+
+def small_m_qmm_ops(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
+                    group_size: int = 64, bits: int = 4) -> mx.array:
+    """The stock twin of `metal.small_m_qmm_metal`: x [..., K] @ dequantize(w).T."""
+    return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size,
+                               bits=bits)

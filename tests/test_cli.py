@@ -119,6 +119,7 @@ BAD_FLAGS = [  # (arguments, words the one error line must contain)
     (["--draft-bits", "3"], ["--draft-bits", "'3'", "4, 8, 16"]),
     (["--draft-group-size", "48"], ["--draft-group-size", "32, 64, 128"]),
     (["--dtype", "float8"], ["--dtype", "float32, float16, bfloat16"]),
+    (["--kernels", "cuda"], ["--kernels", "'cuda'", "auto, stock, metal"]),
     (["--temp", "-1"], ["--temp"]),
     (["--top-p", "0"], ["--top-p", "(0, 1]"]),
     (["--top-k", "-2"], ["--top-k"]),

@@ -163,6 +163,7 @@ def test_resolve_kernel_path(monkeypatch):
     assert resolve_kernel_path() == auto
     assert resolve_kernel_path("auto") == auto
     assert resolve_kernel_path("ops") == "ops"
+    assert resolve_kernel_path("stock") == "ops"       # "ops" is the older name of "stock"
     monkeypatch.setenv(kernels.KERNEL_ENV, "ops")
     assert resolve_kernel_path() == "ops"
     assert resolve_kernel_path("auto") == "ops"        # "auto" defers to the environment
@@ -172,10 +173,10 @@ def test_resolve_kernel_path(monkeypatch):
 
 def test_resolve_kernel_path_rejects_bad_values(monkeypatch):
     monkeypatch.delenv(kernels.KERNEL_ENV, raising=False)
-    with pytest.raises(ValueError, match="kernels='cuda'"):
+    with pytest.raises(ValueError, match="kernels: 'cuda' is not one of auto, stock, metal"):
         resolve_kernel_path("cuda")
     monkeypatch.setenv(kernels.KERNEL_ENV, "fast")
-    with pytest.raises(ValueError, match=r"\$DFLASH2_KERNELS='fast'"):
+    with pytest.raises(ValueError, match=r"\$DFLASH2_KERNELS: 'fast'"):
         resolve_kernel_path()
     assert resolve_kernel_path("ops") == "ops"         # the argument wins over the env var
 
@@ -184,13 +185,13 @@ def test_resolve_kernel_path_rejects_bad_values(monkeypatch):
 @pytest.mark.skipif(kernels.metal_usable(), reason="Metal is available here")
 def test_forcing_metal_without_metal_is_a_clear_error(monkeypatch):
     monkeypatch.delenv(kernels.KERNEL_ENV, raising=False)
-    with pytest.raises(RuntimeError, match="Metal is not available.*kernels='ops'"):
+    with pytest.raises(RuntimeError, match="Metal is not available.*kernels='stock'"):
         resolve_kernel_path("metal")
     monkeypatch.setenv(kernels.KERNEL_ENV, "metal")
     with pytest.raises(RuntimeError, match="Metal is not available"):
         resolve_kernel_path()
     y = mx.zeros((1, 2, 32))
-    with pytest.raises(RuntimeError, match="needs Metal.*kernels='ops'"):   # called directly
+    with pytest.raises(RuntimeError, match="needs Metal.*kernels='stock'"):   # called directly
         short_conv(y, mx.zeros((1, 2, 2, 2)), mx.zeros((2, 32)), path="metal")
 
 

@@ -16,7 +16,7 @@ from dflash2_mlx.decode.state import DecodeState
     (check.temperature, "hot"), (check.top_p, 0), (check.top_p, math.nan), (check.top_k, -1),
     (check.max_tokens, 0), (check.block_size, True), (check.block_size, 0),
     (check.block_size, "eight"), (check.draft_bits, 3), (check.draft_group_size, 48),
-    (check.dtype, "float8"), (check.prompt, 123), (check.prompt, ""), (check.prompt, [1, "a"]),
+    (check.kernels, "cuda"), (check.kernels, 1), (check.dtype, "float8"), (check.prompt, 123), (check.prompt, ""), (check.prompt, [1, "a"]),
     (check.prompt, "caf\udce9"), (check.prompt, b"bytes"), (check.prompt, []),
     (check.port, -1), (check.port, 65536), (check.port, "80"), (check.context_length, 1),
     (check.max_body_bytes, 1023), (check.queue_size, 0), (check.prompt_cache_size, -1),
@@ -34,6 +34,7 @@ def test_validators_normalise():
     assert check.block_size("8") == 8 and check.block_size("auto") == "auto"
     assert check.block_size(None) is None and check.seed(2**64 - 1) == 2**64 - 1
     assert check.draft_bits("16") == 16 and check.dtype("bf16") == "bfloat16"
+    assert check.kernels("ops") == "stock" and check.kernels(None) is None
     assert check.prompt((1, 2)) == [1, 2] and check.temperature(1) == 1.0
     assert check.port(0) == 0 and check.prompt_cache_size(0) == 0
     assert check.shutdown_timeout(0) == 0.0 and check.prompts_per_set(164) == 164

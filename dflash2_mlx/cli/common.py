@@ -191,6 +191,11 @@ KV_GROUP_SIZE = typer.Option(None, "--kv-group-size", metavar="{32,64,128}",
                              callback=flag(check.kv_group_size),
                              help="Group size of the quantized KV cache, a divisor of the "
                              "head dim (default: 64)")
+KERNELS = typer.Option(
+    None, "--kernels", callback=flag(check.kernels), metavar="{auto,stock,metal}",
+    help="auto: custom kernels where they run (the drafter's on Metal, the target's verify "
+    "kernels where this Mac's probe chose them); stock: MLX's own everywhere; metal: every "
+    "custom kernel (default: $DFLASH2_KERNELS, else auto)")
 DTYPE = typer.Option(None, "--dtype", callback=flag(check.dtype),
                      metavar="{float32,float16,bfloat16}",
                      help="Float weight dtype (default: float32 on CPU, as stored on Metal)")

@@ -11,7 +11,7 @@ import typer
 
 from .. import log
 from .. import settings as check
-from .common import (BLOCK_SIZE, DRAFT, DRAFT_BITS, DRAFT_GROUP_SIZE, DTYPE, KV_BITS,
+from .common import (BLOCK_SIZE, DRAFT, DRAFT_BITS, DRAFT_GROUP_SIZE, DTYPE, KERNELS, KV_BITS,
                      KV_GROUP_SIZE, LOOKUP, MODEL, MODEL_ID, OMLX_SETTINGS, PIPELINE_SPLIT,
                      PIPELINE_TIMEOUT, app, errors, flag, load_pipeline, pipeline_group)
 
@@ -95,6 +95,7 @@ def serve(
     kv_bits: Optional[str] = KV_BITS,
     kv_group_size: Optional[str] = KV_GROUP_SIZE,
     dtype: Optional[str] = DTYPE,
+    kernels: Optional[str] = KERNELS,
     omlx_settings: Optional[str] = OMLX_SETTINGS,
     model_id: Optional[str] = MODEL_ID,
     api_key: Optional[str] = API_KEY,
@@ -130,7 +131,7 @@ def serve(
         pipe = load_pipeline(model, draft, omlx_settings, model_id, block_size, lookup,
                              draft_bits=draft_bits, draft_group_size=draft_group_size,
                              kv_bits=kv_bits, kv_group_size=kv_group_size, dtype=dtype,
-                             pipeline=group, pipeline_split=pipeline_split,
+                             kernels=kernels, pipeline=group, pipeline_split=pipeline_split,
                              pipeline_timeout=pipeline_timeout)
         if pipe is None:                     # a rank > 0: it served rank 0 until it closed
             return

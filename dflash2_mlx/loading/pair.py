@@ -8,8 +8,9 @@ from typing import Sequence
 
 from .. import log, settings as check
 from ..model.drafter import Drafter
-from ..model.kernels import resolve_kernel_path
+from ..model.kernels import kernel_setting, metal_usable, resolve_kernel_path
 from ..model.target import KVQuant, TargetAdapter
+from ..policy.kernel_probe import verify_kernels
 from ..pipeline import Pipeline
 from . import blas, drafters, runtime
 from .checkpoint import load_drafter, load_target, resolve, stored_quantization
@@ -118,7 +119,8 @@ def load(model: str | None = None, draft: str | None = None, *,
     dtype: "float32" | "float16" | "bfloat16" overrides the float dtype of both.
     draft_bits: 4 | 8 | 16 (16: unquantized); draft_group_size: 32 | 64 | 128.
     settings: one model's oMLX settings (`load_omlx_settings`); explicit arguments override it.
-    kernels: "metal", "ops" or None (auto). lookup: draft from the context too, by default
+    kernels: "auto" (or None), "stock" ("ops" is its older name) or "metal"
+    (`settings.kernels`; $DFLASH2_KERNELS when None). lookup: draft from the context too, by default
     (`Pipeline.generate(lookup=...)` overrides it per call).
     kv_bits: 4 | 8 quantizes the target's full-attention KV cache from the first token (None:
     float); kv_group_size: 32 | 64 | 128 (default 64), a divisor of the head dim. Sliding-window
@@ -168,6 +170,9 @@ def load(model: str | None = None, draft: str | None = None, *,
                     lookup=check.lookup(lookup) and s.verify_mode != "off",
                     block_size=_settings_block_size(settings, drafter),
                     kv_bits=kv_bits, kv_group_size=kv_group_size)
+    pipe.kernel_setting = kernel_setting(kernels)
+    if pipe.kernel_setting == "stock" or not metal_usable():
+        verify_kernels(pipe, pipe.kernel_setting)      # stock: the start line says so once
     if plan is not None:
         pipe.stage = distributed.build(target, plan, link, kv)
         pipe.adapter = pipe.stage.target

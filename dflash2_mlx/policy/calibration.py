@@ -148,7 +148,25 @@ def store_correction(key: str, cost: CostModel) -> None:
 
 def _store(path: Path, key: str, cost: CostModel, meta: dict) -> None:
     table = _read_table(path)                       # others may have written meanwhile
+    kernels = (table.get(key) or {}).get("kernels") if isinstance(table.get(key), dict) else None
     table[key] = {**cost.to_dict(), "meta": meta}
+    if kernels is not None:                         # the verify kernels' probe, kept
+        table[key]["kernels"] = kernels
+    _write_table(path, table)
+
+
+def stored_kernel_record(key: str):
+    """The verify kernels' probe record of entry `key` (`policy.kernel_probe`), or None."""
+    entry = _read_table(cache_file()).get(key)
+    return entry.get("kernels") if isinstance(entry, dict) else None
+
+
+def store_kernel_record(key: str, record: dict) -> None:
+    """Store the probe's record with entry `key` (made if absent: the costs follow)."""
+    path = cache_file()
+    table = _read_table(path)
+    entry = table.get(key) if isinstance(table.get(key), dict) else {}
+    table[key] = {**entry, "kernels": record}
     _write_table(path, table)
 
 
