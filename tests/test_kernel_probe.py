@@ -136,15 +136,10 @@ def test_kernels_stock_forces_stock(monkeypatch):
 
 
 def test_mac_simulation_picks_the_best_width_and_custom_never_loses():
-    """benchmarks/verify_kernel_simulation.py: the policy's pick is the width of most expected
+    """dflash2_mlx.bench.kernel_simulation: the policy's pick is the width of most expected
     speedup, and the cheaper custom verify curve is never slower at any width."""
-    import importlib.util
-    from pathlib import Path
+    from dflash2_mlx.bench import kernel_simulation as sim
 
-    path = Path(__file__).parents[1] / "benchmarks" / "verify_kernel_simulation.py"
-    spec = importlib.util.spec_from_file_location("verify_kernel_simulation", path)
-    sim = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sim)
     assert abs(sim.expected_tokens(sim.alphas_for(5.97), 16) - 5.97) < 1e-6
     for tau in sim.TAUS:
         stock = sim.simulate(sim.CURVES["stock"], tau, 0.15)

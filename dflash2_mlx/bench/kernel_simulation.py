@@ -1,8 +1,8 @@
 """What the width policy would choose on a Mac with and without the custom verify kernels: a
 simulation, not a measurement (docs/kernels.md has its table).
 
-    python benchmarks/verify_kernel_simulation.py            # the Markdown table of the docs
-    python benchmarks/verify_kernel_simulation.py --draft 0.25
+    python -m dflash2_mlx.bench.kernel_simulation            # the Markdown table of the docs
+    python -m dflash2_mlx.bench.kernel_simulation --draft 0.25
 
 Verify costs, in decode steps (a width-1 forward = 1), shaped like mlx-dspark's published curve
 on Qwen3.8-27B at 4 bits (issue 51): stock 1.65 at widths 5-8 and 3.2 rising to 4.1 at 9-16;

@@ -3,7 +3,7 @@ setting (float, 8-bit, 4-bit) and context length, against the formula
 (`model.views.kv_bytes_per_token`), and how many tokens the prefix cache keeps in the bytes
 of a float32 state.
 
-    python benchmarks/kv_cache.py --contexts 1024,8192 [--model M]
+    python -m dflash2_mlx.bench.kv_bytes --contexts 1024,8192 [--model M]
 
 The caches are filled by writing keys and values of the model's shapes in prefill-sized chunks
 (2048 rows, as `Pipeline` prefills) through each cache's `update_and_fetch`, which is what a

@@ -2,9 +2,9 @@
 custom result's error and the decision (`policy.kernel_probe`). Run it on a Mac and paste the
 table into an issue to report that chip's figures.
 
-    python benchmarks/bench_verify_kernels.py                      # typical shape classes
-    python benchmarks/bench_verify_kernels.py --model mlx-community/Qwen3-8B-4bit
-    python benchmarks/bench_verify_kernels.py --context 16384
+    python -m dflash2_mlx.bench.verify_kernels                      # typical shape classes
+    python -m dflash2_mlx.bench.verify_kernels --model mlx-community/Qwen3-8B-4bit
+    python -m dflash2_mlx.bench.verify_kernels --context 16384
 
 Without --model: a Qwen3-8B-like target at 4 bits (attention 32/8 heads of 128; projections
 4096 -> 4096, 4096 -> 12288, 12288 -> 4096, group 64) in bfloat16, and a head dim 64 and 256

@@ -171,7 +171,7 @@ def decision_rows(record: dict) -> list[str]:
 
 
 def probe_table(decisions: dict[str, Decision]) -> str:
-    """The probe's figures as a Markdown table (`benchmarks/bench_verify_kernels.py`): what to
+    """The probe's figures as a Markdown table (`dflash2_mlx.bench.verify_kernels`): what to
     paste into an issue when reporting a Mac's figures."""
     lines = ["| shape class | width | stock us | custom us | speedup | error | decision |",
              "|---|---:|---:|---:|---:|---:|---|"]
