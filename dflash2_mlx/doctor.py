@@ -181,9 +181,16 @@ def memory_rows(model: str) -> list[str]:
     """`doctor --model M`: M's KV cache bytes per token in float, 8-bit and 4-bit, and the
     tokens of context that fit on this machine beside its weights (`memory.fit_lines`), at
     the precision `load` would give it here."""
+    config, where = model_config(model)
+    try:
+        return [f"config          {where}"] + _fit_lines(config)
+    except ValueError as e:         # a config without the attention shape: the rest still stands
+        return [f"config          {where}", f"unknown         {e}"]
+
+
+def _fit_lines(config: dict) -> list[str]:
     from .cache import memory
 
-    config, where = model_config(model)
     device, source = memory.device_memory()
     p = runtime.resolve_precision(metal=runtime.on_metal())
     text = memory.text_config(config)
@@ -191,8 +198,8 @@ def memory_rows(model: str) -> list[str]:
     itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}.get(p.dtype, stored)
     # quantized weights stay quantized on Metal; the CPU dequantizes them to p.dtype
     weights = memory.estimate_weights(config, None if p.keep_quantized else itemsize)
-    return [f"config          {where}"] + memory.fit_lines(
-        config, device=device, source=source, itemsize=itemsize, weights=weights)
+    return memory.fit_lines(config, device=device, source=source, itemsize=itemsize,
+                            weights=weights)
 
 
 def calibration_rows() -> list[str]:

@@ -394,8 +394,8 @@ class Scheduler:
                 return
             log.exception("generation failed")
             for job, _ in self._decoding.values():
+                self._done(job)                 # counted before its client hears
                 self._failed(job, e)
-                self._done(job)
             self._decoding.clear()
             self._engine = self.pipe.engine(self.max_batch)
             self._engine.isolate_oom = True
@@ -517,8 +517,8 @@ class Scheduler:
                                           checkpoint=r.checkpoint))
         except Exception as e:  # noqa: BLE001 - reported to that request; the others run
             log.exception("generation failed")
+            self._done(job)                 # counted before its client hears
             self._failed(job, e)
-            self._done(job)
             return
         self._decoding[rid] = (job, SequenceText(pipe.tokenizer, self._stop_ids))
 
@@ -540,8 +540,8 @@ class Scheduler:
             self.prompt_cache.insert(state)
         if self.prompt_cache is not None and (state is not None or kept is not None):
             self._fit_cache(rid)
+        self._done(job)             # counted (/health's served) before its client hears
         self._final(job, finish, stats)
-        self._done(job)
 
     def _fit_cache(self, leaving: int) -> None:
         """The prefix cache within what the budget leaves beside the running jobs (but the
