@@ -305,3 +305,13 @@ def metal_kernel(name, input_names, output_names, source, header="",
         return results
 
     return call
+
+
+def cpu_kernel(name: str, workdir, edit=None):
+    """The harness stand-in for `metal.<name>_kernel()`; `edit(spec)` may alter the sources."""
+    from dflash2_mlx.model.kernels import metal
+
+    spec = metal.kernel_spec(name)
+    if edit is not None:
+        spec = edit(dict(spec))
+    return metal_kernel(**spec, workdir=workdir)

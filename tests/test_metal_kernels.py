@@ -37,12 +37,7 @@ def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("metal_harness")
 
 
-def cpu_kernel(name: str, workdir, edit=None):
-    """The harness stand-in for `metal.<name>_kernel()`; `edit(spec)` may alter the sources."""
-    spec = metal.kernel_spec(name)
-    if edit is not None:
-        spec = edit(dict(spec))
-    return mh.metal_kernel(**spec, workdir=workdir)
+cpu_kernel = mh.cpu_kernel
 
 
 def f32(x: mx.array) -> np.ndarray:

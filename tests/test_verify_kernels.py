@@ -35,11 +35,7 @@ def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("verify_kernels")
 
 
-def cpu_kernel(name: str, workdir, edit=None):
-    spec = metal.kernel_spec(name)
-    if edit is not None:
-        spec = edit(dict(spec))
-    return mh.metal_kernel(**spec, workdir=workdir)
+cpu_kernel = mh.cpu_kernel
 
 
 def mutate(part: str, old: str, new: str):
