@@ -227,6 +227,7 @@ class Scheduler:
         self.cancelled += job.why == "client"
         self.busy = bool(self._jobs)
         self._publish()
+        self._publish_memory(self._engine)      # its reservation gone before its client hears
 
     @staticmethod
     def _final(job: Job, finish: str, stats: dict) -> None:
@@ -393,10 +394,11 @@ class Scheduler:
                 self._rebuild(engine, e)
                 return
             log.exception("generation failed")
-            for job, _ in self._decoding.values():
+            jobs = [job for job, _ in self._decoding.values()]
+            self._decoding.clear()
+            for job in jobs:
                 self._done(job)                 # counted before its client hears
                 self._failed(job, e)
-            self._decoding.clear()
             self._engine = self.pipe.engine(self.max_batch)
             self._engine.isolate_oom = True
             return
