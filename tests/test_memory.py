@@ -406,3 +406,26 @@ def test_doctor_model_reads_the_config_alone(llama_dir, tmp_path):
     with pytest.raises(ValueError, match="config"):
         (tmp_path / "config.json").write_text("{")
         memory_rows(str(tmp_path))
+
+
+def test_the_load_tests_outside_hold_limits_a_running_process():
+    """memory_load --address-limit: the limit lands on the running process, at its address
+    space then plus the room given (an allocation past it then fails in that process)."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from dflash2_mlx.bench.memory_load import hold
+
+    code = ("import sys; print('ready', flush=True); sys.stdin.readline()\n"
+            "try:\n    bytearray(64 << 20)\nexcept MemoryError:\n    print('refused')\n"
+            "else:\n    print('allocated')\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    limit = hold(SimpleNamespace(proc=proc), 8 << 20)
+    with open(f"/proc/{proc.pid}/limits") as f:
+        line = next(ln for ln in f if ln.startswith("Max address space"))
+    out, _ = proc.communicate("go\n", timeout=30)
+    assert line.split()[3:5] == [str(limit), str(limit)]
+    assert out.strip() == "refused"
