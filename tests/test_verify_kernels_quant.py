@@ -93,7 +93,7 @@ def test_quant_attention_matches_mlx_lm_16bit(workdir, dtype):
         check_quant(run_quant(workdir, q, k, v, 64, bits), q, k, v, 64, bits)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # 5-37 s each (two compiles per dtype and head dim, 5-12 launches per bits)
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=str)
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_quant_attention_sweep(workdir, D, dtype):
