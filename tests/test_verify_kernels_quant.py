@@ -104,16 +104,19 @@ def test_quant_attention_sweep(workdir, D, dtype):
 
 
 def test_quant_attention_reads_the_cache_view_in_place(workdir):
-    """The parts as a QuantizedKVCache returns them: the first N positions of larger
-    preallocated buffers, read through their strides (scales and biases with their own)."""
-    B, Hq, Hkv, T, N, D, cap, gs, bits = 1, 4, 2, 6, 90, 64, 256, 32, 4
-    q, k, v = quant_inputs(B, Hq, Hkv, T, N, D, mx.float32, 3, gs, bits)
-    host = []
-    for part in (*k, *v):
-        buf = np.zeros((B, Hkv, cap, part.shape[-1]), np.array(part).dtype)
-        buf[:, :, :N] = np.array(part)
-        host.append(buf[:, :, :N])
-    assert not host[0].flags.c_contiguous
+    """mlx-lm's QuantizedKVCache as attention gets it: its update_and_fetch parts (the first N
+    positions of 256-slot buffers), read here through their strides in the cache's own
+    buffers, scales and biases with their own."""
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    B, Hq, Hkv, T, N, D, gs, bits = 1, 4, 2, 6, 90, 64, 32, 4
+    key = iter(mx.random.split(mx.random.key(3), 3))
+    q = mx.random.normal((B, Hq, T, D), key=next(key))
+    cache = QuantizedKVCache(gs, bits)
+    k, v = cache.update_and_fetch(*(mx.random.normal((B, Hkv, N, D), key=next(key))
+                                    for _ in range(2)))
+    host = [np.array(buf)[:, :, :N] for buf in (*cache.keys, *cache.values)]
+    assert cache.keys[0].shape[2] > N and not host[0].flags.c_contiguous
     check_quant(run_quant(workdir, q, k, v, gs, bits, host=host), q, k, v, gs, bits)
 
 
