@@ -175,7 +175,7 @@ def quant_attention_launch(q: mx.array, k: tuple, v: tuple, scale: float, group_
     """Arguments of pass 1 over a quantized cache: k and v (packed, scales, biases) as
     mx.quantize leaves them for [B, Hkv, N, D] (also used by the CPU test harness)."""
     B, Hq, T, D = q.shape
-    Bk, Hkv, N, _ = k[0].shape
+    Hkv, N = k[0].shape[1:3]
     packed, groups = (B, Hkv, N, D * bits // 32), (B, Hkv, N, D // max(1, group_size))
     shapes = [tuple(a.shape) for a in (*k, *v)]
     if bits not in KV_BITS or group_size not in KV_GROUPS or D % group_size or Hq % Hkv or \

@@ -1,7 +1,8 @@
 """Whether the target's custom verify kernels (`metal.verify_attention_metal`,
-`metal.verify_attention_quant_metal`, `metal.small_m_qmm_metal`) run on this machine: the probe that times them against MLX's stock
-kernels per shape class, the rule that decides from its timings (`decide`), and the record
-stored with the calibration, keyed by chip, MLX version and model.
+`metal.verify_attention_quant_metal`, `metal.small_m_qmm_metal`) run on this machine: the
+probe that times them against MLX's stock kernels per shape class, the rule that decides from
+its timings (`decide`), and the record stored with the calibration, keyed by chip, MLX version
+and model.
 
 One decision covers a shape class at every width, plain steps (one row) and verifies (2-16
 rows) alike: both then run the same row-invariant kernel, and a verify is bit for bit the plain
