@@ -1,6 +1,7 @@
 """The Metal kernels (Apple GPUs only): the drafter's `kernels.short_conv` and
 `kernels.path_walk`, and the target's verify kernels, `verify_attention_metal` (multi-row
-attention, two passes) and `small_m_qmm_metal` (quantized matmul of 1-16 rows).
+attention, two passes; `verify_attention_quant_metal` over mlx-lm's quantized KV cache) and
+`small_m_qmm_metal` (quantized matmul of 1-16 rows).
 
 Each kernel's source is `<name>.metal` beside this module in `metal_kernels/` (installed as the
 package `dflash2_mlx.model.kernels`, read once); each `mx.fast.metal_kernel` is built at first
@@ -24,6 +25,7 @@ WALK_TILE_FLOATS = 4096  # threadgroup memory for staged lattice rows: 16 KiB
 ATTN_SIMDS, ATTN_RPS = 4, 4  # verify attention: SIMD groups per threadgroup, rows per group
 ATTN_SPLIT = 256         # keys per split (pass 1); fixed, so plain steps and verifies agree
 ATTN_HEAD_DIMS = range(32, 257, 32)
+KV_BITS, KV_GROUPS = (4, 8), (32, 64, 128)  # the quantized KV caches the attention reads
 QMM_SIMDS = 2            # small-M qmm: SIMD groups per threadgroup, 4 output features each
 QMM_MAX_ROWS = 16
 QMM_BITS = (4, 8)
@@ -33,9 +35,14 @@ _IO = {  # input names, output names
     "path_walk": (("cand", "first", "lattice", "temperature", "uniforms"), ("ids", "q")),
     "verify_attention": (("q", "k", "v", "sinks", "params", "scale"), ("o_part", "ml_part")),
     "verify_attention_merge": (("o_part", "ml_part", "sinks", "params"), ("out",)),
+    "verify_attention_quant": (("q", "k", "k_scales", "k_biases", "v", "v_scales", "v_biases",
+                                "sinks", "params", "scale"), ("o_part", "ml_part")),
     "small_m_qmm": (("x", "w", "scales", "biases"), ("y",)),
 }
 _ROW_CONTIGUOUS = {"small_m_qmm"}  # the others read strided inputs in place
+# a kernel whose body is its own followed by another's: the quantized attention defines only
+# its K/V staging (verify_attention_quant.metal)
+_BODY_OF = {"verify_attention_quant": "verify_attention"}
 
 
 @functools.cache
@@ -52,6 +59,8 @@ def kernel_spec(name: str) -> dict:
     """The `mx.fast.metal_kernel` arguments of kernel `name` (a key of `_IO`); the CPU test
     harness builds its stand-in from the same dict."""
     header, body = kernel_source(name)
+    if name in _BODY_OF:
+        body += kernel_source(_BODY_OF[name])[1]
     inputs, outputs = _IO[name]
     return dict(name=f"dflash2_{name}", input_names=list(inputs), output_names=list(outputs),
                 source=body, header=header, ensure_row_contiguous=name in _ROW_CONTIGUOUS)
@@ -77,6 +86,11 @@ def path_walk_kernel():
 @functools.cache
 def verify_attention_kernels():
     return _build("verify_attention"), _build("verify_attention_merge")
+
+
+@functools.cache
+def verify_attention_quant_kernel():
+    return _build("verify_attention_quant")
 
 
 @functools.cache
@@ -153,6 +167,30 @@ def attention_launch(q: mx.array, k: mx.array, v: mx.array, scale: float, window
     if (Bk, Dk) != (B, D) or tuple(v.shape) != tuple(k.shape) or Hq % Hkv or T > N:
         raise ValueError(f"verify_attention: q {q.shape}, k {k.shape}, v {v.shape} do not "
                          "match [B, Hq, T, D], [B, Hkv, N, D] with Hkv | Hq and T <= N")
+    return _pass1(q, Hkv, N, [k, v], [], scale, window, sinks, split)
+
+
+def quant_attention_launch(q: mx.array, k: tuple, v: tuple, scale: float, group_size: int,
+                           bits: int, window: int = 0, split: int = ATTN_SPLIT):
+    """Arguments of pass 1 over a quantized cache: k and v (packed, scales, biases) as
+    mx.quantize leaves them for [B, Hkv, N, D] (also used by the CPU test harness)."""
+    B, Hq, T, D = q.shape
+    Hkv, N = k[0].shape[1:3]
+    packed, groups = (B, Hkv, N, D * bits // 32), (B, Hkv, N, D // max(1, group_size))
+    shapes = [tuple(a.shape) for a in (*k, *v)]
+    if bits not in KV_BITS or group_size not in KV_GROUPS or D % group_size or Hq % Hkv or \
+            T > N or shapes != [packed, groups, groups] * 2:
+        raise ValueError(f"verify_attention_quant: q {q.shape}, {bits}-bit, group {group_size}, "
+                         f"k and v parts {shapes}: expected {KV_BITS} bits, groups {KV_GROUPS} "
+                         f"dividing D, parts {packed}, {groups}, {groups}, Hkv | Hq, T <= N")
+    return _pass1(q, Hkv, N, [*k, *v], [("BITS", bits)], scale, window, None, split)
+
+
+def _pass1(q: mx.array, Hkv: int, N: int, cache: list, template: list, scale: float,
+           window: int, sinks: mx.array | None, split: int):
+    """The launch dict both pass-1 kernels share: inputs q, the cache's arrays, sinks, params,
+    scale; one threadgroup per SIMDS * RPS rows of a KV head and split."""
+    B, Hq, T, D = q.shape
     if D not in ATTN_HEAD_DIMS or split % 32:
         raise ValueError(f"verify_attention: head dim {D} is not a multiple of 32 up to 256 "
                          f"(or split {split} not a multiple of 32)")
@@ -161,9 +199,10 @@ def attention_launch(q: mx.array, k: mx.array, v: mx.array, scale: float, window
     has_sinks = sinks is not None
     params = mx.array([N, T, max(0, int(window)), int(has_sinks), split], mx.int32)
     return dict(
-        inputs=[q, k, v, sinks if has_sinks else mx.zeros((1,), mx.float32), params,
+        inputs=[q, *cache, sinks if has_sinks else mx.zeros((1,), mx.float32), params,
                 mx.array(scale, mx.float32)],
-        template=[("T", q.dtype), ("D", D), ("SIMDS", ATTN_SIMDS), ("RPS", ATTN_RPS)],
+        template=[("T", q.dtype), ("D", D), ("SIMDS", ATTN_SIMDS), ("RPS", ATTN_RPS),
+                  *template],
         grid=(32 * ATTN_SIMDS, -(-rows // (ATTN_SIMDS * ATTN_RPS)), B * Hkv * S),
         threadgroup=(32 * ATTN_SIMDS, 1, 1),
         output_shapes=[(B, Hq, T, S, D), (B, Hq, T, S, 2)],
@@ -173,7 +212,7 @@ def attention_launch(q: mx.array, k: mx.array, v: mx.array, scale: float, window
 def merge_launch(first: dict, o_part: mx.array, ml_part: mx.array):
     """Arguments of pass 2, from pass 1's arguments and outputs."""
     B, Hq, T, S, D = o_part.shape
-    _, _, _, sinks, params, _ = first["inputs"]
+    sinks, params = first["inputs"][-3:-1]
     dtype = first["template"][0][1]
     return dict(inputs=[o_part, ml_part, sinks, params], template=[("O", dtype)],
                 grid=(D, B * Hq * T, 1), threadgroup=(min(D, 256), 1, 1),
@@ -189,6 +228,17 @@ def verify_attention_metal(q: mx.array, k: mx.array, v: mx.array, scale: float,
     pass1, pass2 = verify_attention_kernels()
     o_part, ml_part = pass1(**first)
     return pass2(**merge_launch(first, o_part, ml_part))[0]
+
+
+def verify_attention_quant_metal(q: mx.array, k: tuple, v: tuple, scale: float,
+                                 group_size: int = 64, bits: int = 8,
+                                 window: int = 0) -> mx.array:
+    """`ops.verify_attention_quant_ops` in two launches: q [B, Hq, T, D], k and v mlx-lm's
+    QuantizedKVCache parts (packed, scales, biases) of [B, Hkv, N, D] keys and values, each
+    tile dequantized once for all rows -> [B, Hq, T, D]. Row-invariant like the float one."""
+    first = quant_attention_launch(q, k, v, scale, group_size, bits, window)
+    o_part, ml_part = verify_attention_quant_kernel()(**first)
+    return verify_attention_kernels()[1](**merge_launch(first, o_part, ml_part))[0]
 
 
 def qmm_launch(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,

@@ -4,6 +4,7 @@ the Metal kernels (`metal.py`) are tested against, and the path that runs withou
 from __future__ import annotations
 
 import mlx.core as mx
+from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
 
 # --------------------------------------------------------------------------- short convolution
@@ -94,6 +95,16 @@ def verify_attention_ops(q: mx.array, k: mx.array, v: mx.array, scale: float, wi
     k, v [B, Hkv, N, D], window 0 or the keys a row sees, sinks [Hq] or None -> [B, Hq, T, D]."""
     mask = verify_mask(q.shape[2], k.shape[2], window)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
+
+
+def verify_attention_quant_ops(q: mx.array, k: tuple, v: tuple, scale: float,
+                               group_size: int = 64, bits: int = 8, window: int = 0) -> mx.array:
+    """The stock twin of `metal.verify_attention_quant_metal`: mlx-lm's quantized attention
+    (what a layer with a QuantizedKVCache runs) with the verify mask. q [B, Hq, T, D], k and v
+    (packed, scales, biases) of [B, Hkv, N, D] -> [B, Hq, T, D]."""
+    mask = verify_mask(q.shape[2], k[0].shape[2], window)
+    # q[...]: a new array, since mlx-lm scales its queries in place (`queries *= scale`)
+    return quantized_scaled_dot_product_attention(q[...], k, v, scale, mask, group_size, bits)
 
 
 def small_m_qmm_ops(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,

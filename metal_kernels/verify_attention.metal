@@ -25,6 +25,21 @@
 // as among 16 rows; plain decoding through this kernel equals a verify bit for bit.
 
 // ---- kernel body ----
+// Staging: chunk c (DC dimensions) of keys [kt, kt + BN) into kv_tile as float, 0 past N, read
+// in place through the strides. verify_attention_quant.metal defines STAGE_K and STAGE_V before
+// this body to dequantize instead; the rest of the kernel is the same.
+#ifndef STAGE_K
+#define STAGE_DENSE(x, x_strides, kt, c)                                                    \
+  for (int e = int(tid); e < BN * DC; e += THREADS) {                                       \
+    const int key = (kt) + e / DC;                                                          \
+    kv_tile[e / DC][e % DC] =                                                               \
+        key < N ? float(x[b * x_strides[0] + g * x_strides[1] + key * x_strides[2] +         \
+                          ((c) * DC + e % DC) * x_strides[3]])                              \
+                : 0.0f;                                                                     \
+  }
+#define STAGE_K(kt, c) STAGE_DENSE(k, k_strides, kt, c)
+#define STAGE_V(kt, c) STAGE_DENSE(v, v_strides, kt, c)
+#endif
 constexpr int BN = 32;                         // keys per tile: one per lane
 constexpr int DC = D % 64 == 0 ? 64 : 32;      // dimensions staged per chunk
 constexpr int DPL = DC / 32;                   // of them, per lane
@@ -89,13 +104,7 @@ for (int kt = kt_start; kt < s1; kt += BN) {
   // Scores: lane = key kt + lane, dot products over D in chunk order.
   for (int c = 0; c < D / DC; ++c) {
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    for (int e = int(tid); e < BN * DC; e += THREADS) {
-      const int key = kt + e / DC;
-      kv_tile[e / DC][e % DC] =
-          key < N ? float(k[b * k_strides[0] + g * k_strides[1] + key * k_strides[2] +
-                            (c * DC + e % DC) * k_strides[3]])
-                  : 0.0f;
-    }
+    STAGE_K(kt, c);
     threadgroup_barrier(mem_flags::mem_threadgroup);
     for (int j = 0; j < RPS; ++j) {
       if (active[j]) {
@@ -125,13 +134,7 @@ for (int kt = kt_start; kt < s1; kt += BN) {
   // Values: lane owns dimensions c * DC + u * 32 + lane; only the row's own keys are added.
   for (int c = 0; c < D / DC; ++c) {
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    for (int e = int(tid); e < BN * DC; e += THREADS) {
-      const int key = kt + e / DC;
-      kv_tile[e / DC][e % DC] =
-          key < N ? float(v[b * v_strides[0] + g * v_strides[1] + key * v_strides[2] +
-                            (c * DC + e % DC) * v_strides[3]])
-                  : 0.0f;
-    }
+    STAGE_V(kt, c);
     threadgroup_barrier(mem_flags::mem_threadgroup);
     for (int j = 0; j < RPS; ++j) {
       if (active[j]) {

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 COMPAT_HEADER = Path(__file__).with_name("metal_compat.h")
 MAX_CONSTANT_ARRAY_SIZE = 8  # MLX passes smaller inputs in the `constant` address space
@@ -315,3 +316,48 @@ def cpu_kernel(name: str, workdir, edit=None):
     if edit is not None:
         spec = edit(dict(spec))
     return metal_kernel(**spec, workdir=workdir)
+
+
+# ------------------------------------------------------------------ shared by the kernel tests
+
+ULP = {mx.float32: 2.0 ** -23, mx.float16: 2.0 ** -10, mx.bfloat16: 2.0 ** -7}
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """Where the harness caches its g++ builds (one per source text); skips without g++."""
+    if gxx() is None:
+        pytest.skip("g++ is needed to run the Metal sources on the CPU")
+    return tmp_path_factory.mktemp("harness")
+
+
+def mutate(part: str, old: str, new: str):
+    """An `edit` for `cpu_kernel`: `old`, found exactly once in the spec's `part`, made `new`."""
+    def edit(spec):
+        assert spec[part].count(old) == 1, f"{old!r} is not once in the {part}"
+        spec[part] = spec[part].replace(old, new)
+        return spec
+    return edit
+
+
+def f32(x) -> np.ndarray:
+    return np.array(mx.array(x).astype(mx.float32))
+
+
+def _head(cache, n: int):
+    """The first n positions of a cache [B, H, N, ...], or of each quantized part of one."""
+    return tuple(a[:, :, :n] for a in cache) if isinstance(cache, tuple) else cache[:, :, :n]
+
+
+def assert_rows_invariant(run, q, k, v, *args):
+    """Row t of a T-row verify, `run(q, k, v, *args)`, equals bit for bit the same row run
+    alone (T = 1) over the cache as plain decoding sees it (the first N - T + t + 1 positions).
+    k and v: arrays [B, Hkv, N, D] or tuples of quantized parts."""
+    T, N = q.shape[2], (k[0] if isinstance(k, tuple) else k).shape[2]
+    bits_of = lambda y: np.array(y.view(mx.uint32 if q.dtype == mx.float32 else mx.uint16))
+    among = bits_of(run(q, k, v, *args))
+    for t in range(T):
+        n = N - T + t + 1
+        alone = bits_of(run(q[:, :, t:t + 1], _head(k, n), _head(v, n), *args))
+        differ = np.argwhere(alone[:, :, 0] != among[:, :, t])
+        assert not len(differ), f"row {t} differs alone at [b, h, d] = {differ[:4].tolist()}"

@@ -118,6 +118,31 @@ def test_shape_classes_of_a_quantized_llama():
     assert len(keys) == len(set(keys))                      # each class once, for both layers
 
 
+def test_shape_classes_with_a_quantized_kv_cache():
+    """With kv_bits, the full-attention modules are the quantized-cache class (bits and group
+    size in the key); a sliding-window one keeps its float cache, as views.model_cache does."""
+    from dflash2_mlx.model.views import KVQuant
+
+    class Attention(nn.Module):
+        def __init__(self, window=None):
+            super().__init__()
+            self.n_heads, self.n_kv_heads, self.sliding_window = 4, 2, window
+            self.o_proj = nn.Linear(256, 64)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = [Attention(), Attention(window=128)]
+
+    keys = sorted(s.key for s in kp.shape_classes(Model(), KVQuant(8, 32)))
+    assert keys == ["attention Hq4 Hkv2 D64 kv8-bit g32 float32",
+                    "attention Hq4 Hkv2 D64 window128 float32"]
+    assert sorted(s.key for s in kp.shape_classes(Model())) == [
+        "attention Hq4 Hkv2 D64 float32", "attention Hq4 Hkv2 D64 window128 float32"]
+    stock, _ = kp._pair(kp.ShapeClass("qattention", (4, 2, 64, 8, 32), "float32"), 3, 40)
+    assert stock().shape == (1, 4, 3, 64)       # mlx-lm's quantized attention, the probe's stock
+
+
 @pytest.mark.skipif(kp.machine_chip() and mx.metal.is_available(), reason="Metal here")
 def test_off_metal_the_stock_path_runs_and_says_so_once(monkeypatch, caplog):
     monkeypatch.setattr(kp, "_said_stock", False)

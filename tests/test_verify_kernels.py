@@ -10,8 +10,6 @@ window and sinks are runtime values, one instantiation serving every row count.
 
 from __future__ import annotations
 
-import shutil
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -20,34 +18,15 @@ from dflash2_mlx.model.kernels import metal, metal_usable
 from dflash2_mlx.model.kernels.ops import small_m_qmm_ops, verify_attention_ops
 
 import metal_harness as mh
+from metal_harness import workdir  # noqa: F401 (the fixture)
 
 pytestmark = pytest.mark.metal
 
-ULP = {mx.float32: 2.0 ** -23, mx.float16: 2.0 ** -10, mx.bfloat16: 2.0 ** -7}
 DTYPES = [mx.float32, mx.float16, mx.bfloat16]
 SPLIT = 64      # keys per split in most tests: short contexts still cross split edges
 
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    if shutil.which("g++") is None:
-        pytest.skip("g++ is needed to run the Metal sources on the CPU")
-    return tmp_path_factory.mktemp("verify_kernels")
-
-
-cpu_kernel = mh.cpu_kernel
-
-
-def mutate(part: str, old: str, new: str):
-    def edit(spec):
-        assert spec[part].count(old) == 1, f"{old!r} is not once in the {part}"
-        spec[part] = spec[part].replace(old, new)
-        return spec
-    return edit
-
-
-def f32(x) -> np.ndarray:
-    return np.array(mx.array(x).astype(mx.float32))
+cpu_kernel, mutate, f32, ULP = mh.cpu_kernel, mh.mutate, mh.f32, mh.ULP
+assert_rows_invariant = mh.assert_rows_invariant
 
 
 # ------------------------------------------------------------------ verify attention
@@ -134,19 +113,6 @@ def test_attention_reads_the_cache_view_in_place(workdir):
     host = [q_view, cache[0, :, :, :N], cache[1, :, :, :N]]
     assert not host[1].flags.c_contiguous and not q_view.flags.c_contiguous
     check_attention(run_attention(workdir, q, k, v, host=host), q, k, v)
-
-
-def assert_rows_invariant(run, q, k, v, window, sinks):
-    """Row t of a 16-row verify equals, bit for bit, the same row run alone (T = 1) over the
-    cache as plain decoding sees it (the first N - 16 + t + 1 positions)."""
-    T, N = q.shape[2], k.shape[2]
-    bits_of = lambda y: np.array(y.view(mx.uint32 if q.dtype == mx.float32 else mx.uint16))
-    among = bits_of(run(q, k, v, window, sinks))
-    for t in range(T):
-        n = N - T + t + 1
-        alone = bits_of(run(q[:, :, t:t + 1], k[:, :, :n], v[:, :, :n], window, sinks))
-        differ = np.argwhere(alone[:, :, 0] != among[:, :, t])
-        assert not len(differ), f"row {t} differs alone at [b, h, d] = {differ[:4].tolist()}"
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=str)

@@ -5,10 +5,11 @@ table into an issue to report that chip's figures.
     python -m dflash2_mlx.bench.verify_kernels                      # typical shape classes
     python -m dflash2_mlx.bench.verify_kernels --model mlx-community/Qwen3-8B-4bit
     python -m dflash2_mlx.bench.verify_kernels --context 16384
+    python -m dflash2_mlx.bench.verify_kernels --model ... --kv-bits 8   # quantized KV cache
 
-Without --model: a Qwen3-8B-like target at 4 bits (attention 32/8 heads of 128; projections
-4096 -> 4096, 4096 -> 12288, 12288 -> 4096, group 64) in bfloat16, and a head dim 64 and 256
-attention. Off Metal it says so and prints nothing else (the probe needs an Apple GPU).
+Without --model: a Qwen3-8B-like target at 4 bits (attention 32/8 heads of 128, over a float
+and over an 8- and 4-bit group-64 KV cache; projections 4096 -> 4096, 4096 -> 12288,
+12288 -> 4096, group 64) in bfloat16, and a head dim 64 and 256 attention. Off Metal it says so and prints nothing else (the probe needs an Apple GPU).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ DEFAULT_SHAPES = [
     kp.ShapeClass("attention", (32, 8, 128, 0, 0), "bfloat16"),
     kp.ShapeClass("attention", (16, 4, 64, 0, 0), "bfloat16"),
     kp.ShapeClass("attention", (16, 8, 256, 0, 0), "bfloat16"),
+    kp.ShapeClass("qattention", (32, 8, 128, 8, 64), "bfloat16"),
+    kp.ShapeClass("qattention", (32, 8, 128, 4, 64), "bfloat16"),
     kp.ShapeClass("qmm", (4096, 4096, 4, 64), "bfloat16"),
     kp.ShapeClass("qmm", (12288, 4096, 4, 64), "bfloat16"),
     kp.ShapeClass("qmm", (4096, 12288, 4, 64), "bfloat16"),
@@ -38,6 +41,9 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=kp.PROBE_CONTEXT,
                     help=f"keys the attention probe reads (default {kp.PROBE_CONTEXT})")
     ap.add_argument("--reps", type=int, default=kp.PROBE_REPS)
+    ap.add_argument("--kv-bits", type=int, choices=(4, 8),
+                    help="with --model: its full-attention layers read a quantized KV cache")
+    ap.add_argument("--kv-group-size", type=int, default=64, choices=(32, 64, 128))
     args = ap.parse_args()
     if not metal_usable():
         print(f"no Metal GPU here (mx.metal.is_available()={mx.metal.is_available()}): the "
@@ -47,7 +53,10 @@ def main() -> None:
     if args.model:
         from mlx_lm import load
 
-        shapes = kp.shape_classes(load(args.model)[0])
+        from dflash2_mlx.model.views import KVQuant
+
+        kv = KVQuant(args.kv_bits, args.kv_group_size) if args.kv_bits else None
+        shapes = kp.shape_classes(load(args.model)[0], kv)
     print(f"{kp.machine_chip()}, MLX {mx.__version__}, context {args.context}\n")
     print(kp.probe_table(kp.probe(shapes, context=args.context, reps=args.reps)))
 

@@ -1,7 +1,8 @@
 """Whether the target's custom verify kernels (`metal.verify_attention_metal`,
-`metal.small_m_qmm_metal`) run on this machine: the probe that times them against MLX's stock
-kernels per shape class, the rule that decides from its timings (`decide`), and the record
-stored with the calibration, keyed by chip, MLX version and model.
+`metal.verify_attention_quant_metal`, `metal.small_m_qmm_metal`) run on this machine: the
+probe that times them against MLX's stock kernels per shape class, the rule that decides from
+its timings (`decide`), and the record stored with the calibration, keyed by chip, MLX version
+and model.
 
 One decision covers a shape class at every width, plain steps (one row) and verifies (2-16
 rows) alike: both then run the same row-invariant kernel, and a verify is bit for bit the plain
@@ -34,8 +35,9 @@ RECORD_VERSION = "1"      # bump when the probe or the rule changes: records are
 @dataclass(frozen=True)
 class ShapeClass:
     """What one custom kernel computes in a target: attention (dims: query heads, KV heads,
-    head dim, window (0: none), sinks 0 | 1) or qmm (dims: out features, in features, bits,
-    group size), in the dtype of its activations."""
+    head dim, window (0: none), sinks 0 | 1), attention over a quantized KV cache
+    ("qattention", dims: query heads, KV heads, head dim, KV bits, group size) or qmm (dims:
+    out features, in features, bits, group size), in the dtype of its activations."""
 
     kind: str
     dims: tuple[int, ...]
@@ -47,6 +49,9 @@ class ShapeClass:
             hq, hkv, d, window, sinks = self.dims
             return (f"attention Hq{hq} Hkv{hkv} D{d}" + (f" window{window}" if window else "")
                     + (" sinks" if sinks else "") + f" {self.dtype}")
+        if self.kind == "qattention":
+            hq, hkv, d, bits, group = self.dims
+            return f"attention Hq{hq} Hkv{hkv} D{d} kv{bits}-bit g{group} {self.dtype}"
         n, k, bits, group = self.dims
         return f"qmm {n}x{k} {bits}-bit g{group} {self.dtype}"
 
@@ -188,9 +193,11 @@ def probe_table(decisions: dict[str, Decision]) -> str:
 
 # ------------------------------------------------------------------ shape classes of a target
 
-def shape_classes(model) -> list[ShapeClass]:
+def shape_classes(model, kv=None) -> list[ShapeClass]:
     """The target's shape classes: its 4- and 8-bit affine quantized projections and its
-    attention modules (mlx-lm's `n_heads` / `n_kv_heads` attributes), each class once."""
+    attention modules (mlx-lm's `n_heads` / `n_kv_heads` attributes), each class once. With
+    `kv` (views.KVQuant: bits, group_size), the full-attention modules read a quantized cache
+    (those without a window or sinks, as `views.model_cache` and mlx-lm have it): qattention."""
     import mlx.nn as nn
 
     found: dict[str, ShapeClass] = {}
@@ -201,18 +208,30 @@ def shape_classes(model) -> list[ShapeClass]:
             s = ShapeClass("qmm", (n, words * 32 // m.bits, m.bits, m.group_size),
                            _name(m.scales.dtype))
             found.setdefault(s.key, s)
-        hq, hkv = getattr(m, "n_heads", None), getattr(m, "n_kv_heads", None)
-        o_proj = getattr(m, "o_proj", None)
-        if isinstance(hq, int) and isinstance(hkv, int) and o_proj is not None:
-            w = o_proj.weight
-            k = w.shape[1] * 32 // o_proj.bits if isinstance(o_proj, nn.QuantizedLinear) \
-                else w.shape[1]
-            dtype = o_proj.scales.dtype if isinstance(o_proj, nn.QuantizedLinear) else w.dtype
-            window = getattr(m, "sliding_window", None) or 0
-            s = ShapeClass("attention", (hq, hkv, k // hq, int(window) if isinstance(
-                window, int) else 0, int(getattr(m, "sinks", None) is not None)), _name(dtype))
+        s = _attention_class(m, kv)
+        if s is not None:
             found.setdefault(s.key, s)
     return list(found.values())
+
+
+def _attention_class(m, kv) -> ShapeClass | None:
+    """The attention class of module `m` (None: not an attention module)."""
+    import mlx.nn as nn
+
+    hq, hkv = getattr(m, "n_heads", None), getattr(m, "n_kv_heads", None)
+    o_proj = getattr(m, "o_proj", None)
+    if not (isinstance(hq, int) and isinstance(hkv, int) and o_proj is not None):
+        return None
+    w = o_proj.weight
+    quantized = isinstance(o_proj, nn.QuantizedLinear)
+    d = (w.shape[1] * 32 // o_proj.bits if quantized else w.shape[1]) // hq
+    dtype = _name(o_proj.scales.dtype if quantized else w.dtype)
+    window = getattr(m, "sliding_window", None) or 0
+    window = int(window) if isinstance(window, int) else 0
+    sinks = int(getattr(m, "sinks", None) is not None)
+    if kv is not None and not window and not sinks:
+        return ShapeClass("qattention", (hq, hkv, d, kv.bits, kv.group_size), dtype)
+    return ShapeClass("attention", (hq, hkv, d, window, sinks), dtype)
 
 
 def _name(dtype) -> str:
@@ -260,6 +279,16 @@ def _pair(shape: ShapeClass, width: int, context: int):
         args = (q, k, v, d ** -0.5, window, s)
         return (lambda: ops.verify_attention_ops(*args),
                 lambda: metal.verify_attention_metal(*args))
+    if shape.kind == "qattention":
+        hq, hkv, d, bits, group = shape.dims
+        q = mx.random.normal((1, hq, width, d), key=next(key)).astype(dtype)
+        k, v = (tuple(mx.quantize(mx.random.normal((1, hkv, context, d), key=next(key))
+                                  .astype(dtype), group_size=group, bits=bits))
+                for _ in range(2))
+        mx.eval(q, k, v)
+        args = (q, k, v, d ** -0.5, group, bits)
+        return (lambda: ops.verify_attention_quant_ops(*args),
+                lambda: metal.verify_attention_quant_metal(*args))
     n, k_in, bits, group = shape.dims
     w, scales, biases = mx.quantize(mx.random.normal((n, k_in), key=next(key)).astype(dtype),
                                     group_size=group, bits=bits)
@@ -321,7 +350,7 @@ def verify_kernels(pipeline, setting: str | None, key: str | None = None) -> Ker
     from . import calibration
 
     target = getattr(pipeline.adapter, "model", None)  # a pipeline stage's ranks: none here
-    shapes = shape_classes(target) if target is not None else []
+    shapes = shape_classes(target, getattr(pipeline, "kv", None)) if target is not None else []
     if setting == "metal":                         # forced: every class custom, unprobed
         return KernelRecord(machine_chip(), mx.__version__, "?", {
             s.key: Decision(s.key, True, "forced (kernels=metal)", 0.0) for s in shapes})
