@@ -188,30 +188,44 @@ def probe_table(decisions: dict[str, Decision]) -> str:
 
 # ------------------------------------------------------------------ shape classes of a target
 
-def shape_classes(model) -> list[ShapeClass]:
-    """The target's shape classes: its 4- and 8-bit affine quantized projections and its
-    attention modules (mlx-lm's `n_heads` / `n_kv_heads` attributes), each class once."""
+def qmm_class(m) -> ShapeClass | None:
+    """The class of a 4- or 8-bit affine `nn.QuantizedLinear` (else None)."""
     import mlx.nn as nn
 
+    if not (isinstance(m, nn.QuantizedLinear) and m.bits in (4, 8)
+            and getattr(m, "mode", "affine") == "affine"):
+        return None
+    n, words = m.weight.shape
+    return ShapeClass("qmm", (n, words * 32 // m.bits, m.bits, m.group_size),
+                      _name(m.scales.dtype))
+
+
+def attention_class(m) -> ShapeClass | None:
+    """The class of an attention module (mlx-lm's `n_heads` / `n_kv_heads` / `o_proj`), else
+    None: heads, head dim (from o_proj's input width), window, sinks, o_proj's dtype."""
+    import mlx.nn as nn
+
+    hq, hkv = getattr(m, "n_heads", None), getattr(m, "n_kv_heads", None)
+    o_proj = getattr(m, "o_proj", None)
+    if not (isinstance(hq, int) and isinstance(hkv, int) and o_proj is not None):
+        return None
+    w = o_proj.weight
+    k = w.shape[1] * 32 // o_proj.bits if isinstance(o_proj, nn.QuantizedLinear) else w.shape[1]
+    dtype = o_proj.scales.dtype if isinstance(o_proj, nn.QuantizedLinear) else w.dtype
+    window = getattr(m, "sliding_window", None) or 0
+    return ShapeClass("attention", (hq, hkv, k // hq, int(window) if isinstance(window, int)
+                                    else 0, int(getattr(m, "sinks", None) is not None)),
+                      _name(dtype))
+
+
+def shape_classes(model) -> list[ShapeClass]:
+    """The target's shape classes: its 4- and 8-bit affine quantized projections and its
+    attention modules (`qmm_class`, `attention_class`), each class once."""
     found: dict[str, ShapeClass] = {}
     for _, m in model.named_modules():
-        if isinstance(m, nn.QuantizedLinear) and m.bits in (4, 8) and \
-                getattr(m, "mode", "affine") == "affine":
-            n, words = m.weight.shape
-            s = ShapeClass("qmm", (n, words * 32 // m.bits, m.bits, m.group_size),
-                           _name(m.scales.dtype))
-            found.setdefault(s.key, s)
-        hq, hkv = getattr(m, "n_heads", None), getattr(m, "n_kv_heads", None)
-        o_proj = getattr(m, "o_proj", None)
-        if isinstance(hq, int) and isinstance(hkv, int) and o_proj is not None:
-            w = o_proj.weight
-            k = w.shape[1] * 32 // o_proj.bits if isinstance(o_proj, nn.QuantizedLinear) \
-                else w.shape[1]
-            dtype = o_proj.scales.dtype if isinstance(o_proj, nn.QuantizedLinear) else w.dtype
-            window = getattr(m, "sliding_window", None) or 0
-            s = ShapeClass("attention", (hq, hkv, k // hq, int(window) if isinstance(
-                window, int) else 0, int(getattr(m, "sinks", None) is not None)), _name(dtype))
-            found.setdefault(s.key, s)
+        for s in (qmm_class(m), attention_class(m)):
+            if s is not None:
+                found.setdefault(s.key, s)
     return list(found.values())
 
 
