@@ -131,8 +131,8 @@ def test_view_logits_equal_stock_at_1_and_8_rows(workdir, folder, request):
     for s, c in zip(stock, custom):
         scale = float(mx.abs(s).max())
         np.testing.assert_allclose(np.array(c), np.array(s), rtol=0,
-                                   atol=10 * TOLERANCE["float32"] * scale)
-    assert model.model.layers[0].self_attn.__class__.__name__ == "Attention"   # untouched
+                                   atol=TOLERANCE["float32"] * scale)
+    assert kv.routed_modules(model) == []                        # the user's model untouched
 
 
 def test_wrong_wiring_is_caught(workdir, qwen3_q4):
@@ -154,14 +154,17 @@ def test_greedy_speculative_equals_plain_through_the_kernels(workdir, qwen3_q4, 
     pipe.route_kernels()
     prompt = "def add(a, b):"
     plain = pipe.generate(prompt, max_tokens=10, block_size=1).tokens
-    assert {n for what, n in counted.calls if what == "attention" and n <= 16} == {1}
+    assert {n for what, n in counted.calls if what == "attention"} == {1}   # prompt: > 16
     counted.calls.clear()
     wide = pipe.generate(prompt, max_tokens=10, block_size=4).tokens
     assert wide == plain and len(plain) == 10
     widths = {n for what, n in counted.calls if what == "attention"}
     assert 1 in widths and any(n > 1 for n in widths)   # plain steps and verifies both ran
-    assert {n for what, n in counted.calls if what == "qmm"} >= widths - {n for n in widths
-                                                                           if n > 16}
+    assert widths <= {n for what, n in counted.calls if what == "qmm"}
+
+
+class Timed(Exception):
+    """Raised where the calibration would time the costs."""
 
 
 def test_width_policy_routes_the_target_before_the_calibration(qwen3_q4, monkeypatch):
@@ -173,9 +176,6 @@ def test_width_policy_routes_the_target_before_the_calibration(qwen3_q4, monkeyp
     pipe.kernel_calls = kv.ops_kernels()
     monkeypatch.setattr(pl, "verify_kernels", lambda p, setting, key: record(p.target))
     seen = []
-
-    class Timed(Exception):
-        pass
 
     def costs(p, width):
         seen.append(kv.routed_modules(p.adapter.range.target.model))
@@ -198,9 +198,11 @@ def test_stock_leaves_todays_view(qwen3_q4, how, monkeypatch):
     before = adapter._view
     pipe.kernel_calls = kv.ops_kernels()
     if how == "kernels=stock":         # the real probe entry: "stock" forces None
-        monkeypatch.setattr(pl, "load_or_measure_costs", lambda p, w: (_ for _ in ()).throw(
-            KeyboardInterrupt))
-        with pytest.raises(KeyboardInterrupt):
+        def costs(p, width):
+            raise Timed
+
+        monkeypatch.setattr(pl, "load_or_measure_costs", costs)
+        with pytest.raises(Timed):
             pipe.width_policy()
         assert pipe.verify_kernels is None
     else:
@@ -239,7 +241,7 @@ def test_an_unrecognised_attention_stays_stock(workdir, caplog, monkeypatch):
     routed = kv.routed_modules(view)
     assert "model.layers.0.self_attn" in routed
     assert "model.layers.1.self_attn" not in routed                 # stock attention ...
-    assert "model.layers.1.self_attn.q_proj" in routed              # ... its projections not
+    assert "model.layers.1.self_attn.q_proj" in routed              # ... its projections custom
     said = [r.message for r in caplog.records if "OtherAttention" in r.message]
     assert len(said) == 1 and "stays stock" in said[0]
     assert type(view.model.layers[1].self_attn) is OtherAttention
@@ -248,4 +250,4 @@ def test_an_unrecognised_attention_stays_stock(workdir, caplog, monkeypatch):
     assert ("attention", 5) in counted.calls and len(
         [1 for what, _ in counted.calls if what == "attention"]) == 1
     np.testing.assert_allclose(np.array(c), np.array(s), rtol=0,
-                               atol=10 * TOLERANCE["float32"] * float(mx.abs(s).max()))
+                               atol=TOLERANCE["float32"] * float(mx.abs(s).max()))
