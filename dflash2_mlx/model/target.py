@@ -103,7 +103,8 @@ class TargetAdapter(TargetModel):
         `kernel_probe.KernelRecord`) chose them (`kernel_view`); `kernels`: the callables
         (`kernel_view.VerifyKernels`), by default the Metal ones where Metal runs. Otherwise
         (record None, every class stock, no Metal) the view of the model's own modules, as
-        built at load. Called between generations: it resets what the taps recorded."""
+        built at load. Call it between forwards (not between a snapshot and its rollback):
+        the taps record into a new range."""
         from .kernel_view import kernel_model, metal_kernels
         from .kernels import metal_usable
 
