@@ -75,6 +75,7 @@ class Pipeline:
         self._policy: AdaptiveWidth | None = None
         self.kernel_setting = "auto"         # settings.kernels, for the target's verify kernels
         self.verify_kernels = None           # kernel_probe.KernelRecord; None: stock
+        self.kernel_calls = None             # kernel_view.VerifyKernels; None: Metal's
         self.stage = None                    # distributed.Stage of a pipeline-sharded target
         bits, group = check.kv_bits(kv_bits), check.kv_group_size(kv_group_size)
         self.kv = KVQuant(bits, group) if bits is not None else None
@@ -170,11 +171,20 @@ class Pipeline:
             # the probe first: the calibration times the kernels that will run
             self.verify_kernels = verify_kernels(self, self.kernel_setting,
                                                  calibration_key(self))
+            self.route_kernels()
             cost = load_or_measure_costs(self, self.max_width(True))
             self._policy = AdaptiveWidth(cost, widths,
                                          store=functools.partial(store_correction,
                                                                  calibration_key(self)))
         return self._policy
+
+    def route_kernels(self) -> None:
+        """The one place the target's forward takes the verify kernels `verify_kernels` chose
+        (None: stock, the model's own modules), through `kernel_calls` (None: the Metal ones
+        where Metal runs; tests inject others). A pipeline stage's target keeps stock."""
+        use = getattr(self.adapter, "use_kernels", None)
+        if use is not None:
+            use(self.verify_kernels, self.kernel_calls)
 
     def describe(self) -> dict:
         """The effective settings: sources, block size, weight dtypes and quantization as

@@ -98,6 +98,26 @@ class TargetAdapter(TargetModel):
                  if self.layer_ids else None)
         return logits, feats
 
+    def use_kernels(self, record, kernels=None) -> None:
+        """Run `forward` through the custom verify kernels where `record` (the probe's
+        `kernel_probe.KernelRecord`) chose them (`kernel_view`); `kernels`: the callables
+        (`kernel_view.VerifyKernels`), by default the Metal ones where Metal runs. Otherwise
+        (record None, every class stock, no Metal) the view of the model's own modules, as
+        built at load. Call it between forwards (not between a snapshot and its rollback):
+        the taps record into a new range."""
+        from .kernel_view import kernel_model, metal_kernels
+        from .kernels import metal_usable
+
+        if kernels is None and metal_usable():
+            kernels = metal_kernels()
+        routed = (kernel_model(self.model, record, kernels, self.kv) if kernels is not None
+                  else self.model)
+        if routed is self.model and self.range.target is self:
+            return                                   # stock, as loaded: nothing to rebuild
+        target = self if routed is self.model else TargetModel(routed, self.kv)
+        self.range = LayerRange(target, 0, self.num_layers, self.layer_ids)
+        self._view = self.range.view()
+
     def check_rollback(self, cache: list) -> None:
         bad = self.range.unrollable(cache)
         if bad:

@@ -193,29 +193,35 @@ def probe_table(decisions: dict[str, Decision]) -> str:
 
 # ------------------------------------------------------------------ shape classes of a target
 
-def shape_classes(model, kv=None) -> list[ShapeClass]:
-    """The target's shape classes: its 4- and 8-bit affine quantized projections and its
-    attention modules (mlx-lm's `n_heads` / `n_kv_heads` attributes), each class once. With
-    `kv` (views.KVQuant: bits, group_size), the full-attention modules read a quantized cache
-    (those without a window or sinks, as `views.model_cache` and mlx-lm have it): qattention."""
+def qmm_class(m) -> ShapeClass | None:
+    """The class of a 4- or 8-bit affine `nn.QuantizedLinear` (else None)."""
     import mlx.nn as nn
 
+    if not (isinstance(m, nn.QuantizedLinear) and m.bits in (4, 8)
+            and getattr(m, "mode", "affine") == "affine"):
+        return None
+    n, words = m.weight.shape
+    return ShapeClass("qmm", (n, words * 32 // m.bits, m.bits, m.group_size),
+                      _name(m.scales.dtype))
+
+
+def shape_classes(model, kv=None) -> list[ShapeClass]:
+    """The target's shape classes: its 4- and 8-bit affine quantized projections and its
+    attention modules (`qmm_class`, `attention_class`), each class once. With `kv`
+    (views.KVQuant: bits, group_size), the full-attention modules read a quantized cache
+    (those without a window or sinks, as `views.model_cache` and mlx-lm have it): qattention."""
     found: dict[str, ShapeClass] = {}
     for _, m in model.named_modules():
-        if isinstance(m, nn.QuantizedLinear) and m.bits in (4, 8) and \
-                getattr(m, "mode", "affine") == "affine":
-            n, words = m.weight.shape
-            s = ShapeClass("qmm", (n, words * 32 // m.bits, m.bits, m.group_size),
-                           _name(m.scales.dtype))
-            found.setdefault(s.key, s)
-        s = _attention_class(m, kv)
-        if s is not None:
-            found.setdefault(s.key, s)
+        for s in (qmm_class(m), attention_class(m, kv)):
+            if s is not None:
+                found.setdefault(s.key, s)
     return list(found.values())
 
 
-def _attention_class(m, kv) -> ShapeClass | None:
-    """The attention class of module `m` (None: not an attention module)."""
+def attention_class(m, kv=None) -> ShapeClass | None:
+    """The attention class of module `m` (None: not an attention module): heads, head dim
+    (from o_proj's input width), window, sinks, o_proj's dtype; `qattention` over a quantized
+    cache (`kv`)."""
     import mlx.nn as nn
 
     hq, hkv = getattr(m, "n_heads", None), getattr(m, "n_kv_heads", None)
