@@ -76,6 +76,7 @@ class Pipeline:
         self.kernel_setting = "auto"         # settings.kernels, for the target's verify kernels
         self.verify_kernels = None           # kernel_probe.KernelRecord; None: stock
         self.kernel_calls = None             # kernel_view.VerifyKernels; None: Metal's
+        self._kernels_chosen = False         # choose_kernels ran
         self.stage = None                    # distributed.Stage of a pipeline-sharded target
         bits, group = check.kv_bits(kv_bits), check.kv_group_size(kv_group_size)
         self.kv = KVQuant(bits, group) if bits is not None else None
@@ -168,15 +169,23 @@ class Pipeline:
             widths = {LOOKUP: self.lookup_config.max_width}
             if self.drafter is not None:
                 widths[DRAFTER] = self.drafter.args.block_size
-            # the probe first: the calibration times the kernels that will run
-            self.verify_kernels = verify_kernels(self, self.kernel_setting,
-                                                 calibration_key(self))
-            self.route_kernels()
+            self.choose_kernels()     # first: the calibration times the kernels that will run
             cost = load_or_measure_costs(self, self.max_width(True))
             self._policy = AdaptiveWidth(cost, widths,
                                          store=functools.partial(store_correction,
                                                                  calibration_key(self)))
         return self._policy
+
+    def choose_kernels(self) -> None:
+        """The target's verify kernels, once per pipeline (at load, and before a calibration
+        for pipelines built by hand): the probe's record (`verify_kernels`: stock off a Mac or
+        with `--kernels stock`; stored with the calibration) routed into the forward, for
+        every block size alike."""
+        if not self._kernels_chosen:
+            self._kernels_chosen = True
+            self.verify_kernels = verify_kernels(self, self.kernel_setting,
+                                                 calibration_key(self))
+            self.route_kernels()
 
     def route_kernels(self) -> None:
         """The one place the target's forward takes the verify kernels `verify_kernels` chose

@@ -8,9 +8,8 @@ from typing import Sequence
 
 from .. import log, settings as check
 from ..model.drafter import Drafter
-from ..model.kernels import kernel_setting, metal_usable, resolve_kernel_path
+from ..model.kernels import kernel_setting, resolve_kernel_path
 from ..model.target import KVQuant, TargetAdapter
-from ..policy.kernel_probe import verify_kernels
 from ..pipeline import Pipeline
 from . import blas, drafters, runtime
 from .checkpoint import load_drafter, load_target, resolve, stored_quantization
@@ -171,12 +170,11 @@ def load(model: str | None = None, draft: str | None = None, *,
                     block_size=_settings_block_size(settings, drafter),
                     kv_bits=kv_bits, kv_group_size=kv_group_size)
     pipe.kernel_setting = kernel_setting(kernels)
-    if pipe.kernel_setting == "stock" or not metal_usable():
-        verify_kernels(pipe, pipe.kernel_setting)      # stock: the start line says so once
     if plan is not None:
         pipe.stage = distributed.build(target, plan, link, kv)
         pipe.adapter = pipe.stage.target
         pipe.info["pipeline"] = pipe.stage.describe()
+    pipe.choose_kernels()                # stock off a Mac: the start line says so once
     return pipe
 
 
