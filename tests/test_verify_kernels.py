@@ -124,33 +124,35 @@ def test_attention_rows_are_invariant(workdir, dtype):
     assert_rows_invariant(run, q, k, v, 37, s)
 
 
+def assert_fails(workdir, edit=None, merge_edit=None, sinks=False):
+    """A mutated kernel (pass 1 `edit`, merge `merge_edit`) fails the accuracy check."""
+    q, k, v, s = attention_inputs(1, 4, 2, 5, 100, 64, mx.float32, seed=2, sinks=sinks)
+    with pytest.raises(AssertionError, match="Mismatched"):
+        check_attention(run_attention(workdir, q, k, v, 0, s, edit=edit, merge_edit=merge_edit),
+                        q, k, v, 0, s)
+
+
 def test_broken_attention_barrier_fails(workdir):
     """Without the barrier after staging a V chunk, lanes read other threads' stale K values."""
     broken = mutate("source", "    threadgroup_barrier(mem_flags::mem_threadgroup);\n"
                     "    for (int j = 0; j < RPS; ++j) {\n      if (active[j]) {\n"
                     "        const int i0", "    for (int j = 0; j < RPS; ++j) {\n"
                     "      if (active[j]) {\n        const int i0")
-    q, k, v, _ = attention_inputs(1, 4, 2, 5, 100, 64, mx.float32, seed=2)
-    with pytest.raises(AssertionError, match="Mismatched"):
-        check_attention(run_attention(workdir, q, k, v, edit=broken), q, k, v)
+    assert_fails(workdir, edit=broken)
 
 
 def test_broken_attention_head_index_fails(workdir):
     """A query row read from the wrong head of its group."""
     broken = mutate("source", "const int h = g * G + row / Tq, t = row % Tq;\n    x =",
                     "const int h = g * G + row % G, t = row % Tq;\n    x =")
-    q, k, v, _ = attention_inputs(1, 4, 2, 5, 100, 64, mx.float32, seed=2)
-    with pytest.raises(AssertionError, match="Mismatched"):
-        check_attention(run_attention(workdir, q, k, v, edit=broken), q, k, v)
+    assert_fails(workdir, edit=broken)
 
 
 def test_broken_merge_order_fails(workdir):
     """The sink left out of the merge: accuracy fails with sinks."""
     broken = mutate("source", "float total = has_sinks ? metal::exp(sink - M) : 0.0f;",
                     "float total = 0.0f;")
-    q, k, v, s = attention_inputs(1, 4, 2, 5, 100, 64, mx.float32, seed=2, sinks=True)
-    with pytest.raises(AssertionError, match="Mismatched"):
-        check_attention(run_attention(workdir, q, k, v, 0, s, merge_edit=broken), q, k, v, 0, s)
+    assert_fails(workdir, merge_edit=broken, sinks=True)
 
 
 def test_tiles_anchored_to_the_window_break_row_invariance(workdir):

@@ -131,10 +131,7 @@ def load(model: str | None = None, draft: str | None = None, *,
     Makes MLX use a fast BLAS first (`use_fast_blas()`). Notices (fallbacks, overrides) are
     issued as `DFlashNotice` warnings; each loading step is logged (`dflash2_mlx.log`).
     """
-    kv_bits = check.kv_bits(settings.kv_bits if kv_bits is None and settings else kv_bits)
-    kv_group_size = check.kv_group_size(
-        settings.kv_group_size if kv_group_size is None and settings else kv_group_size)
-    kv = KVQuant(kv_bits, kv_group_size) if kv_bits is not None else None
+    kv = _kv_setting(kv_bits, kv_group_size, settings)
     chosen = blas.use_fast_blas()
     if chosen.note:
         log.notice(chosen.note)
@@ -142,10 +139,7 @@ def load(model: str | None = None, draft: str | None = None, *,
     if draft is not None and why not in ("given", "the embedded default's drafter"):
         _log.info(f"drafter {draft}: {why}")
     s = settings or OmlxSettings(model_id=str(model))
-    draft_dtype = {16: "bfloat16", 32: "float32"}.get(s.draft_activation_bits)
-    p = runtime.resolve_precision(dtype, s.draft_bits if draft_bits is None else draft_bits,
-                                  draft_group_size or s.draft_group_size,
-                                  None if dtype is not None else draft_dtype)
+    p = _precision(dtype, draft_bits, draft_group_size, s)
     path = resolve_kernel_path(kernels) if draft is not None else None
     if draft is not None:        # a missing drafter fails before the target loads
         draft_dir = resolve(draft, "draft model", ["*.json", "*.safetensors"])
@@ -168,7 +162,7 @@ def load(model: str | None = None, draft: str | None = None, *,
                     info=_load_info(model, draft, p.backend, settings, drafter, why),
                     lookup=check.lookup(lookup) and s.verify_mode != "off",
                     block_size=_settings_block_size(settings, drafter),
-                    kv_bits=kv_bits, kv_group_size=kv_group_size)
+                    kv_bits=kv and kv.bits, kv_group_size=kv and kv.group_size)
     pipe.kernel_setting = kernel_setting(kernels)
     if plan is not None:
         pipe.stage = distributed.build(target, plan, link, kv)
@@ -176,6 +170,22 @@ def load(model: str | None = None, draft: str | None = None, *,
         pipe.info["pipeline"] = pipe.stage.describe()
     pipe.choose_kernels()                # stock off a Mac: the start line says so once
     return pipe
+
+
+def _kv_setting(bits, group_size, settings: OmlxSettings | None) -> KVQuant | None:
+    """The target's KV quantization: the arguments, else the oMLX settings' (None: float)."""
+    bits = check.kv_bits(settings.kv_bits if bits is None and settings else bits)
+    group_size = check.kv_group_size(
+        settings.kv_group_size if group_size is None and settings else group_size)
+    return KVQuant(bits, group_size) if bits is not None else None
+
+
+def _precision(dtype, draft_bits, draft_group_size, s: OmlxSettings):
+    """`runtime.resolve_precision` of the arguments over the settings' drafter precision."""
+    draft_dtype = {16: "bfloat16", 32: "float32"}.get(s.draft_activation_bits)
+    return runtime.resolve_precision(dtype, s.draft_bits if draft_bits is None else draft_bits,
+                                     draft_group_size or s.draft_group_size,
+                                     None if dtype is not None else draft_dtype)
 
 
 def _settings_block_size(settings: OmlxSettings | None, drafter) -> int | str | None:
