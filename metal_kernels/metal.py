@@ -33,10 +33,11 @@ QMM_BITS = (4, 8)
 _IO = {  # input names, output names
     "short_conv": (("y", "dyn", "base", "residual"), ("out",)),
     "path_walk": (("cand", "first", "lattice", "temperature", "uniforms"), ("ids", "q")),
-    "verify_attention": (("q", "k", "v", "sinks", "params", "scale"), ("o_part", "ml_part")),
+    "verify_attention": (("q", "k", "v", "kpos", "sinks", "params", "scale"),
+                         ("o_part", "ml_part")),
     "verify_attention_merge": (("o_part", "ml_part", "sinks", "params"), ("out",)),
     "verify_attention_quant": (("q", "k", "k_scales", "k_biases", "v", "v_scales", "v_biases",
-                                "sinks", "params", "scale"), ("o_part", "ml_part")),
+                                "kpos", "sinks", "params", "scale"), ("o_part", "ml_part")),
     "small_m_qmm": (("x", "w", "scales", "biases"), ("y",)),
 }
 _ROW_CONTIGUOUS = {"small_m_qmm"}  # the others read strided inputs in place
@@ -160,18 +161,21 @@ def path_walk_metal(cand: mx.array, unary: mx.array, g: mx.array, pred_rows: mx.
 # --------------------------------------------------------------------------- verify kernels
 
 def attention_launch(q: mx.array, k: mx.array, v: mx.array, scale: float, window: int = 0,
-                     sinks: mx.array | None = None, split: int = ATTN_SPLIT):
-    """Arguments of pass 1 of the verify attention (also used by the CPU test harness)."""
+                     sinks: mx.array | None = None, split: int = ATTN_SPLIT,
+                     positions: mx.array | None = None):
+    """Arguments of pass 1 of the verify attention (also used by the CPU test harness);
+    positions: ragged rows' key positions (`ops.verify_mask`), None: the last T of N."""
     B, Hq, T, D = q.shape
     Bk, Hkv, N, Dk = k.shape
     if (Bk, Dk) != (B, D) or tuple(v.shape) != tuple(k.shape) or Hq % Hkv or T > N:
         raise ValueError(f"verify_attention: q {q.shape}, k {k.shape}, v {v.shape} do not "
                          "match [B, Hq, T, D], [B, Hkv, N, D] with Hkv | Hq and T <= N")
-    return _pass1(q, Hkv, N, [k, v], [], scale, window, sinks, split)
+    return _pass1(q, Hkv, N, [k, v], [], scale, window, sinks, split, positions)
 
 
 def quant_attention_launch(q: mx.array, k: tuple, v: tuple, scale: float, group_size: int,
-                           bits: int, window: int = 0, split: int = ATTN_SPLIT):
+                           bits: int, window: int = 0, split: int = ATTN_SPLIT,
+                           positions: mx.array | None = None):
     """Arguments of pass 1 over a quantized cache: k and v (packed, scales, biases) as
     mx.quantize leaves them for [B, Hkv, N, D] (also used by the CPU test harness)."""
     B, Hq, T, D = q.shape
@@ -183,23 +187,29 @@ def quant_attention_launch(q: mx.array, k: tuple, v: tuple, scale: float, group_
         raise ValueError(f"verify_attention_quant: q {q.shape}, {bits}-bit, group {group_size}, "
                          f"k and v parts {shapes}: expected {KV_BITS} bits, groups {KV_GROUPS} "
                          f"dividing D, parts {packed}, {groups}, {groups}, Hkv | Hq, T <= N")
-    return _pass1(q, Hkv, N, [*k, *v], [("BITS", bits)], scale, window, None, split)
+    return _pass1(q, Hkv, N, [*k, *v], [("BITS", bits)], scale, window, None, split,
+                  positions)
 
 
 def _pass1(q: mx.array, Hkv: int, N: int, cache: list, template: list, scale: float,
-           window: int, sinks: mx.array | None, split: int):
-    """The launch dict both pass-1 kernels share: inputs q, the cache's arrays, sinks, params,
-    scale; one threadgroup per SIMDS * RPS rows of a KV head and split."""
+           window: int, sinks: mx.array | None, split: int, positions: mx.array | None):
+    """The launch dict both pass-1 kernels share: inputs q, the cache's arrays, kpos, sinks,
+    params, scale; one threadgroup per SIMDS * RPS rows of a KV head and split."""
     B, Hq, T, D = q.shape
     if D not in ATTN_HEAD_DIMS or split % 32:
         raise ValueError(f"verify_attention: head dim {D} is not a multiple of 32 up to 256 "
                          f"(or split {split} not a multiple of 32)")
     S = -(-N // split)
     rows = (Hq // Hkv) * T
-    has_sinks = sinks is not None
-    params = mx.array([N, T, max(0, int(window)), int(has_sinks), split], mx.int32)
+    has_sinks, ragged = sinks is not None, positions is not None
+    if ragged and tuple(positions.shape) != (B, N):
+        raise ValueError(f"verify_attention: positions {positions.shape} do not match the "
+                         f"[B, N] = {(B, N)} key slots")
+    kpos = mx.contiguous(positions.astype(mx.int32)) if ragged else mx.zeros((1,), mx.int32)
+    params = mx.array([N, T, max(0, int(window)), int(has_sinks), split, int(ragged)],
+                      mx.int32)
     return dict(
-        inputs=[q, *cache, sinks if has_sinks else mx.zeros((1,), mx.float32), params,
+        inputs=[q, *cache, kpos, sinks if has_sinks else mx.zeros((1,), mx.float32), params,
                 mx.array(scale, mx.float32)],
         template=[("T", q.dtype), ("D", D), ("SIMDS", ATTN_SIMDS), ("RPS", ATTN_RPS),
                   *template],
@@ -220,23 +230,27 @@ def merge_launch(first: dict, o_part: mx.array, ml_part: mx.array):
 
 
 def verify_attention_metal(q: mx.array, k: mx.array, v: mx.array, scale: float,
-                           window: int = 0, sinks: mx.array | None = None) -> mx.array:
+                           window: int = 0, sinks: mx.array | None = None,
+                           positions: mx.array | None = None) -> mx.array:
     """`ops.verify_attention_ops` in two launches: q [B, Hq, T, D] (the last T positions),
-    k, v [B, Hkv, N, D], window 0 (none) or the keys a row sees, sinks [Hq] or None
+    k, v [B, Hkv, N, D], window 0 (none) or the keys a row sees, sinks [Hq] or None,
+    positions [B, N] (ragged rows: each key slot's position, -1 a hole) or None
     -> [B, Hq, T, D]. Row-invariant: a row's bits do not depend on T."""
-    first = attention_launch(q, k, v, scale, window, sinks)
+    first = attention_launch(q, k, v, scale, window, sinks, positions=positions)
     pass1, pass2 = verify_attention_kernels()
     o_part, ml_part = pass1(**first)
     return pass2(**merge_launch(first, o_part, ml_part))[0]
 
 
 def verify_attention_quant_metal(q: mx.array, k: tuple, v: tuple, scale: float,
-                                 group_size: int = 64, bits: int = 8,
-                                 window: int = 0) -> mx.array:
+                                 group_size: int = 64, bits: int = 8, window: int = 0,
+                                 positions: mx.array | None = None) -> mx.array:
     """`ops.verify_attention_quant_ops` in two launches: q [B, Hq, T, D], k and v mlx-lm's
     QuantizedKVCache parts (packed, scales, biases) of [B, Hkv, N, D] keys and values, each
-    tile dequantized once for all rows -> [B, Hq, T, D]. Row-invariant like the float one."""
-    first = quant_attention_launch(q, k, v, scale, group_size, bits, window)
+    tile dequantized once for all rows, positions as for the float one -> [B, Hq, T, D].
+    Row-invariant like the float one."""
+    first = quant_attention_launch(q, k, v, scale, group_size, bits, window,
+                                   positions=positions)
     o_part, ml_part = verify_attention_quant_kernel()(**first)
     return verify_attention_kernels()[1](**merge_launch(first, o_part, ml_part))[0]
 

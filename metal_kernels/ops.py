@@ -80,29 +80,46 @@ def path_walk_ops(cand: mx.array, unary: mx.array, g: mx.array, pred_rows: mx.ar
 
 # --------------------------------------------------------------------------- verify kernels
 
-def verify_mask(T: int, N: int, window: int = 0) -> mx.array:
+def verify_mask(T: int, N: int, window: int = 0, positions: mx.array | None = None) -> mx.array:
     """[T, N] bool: query row t sits at position N - T + t and sees the keys up to it (causal
-    inside the verified block), only the last `window` of them when window > 0."""
-    pos = mx.arange(N - T, N)[:, None]
-    keys = mx.arange(N)[None, :]
-    seen = keys <= pos
-    return seen & (keys > pos - window) if window > 0 else seen
+    inside the verified block), only the last `window` of them when window > 0.
+
+    Ragged rows (the batch engine's caches), positions [B, N] int: the position of each key
+    slot of each batch row, -1 a hole -> [B, 1, T, N]: query row t sits in slot N - T + t, at
+    position P = positions[b, N - T + t], and sees the slots up to its own holding a position
+    p >= 0 with p <= P (and P - p < window): `RaggedKVCache.make_mask`'s mask."""
+    if positions is None:
+        pos = mx.arange(N - T, N)[:, None]
+        keys = mx.arange(N)[None, :]
+        seen = keys <= pos
+        return seen & (keys > pos - window) if window > 0 else seen
+    kp = positions.astype(mx.int32)[:, None, :]                     # [B, 1, N]
+    qp = positions.astype(mx.int32)[:, N - T:, None]                # [B, T, 1]
+    slots = mx.arange(N)[None, None, :] <= mx.arange(N - T, N)[None, :, None]
+    seen = slots & (kp >= 0) & (kp <= qp)
+    if window > 0:
+        seen = seen & (qp - kp < window)
+    return seen[:, None]
 
 
 def verify_attention_ops(q: mx.array, k: mx.array, v: mx.array, scale: float, window: int = 0,
-                         sinks: mx.array | None = None) -> mx.array:
+                         sinks: mx.array | None = None,
+                         positions: mx.array | None = None) -> mx.array:
     """The stock twin of `metal.verify_attention_metal`: q [B, Hq, T, D] (the last T positions),
-    k, v [B, Hkv, N, D], window 0 or the keys a row sees, sinks [Hq] or None -> [B, Hq, T, D]."""
-    mask = verify_mask(q.shape[2], k.shape[2], window)
+    k, v [B, Hkv, N, D], window 0 or the keys a row sees, sinks [Hq] or None, positions
+    [B, N] (ragged rows, `verify_mask`) or None -> [B, Hq, T, D]."""
+    mask = verify_mask(q.shape[2], k.shape[2], window, positions)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
 
 
 def verify_attention_quant_ops(q: mx.array, k: tuple, v: tuple, scale: float,
-                               group_size: int = 64, bits: int = 8, window: int = 0) -> mx.array:
+                               group_size: int = 64, bits: int = 8, window: int = 0,
+                               positions: mx.array | None = None) -> mx.array:
     """The stock twin of `metal.verify_attention_quant_metal`: mlx-lm's quantized attention
     (what a layer with a QuantizedKVCache runs) with the verify mask. q [B, Hq, T, D], k and v
-    (packed, scales, biases) of [B, Hkv, N, D] -> [B, Hq, T, D]."""
-    mask = verify_mask(q.shape[2], k[0].shape[2], window)
+    (packed, scales, biases) of [B, Hkv, N, D], positions as for the float twin
+    -> [B, Hq, T, D]."""
+    mask = verify_mask(q.shape[2], k[0].shape[2], window, positions)
     # q[...]: a new array, since mlx-lm scales its queries in place (`queries *= scale`)
     return quantized_scaled_dot_product_attention(q[...], k, v, scale, mask, group_size, bits)
 

@@ -3,13 +3,14 @@
 // metal_kernels/metal.py (`verify_attention_metal`). File convention: see short_conv.metal.
 //
 //   inputs    o_part [B, Hq, T, S, D] float32, ml_part [B, Hq, T, S, 2] float32, sinks [Hq] (a
-//             [1] dummy without sinks), params int32 [N, T, window, has_sinks, split]
+//             [1] dummy without sinks), params int32 [N, T, window, has_sinks, split, ragged]
 //   output    out [B, Hq, T, D], dtype O
 //   template  O (output dtype)
 //   grid      (D, B * Hq * T, 1) threads, threadgroup (min(D, 256), 1, 1)
 //
 // A row merges only the splits its keys lie in, first to last, whatever T is: the order of
-// pass 1 carries through (row-invariance, docs/kernels.md).
+// pass 1 carries through (row-invariance, docs/kernels.md). A ragged row merges every split
+// up to its slot's (those holding no key it sees add exact zeros).
 //
 //   M = max(sink, m_s ...);  out = sum_s e^(m_s - M) o_s / (e^(sink - M) + sum_s e^(m_s - M) l_s)
 
@@ -19,10 +20,10 @@ const int row = int(thread_position_in_grid.y);  // (b * Hq + h) * T + t
 const int D = o_part_shape[4];
 const int S = o_part_shape[3];
 const int N = params[0], Tq = params[1], window = params[2], has_sinks = params[3];
-const int split = params[4];
+const int split = params[4], ragged = params[5];
 const int h = (row / Tq) % o_part_shape[1];
 const int pos = N - Tq + row % Tq;
-const int first = window > 0 ? metal::max(0, pos - window + 1) : 0;
+const int first = window > 0 && !ragged ? metal::max(0, pos - window + 1) : 0;
 const int s_lo = first / split, s_hi = pos / split;
 const float sink = has_sinks ? float(sinks[h]) : -INFINITY;
 float M = sink;

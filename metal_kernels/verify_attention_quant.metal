@@ -8,8 +8,9 @@
 //             [B, Hkv, N, D * BITS / 32] uint32 (value j of a word in bits [j * BITS,
 //             (j + 1) * BITS)), k_scales and k_biases [B, Hkv, N, D / group] (x = scale * q +
 //             bias); values likewise (v, v_scales, v_biases, same group size); any strides
-//             (the cache's [..., :offset, :] views are read in place); sinks (a [1] dummy:
-//             mlx-lm's quantized attention has none), params and scale as in verify_attention
+//             (the cache's [..., :offset, :] views are read in place); kpos, sinks (a [1]
+//             dummy: mlx-lm's quantized attention has none), params and scale as in
+//             verify_attention (kpos: the ragged rows' slot positions)
 //   outputs   o_part, ml_part as in verify_attention.metal
 //   template  T, D, SIMDS, RPS as in verify_attention.metal; BITS (4 | 8)
 //   grid      as in verify_attention.metal

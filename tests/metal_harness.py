@@ -349,15 +349,33 @@ def _head(cache, n: int):
     return tuple(a[:, :, :n] for a in cache) if isinstance(cache, tuple) else cache[:, :, :n]
 
 
-def assert_rows_invariant(run, q, k, v, *args):
+def ragged_positions(B: int, N: int, T: int, seed: int, pads=(0, 5, 40)) -> mx.array:
+    """[B, N] int32 key positions of ragged rows as the batch engine's caches lay them out
+    (cache/batch.py): batch row b starts with pads[b % len(pads)] holes (-1: a shorter row
+    joined, rows that left), then its positions in order with about one slot in five a hole (a
+    rejected draft), then the T slots of the block being verified."""
+    rng = np.random.default_rng(seed)
+    out = np.full((B, N), -1, np.int64)
+    for b in range(B):
+        pad = min(pads[b % len(pads)], N - T)
+        kept = rng.random(N - T - pad) >= 0.2
+        n = int(kept.sum())
+        out[b, pad:N - T][kept] = np.arange(n)
+        out[b, N - T:] = n + np.arange(T)
+    return mx.array(out.astype(np.int32))
+
+
+def assert_rows_invariant(run, q, k, v, *args, positions=None):
     """Row t of a T-row verify, `run(q, k, v, *args)`, equals bit for bit the same row run
-    alone (T = 1) over the cache as plain decoding sees it (the first N - T + t + 1 positions).
-    k and v: arrays [B, Hkv, N, D] or tuples of quantized parts."""
+    alone (T = 1) over the cache as plain decoding sees it (the first N - T + t + 1 slots).
+    k and v: arrays [B, Hkv, N, D] or tuples of quantized parts; positions: ragged rows' key
+    positions [B, N] (passed to `run` as `positions=`, cut to the same slots), or None."""
     T, N = q.shape[2], (k[0] if isinstance(k, tuple) else k).shape[2]
     bits_of = lambda y: np.array(y.view(mx.uint32 if q.dtype == mx.float32 else mx.uint16))
-    among = bits_of(run(q, k, v, *args))
+    rows = lambda n: {} if positions is None else {"positions": positions[:, :n]}
+    among = bits_of(run(q, k, v, *args, **rows(N)))
     for t in range(T):
         n = N - T + t + 1
-        alone = bits_of(run(q[:, :, t:t + 1], _head(k, n), _head(v, n), *args))
+        alone = bits_of(run(q[:, :, t:t + 1], _head(k, n), _head(v, n), *args, **rows(n)))
         differ = np.argwhere(alone[:, :, 0] != among[:, :, t])
         assert not len(differ), f"row {t} differs alone at [b, h, d] = {differ[:4].tolist()}"

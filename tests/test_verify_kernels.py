@@ -41,10 +41,11 @@ def attention_inputs(B, Hq, Hkv, T, N, D, dtype, seed, sinks=False):
 
 
 def run_attention(workdir, q, k, v, window=0, sinks=None, split=SPLIT, edit=None, merge_edit=None,
-                  host=None):
+                  host=None, positions=None):
     """The two launches of `metal.verify_attention_metal`, on the harness. `host` replaces the
-    (q, k, v) inputs by numpy views read in place (strided)."""
-    first = metal.attention_launch(q, k, v, q.shape[-1] ** -0.5, window, sinks, split)
+    (q, k, v) inputs by numpy views read in place (strided); positions: ragged rows."""
+    first = metal.attention_launch(q, k, v, q.shape[-1] ** -0.5, window, sinks, split,
+                                   positions)
     if host is not None:
         first["inputs"][:3] = host
     o_part, ml_part = cpu_kernel("verify_attention", workdir, edit)(**first)
@@ -52,19 +53,19 @@ def run_attention(workdir, q, k, v, window=0, sinks=None, split=SPLIT, edit=None
     return cpu_kernel("verify_attention_merge", workdir, merge_edit)(**merge)[0]
 
 
-def check_attention(out, q, k, v, window=0, sinks=None):
+def check_attention(out, q, k, v, window=0, sinks=None, positions=None):
     """Against mx.fast.scaled_dot_product_attention with the same mask: float32 within rounding;
     16-bit dtypes within 1 ulp of the float32 reference of the same inputs (the kernel rounds
     once) and within a few ulps of the stock result in the dtype."""
     scale = q.shape[-1] ** -0.5
     assert out.dtype == q.dtype and out.shape == q.shape
     up = [x.astype(mx.float32) for x in (q, k, v)]
-    exact = f32(verify_attention_ops(*up, scale, window, sinks))
+    exact = f32(verify_attention_ops(*up, scale, window, sinks, positions))
     if q.dtype == mx.float32:
         np.testing.assert_allclose(f32(out), exact, rtol=1e-5, atol=1e-5)
         return
     np.testing.assert_allclose(f32(out), exact, rtol=ULP[q.dtype], atol=1e-3 * ULP[q.dtype])
-    stock = f32(verify_attention_ops(q, k, v, scale, window, sinks))
+    stock = f32(verify_attention_ops(q, k, v, scale, window, sinks, positions))
     np.testing.assert_allclose(f32(out), stock, rtol=0, atol=4 * ULP[q.dtype] * np.abs(exact).max())
 
 
@@ -165,6 +166,65 @@ def test_tiles_anchored_to_the_window_break_row_invariance(workdir):
     check_attention(run(q, k, v, 45, None), q, k, v, 45)
     with pytest.raises(AssertionError, match="differs alone"):
         assert_rows_invariant(run, q, k, v, 45, None)
+
+
+# ------------------------------------------------------------------ ragged rows (batch engine)
+
+RAGGED_CASES = [  # (B, Hq, Hkv, T, N, window): left pads 0, 5, 40 (a tile of holes), holes inside
+    (3, 4, 2, 16, 140, 0), (3, 2, 1, 1, 97, 0), (2, 2, 2, 5, 130, 40)]
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=str)
+def test_ragged_attention_matches_sdpa(workdir, dtype):
+    """Batch rows of different left paddings with holes inside (`ragged_positions`) against
+    stock attention under the mask `RaggedKVCache.make_mask` builds (`ops.verify_mask`)."""
+    for i, (B, Hq, Hkv, T, N, window) in enumerate(RAGGED_CASES):
+        q, k, v, s = attention_inputs(B, Hq, Hkv, T, N, 64, dtype, seed=20 + i, sinks=i == 1)
+        pos = mh.ragged_positions(B, N, T, seed=i)
+        out = run_attention(workdir, q, k, v, window, s, positions=pos)
+        check_attention(out, q, k, v, window, s, positions=pos)
+
+
+def test_ragged_without_holes_is_the_unpadded_kernel_bit_for_bit(workdir):
+    """Positions 0..N-1 in every row: the ragged path computes what the plain one does."""
+    q, k, v, s = attention_inputs(2, 4, 2, 7, 100, 64, mx.float32, seed=6, sinks=True)
+    pos = mx.broadcast_to(mx.arange(100, dtype=mx.int32), (2, 100))
+    assert mx.array_equal(run_attention(workdir, q, k, v, 0, s, positions=pos),
+                          run_attention(workdir, q, k, v, 0, s)).item()
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=str)
+def test_ragged_rows_are_invariant(workdir, dtype):
+    """A batch row's block row alone (its slots up to its own) equals it among 16, bit for bit,
+    for three batch rows of different paddings and holes."""
+    q, k, v, s = attention_inputs(3, 4, 2, 16, 120, 64, dtype, seed=11, sinks=True)
+    pos = mh.ragged_positions(3, 120, 16, seed=3)
+    run = lambda *a, **kw: run_attention(workdir, *a, **kw)
+    assert_rows_invariant(run, q, k, v, 0, s, positions=pos)
+
+
+def test_ragged_holes_read_as_keys_fail(workdir):
+    """A kernel that ignores the holes (left padding, rejected drafts) fails the accuracy."""
+    broken = mutate("source", "(kp >= 0 && kp <= qpos[j]", "(kp <= qpos[j]")
+    q, k, v, _ = attention_inputs(3, 4, 2, 5, 100, 64, mx.float32, seed=2)
+    pos = mh.ragged_positions(3, 100, 5, seed=2)
+    with pytest.raises(AssertionError, match="Mismatched"):
+        check_attention(run_attention(workdir, q, k, v, edit=broken, positions=pos), q, k, v,
+                        positions=pos)
+
+
+@pytest.mark.slow  # 5 s each (a compile per dtype and head dim)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_ragged_attention_sweep(workdir, D, dtype):
+    """Every dtype and head dim, T = 1..16, 4 batch rows, windows, sinks, the production split."""
+    for T in (1, 2, 9, 16):
+        for window, sinks in ((0, False), (33, True)):
+            N = 60 + 41 * T
+            q, k, v, s = attention_inputs(4, 8, 2, T, N, D, dtype, seed=T, sinks=sinks)
+            pos = mh.ragged_positions(4, N, T, seed=T, pads=(0, 33, 7, 64))
+            out = run_attention(workdir, q, k, v, window, s, metal.ATTN_SPLIT, positions=pos)
+            check_attention(out, q, k, v, window, s, positions=pos)
 
 
 # ------------------------------------------------------------------ small-M quantized matmul

@@ -36,11 +36,13 @@ def quant_inputs(B, Hq, Hkv, T, N, D, dtype, seed, group_size, bits):
     return q, tuple(kv[0]), tuple(kv[1])
 
 
-def run_quant(workdir, q, k, v, group_size, bits, window=0, split=SPLIT, edit=None, host=None):
+def run_quant(workdir, q, k, v, group_size, bits, window=0, split=SPLIT, edit=None, host=None,
+              positions=None):
     """The two launches of `metal.verify_attention_quant_metal`, on the harness. `host`
-    replaces the cache's six inputs by numpy views read in place (strided)."""
+    replaces the cache's six inputs by numpy views read in place (strided); positions: ragged
+    rows."""
     first = metal.quant_attention_launch(q, k, v, q.shape[-1] ** -0.5, group_size, bits,
-                                         window, split)
+                                         window, split, positions)
     if host is not None:
         first["inputs"][1:7] = host
     o_part, ml_part = mh.cpu_kernel("verify_attention_quant", workdir, edit)(**first)
@@ -48,7 +50,7 @@ def run_quant(workdir, q, k, v, group_size, bits, window=0, split=SPLIT, edit=No
     return mh.cpu_kernel("verify_attention_merge", workdir)(**merge)[0]
 
 
-def check_quant(out, q, k, v, group_size, bits, window=0, stock_in_dtype=False):
+def check_quant(out, q, k, v, group_size, bits, window=0, stock_in_dtype=False, positions=None):
     """Against mlx-lm's quantized attention (`ops.verify_attention_quant_ops`) with q, scales
     and biases upcast to float32 (the kernel dequantizes and accumulates in float32): within
     rounding in float32, within 1 ulp of the dtype otherwise (the kernel rounds once). MLX's CPU
@@ -58,13 +60,14 @@ def check_quant(out, q, k, v, group_size, bits, window=0, stock_in_dtype=False):
     assert out.dtype == q.dtype and out.shape == q.shape
     up = lambda parts: (parts[0], *(a.astype(mx.float32) for a in parts[1:]))
     exact = f32(verify_attention_quant_ops(q.astype(mx.float32), up(k), up(v), scale,
-                                           group_size, bits, window))
+                                           group_size, bits, window, positions))
     if q.dtype == mx.float32:
         np.testing.assert_allclose(f32(out), exact, rtol=1e-5, atol=1e-5)
         return
     np.testing.assert_allclose(f32(out), exact, rtol=ULP[q.dtype], atol=1e-3 * ULP[q.dtype])
     if stock_in_dtype:
-        stock = f32(verify_attention_quant_ops(q, k, v, scale, group_size, bits, window))
+        stock = f32(verify_attention_quant_ops(q, k, v, scale, group_size, bits, window,
+                                               positions))
         np.testing.assert_allclose(f32(out), stock, rtol=0,
                                    atol=4 * ULP[q.dtype] * np.abs(exact).max())
 
@@ -128,6 +131,51 @@ def test_quant_attention_rows_are_invariant(workdir, dtype, bits, group_size):
     run = lambda q, k, v, window: run_quant(workdir, q, k, v, group_size, bits, window)
     assert_rows_invariant(run, q, k, v, 0)
     assert_rows_invariant(run, q, k, v, 37)
+
+
+@pytest.mark.parametrize("dtype,bits,group_size", [(mx.float32, 4, 32), (mx.bfloat16, 8, 64)],
+                         ids=str)
+def test_ragged_quant_attention_matches_mlx_lm(workdir, dtype, bits, group_size):
+    """Batch rows of different left paddings with holes inside (the batch engine's
+    `RaggedQuantizedKVCache`) against mlx-lm's quantized attention under the same mask."""
+    for i, (B, T, N, window) in enumerate([(3, 16, 140, 0), (3, 1, 97, 0), (2, 5, 130, 40)]):
+        q, k, v = quant_inputs(B, 4, 2, T, N, 64, dtype, 30 + i, group_size, bits)
+        pos = mh.ragged_positions(B, N, T, seed=i)
+        out = run_quant(workdir, q, k, v, group_size, bits, window, positions=pos)
+        check_quant(out, q, k, v, group_size, bits, window, positions=pos)
+
+
+def test_ragged_quant_rows_are_invariant(workdir):
+    q, k, v = quant_inputs(3, 4, 2, 16, 120, 64, mx.float32, 12, 32, 4)
+    pos = mh.ragged_positions(3, 120, 16, seed=4)
+    run = lambda q, k, v, **kw: run_quant(workdir, q, k, v, 32, 4, **kw)
+    assert_rows_invariant(run, q, k, v, positions=pos)
+
+
+def test_ragged_tile_of_holes_kept_as_it_was_or_fails(workdir):
+    """A batch row whose first tile is all holes (left padding 40): without the guard, the
+    online softmax rescales by exp(-inf + inf), NaN."""
+    broken = mutate("source", "m_new == -INFINITY ? 1.0f : metal::exp", "metal::exp")
+    q, k, v = quant_inputs(3, 4, 2, 5, 100, 64, mx.float32, 2, 64, 8)
+    pos = mh.ragged_positions(3, 100, 5, seed=2)
+    out = run_quant(workdir, q, k, v, 64, 8, edit=broken, positions=pos)
+    with pytest.raises(AssertionError, match="nan location mismatch"):
+        check_quant(out, q, k, v, 64, 8, positions=pos)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_ragged_quant_attention_sweep(workdir, D):
+    """Every bits and group size dividing D, T = 1..16, 4 batch rows, the production split."""
+    for bits in metal.KV_BITS:
+        for group_size in [g for g in metal.KV_GROUPS if D % g == 0]:
+            for T in (1, 9, 16):
+                N = 60 + 41 * T
+                q, k, v = quant_inputs(4, 8, 2, T, N, D, mx.bfloat16, T, group_size, bits)
+                pos = mh.ragged_positions(4, N, T, seed=T, pads=(0, 33, 7, 64))
+                out = run_quant(workdir, q, k, v, group_size, bits, 0, metal.ATTN_SPLIT,
+                                positions=pos)
+                check_quant(out, q, k, v, group_size, bits, positions=pos)
 
 
 def test_quant_launch_rejects_what_it_cannot_read():
