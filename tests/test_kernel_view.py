@@ -41,14 +41,20 @@ def workdir(tmp_path_factory):
 
 
 class Counted:
-    """`VerifyKernels` running the harness-compiled kernels, counting calls by rows."""
+    """`VerifyKernels` running the harness-compiled kernels, counting calls by rows (and,
+    in `ragged`, the (batch rows, rows) of the calls over ragged rows)."""
 
     def __init__(self, workdir):
-        self.workdir, self.calls = workdir, []
+        self.workdir, self.calls, self.ragged = workdir, [], []
 
-    def attention(self, q, k, v, scale):
-        self.calls.append(("attention", q.shape[2]))
-        first = metal.attention_launch(q, k, v, scale)
+    def count(self, what, q, positions):
+        self.calls.append((what, q.shape[2]))
+        if positions is not None:
+            self.ragged.append((q.shape[0], q.shape[2]))
+
+    def attention(self, q, k, v, scale, positions=None):
+        self.count("attention", q, positions)
+        first = metal.attention_launch(q, k, v, scale, positions=positions)
         o_part, ml_part = mh.cpu_kernel("verify_attention", self.workdir)(**first)
         merge = metal.merge_launch(first, o_part, ml_part)
         return mh.cpu_kernel("verify_attention_merge", self.workdir)(**merge)[0]
@@ -59,9 +65,10 @@ class Counted:
         y = mh.cpu_kernel("small_m_qmm", self.workdir)(**launch)[0]
         return y.reshape(*x.shape[:-1], w.shape[0])
 
-    def quantized_attention(self, q, k, v, scale, group_size, bits):
-        self.calls.append(("qattention", q.shape[2]))
-        first = metal.quant_attention_launch(q, k, v, scale, group_size, bits)
+    def quantized_attention(self, q, k, v, scale, group_size, bits, positions=None):
+        self.count("qattention", q, positions)
+        first = metal.quant_attention_launch(q, k, v, scale, group_size, bits,
+                                             positions=positions)
         o_part, ml_part = mh.cpu_kernel("verify_attention_quant", self.workdir)(**first)
         merge = metal.merge_launch(first, o_part, ml_part)
         return mh.cpu_kernel("verify_attention_merge", self.workdir)(**merge)[0]
@@ -192,6 +199,52 @@ def test_greedy_speculative_equals_plain_through_the_kernels(workdir, qwen3_q4, 
     widths = {n for what, n in counted.calls if what == "attention"}
     assert 1 in widths and any(n > 1 for n in widths)   # plain steps and verifies both ran
     assert widths <= {n for what, n in counted.calls if what == "qmm"}
+
+
+def test_key_positions_give_the_ragged_caches_mask():
+    """`key_positions` read from a ragged cache's public state is the mask its `make_mask`
+    builds (through `ops.verify_mask`): rows joined at different lengths (left padding), then
+    verifies keeping different counts (holes inside the rows)."""
+    from mlx_lm.models.cache import KVCache
+
+    from dflash2_mlx.cache.batch import RaggedKVCache
+    from dflash2_mlx.model.kernels.ops import verify_mask
+
+    rows = []
+    for n in (3, 9, 5):
+        single = KVCache()
+        single.update_and_fetch(mx.zeros((1, 1, n, 32)), mx.zeros((1, 1, n, 32)))
+        rows.append(single)
+    cache = RaggedKVCache.merge(rows)
+    for T, keep in ((4, [1, 4, 2]), (3, [3, 0, 1]), (2, [2, 1, 0])):
+        mask = cache.make_mask(T)
+        cache.update_and_fetch(mx.zeros((3, 1, T, 32)), mx.zeros((3, 1, T, 32)))
+        positions = kv.key_positions(cache, T)
+        assert positions.shape == (3, cache.size())
+        assert mx.array_equal(verify_mask(T, cache.size(), positions=positions), mask).item()
+        cache.commit(keep)
+    assert (np.array(kv.key_positions(cache, 1)) < 0).any()          # holes were there
+
+
+def test_batch_engine_equals_each_sequence_alone_through_the_kernels(workdir, qwen3_q4,
+                                                                     dflash2_dir):
+    """The batch engine (ragged caches: rows of different lengths, holes from rejected drafts)
+    through the custom view gives each sequence the tokens it gets alone at block size 1
+    through the same view, and its attention ran on the kernel over several batch rows."""
+    pipe = quantized_pipe(qwen3_q4, dflash2_dir)
+    counted = Counted(workdir)
+    pipe.verify_kernels, pipe.kernel_calls = record(pipe.target), counted.kernels()
+    pipe.route_kernels()
+    prompts = ["def add(a, b):", "Hello! How can I help you today?", "for i in range(10):"]
+    limits = [8, 6, 7]
+    gens = pipe.generate_batch(prompts, max_tokens=limits, block_size=4, max_batch=3)
+    assert any(b > 1 for b, _ in counted.ragged), counted.ragged
+    assert any(t > 1 for _, t in counted.ragged)                     # verifies among them
+    for prompt, n, gen in zip(prompts, limits, gens):
+        counted.ragged.clear()
+        alone = pipe.generate(prompt, max_tokens=n, block_size=1)
+        assert gen.tokens == alone.tokens and len(alone.tokens) == n, prompt
+        assert not counted.ragged                               # alone: a plain KVCache
 
 
 class Timed(Exception):

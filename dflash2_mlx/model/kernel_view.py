@@ -11,7 +11,9 @@ custom,
   family's own forward (projections, q/k norms, rope, the cache's `update_and_fetch`) with
   `kernels.attention` in place of `scaled_dot_product_attention` for at most 16 rows over a
   plain `KVCache` (or, `kernels.quantized_attention`, mlx-lm's `QuantizedKVCache`) under the
-  causal mask; anything else (a prefill, a sliding-window or batch cache) runs the stock
+  causal mask, and over the batch engine's ragged caches (`RaggedKVCache`,
+  `RaggedQuantizedKVCache`, no sliding window) with each slot's position read from the cache
+  (`key_positions`); anything else (a prefill, a sliding-window cache) runs the stock
   attention.
 
 Plain steps (1 row) and verifies (2-16 rows) take the same path, so a row's bits do not depend
@@ -25,11 +27,14 @@ import functools
 from dataclasses import dataclass
 from typing import Callable
 
+import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from .. import log
+from ..cache.batch import RaggedKVCache, RaggedQuantizedKVCache
 from ..policy.kernel_probe import KernelRecord, attention_class, qmm_class
 from .kernels import metal, ops
 
@@ -43,10 +48,12 @@ class VerifyKernels:
     """The callables a kernel view runs (injected: the Metal launchers, the MLX-ops twins, or a
     test's harness-compiled kernels).
 
-    attention(q [B, Hq, T, D], k, v [B, Hkv, N, D], scale) -> [B, Hq, T, D], rows the last T
-    positions under the causal mask; qmm(x [..., K], w, scales, biases, group_size, bits) ->
-    [..., N]; quantized_attention(q, keys, values, scale, group_size=, bits=) over a
-    `QuantizedKVCache`'s (words, scales, biases) tuples, or None: stock over quantized caches."""
+    attention(q [B, Hq, T, D], k, v [B, Hkv, N, D], scale, positions=None) -> [B, Hq, T, D],
+    rows the last T positions under the causal mask, or, positions [B, N] given, under the
+    ragged rows' mask (`ops.verify_mask`); qmm(x [..., K], w, scales, biases, group_size, bits)
+    -> [..., N]; quantized_attention(q, keys, values, scale, group_size=, bits=, positions=)
+    over a quantized cache's (words, scales, biases) tuples, or None: stock over quantized
+    caches."""
 
     attention: Callable
     qmm: Callable
@@ -127,17 +134,34 @@ class KernelAttention(_Wrapper):
 
     def attend(self, q, k, v, mask, cache):
         """The verify kernel where its contract holds (<= 16 rows, the last of the cache's keys,
-        causal), else mlx-lm's stock attention with the mask the forward made."""
+        causal; or a ragged cache's rows, the mask its `make_mask` made), else mlx-lm's stock
+        attention with the mask the forward made."""
         a, T = self["inner"], q.shape[2]
+        quantized = self.kernels.quantized_attention
+        if T <= MAX_ROWS and type(cache) in (RaggedKVCache, RaggedQuantizedKVCache) and \
+                cache.window is None and isinstance(mask, mx.array):
+            positions = key_positions(cache, T)
+            if positions.shape[1] == (k[0] if isinstance(k, tuple) else k).shape[2]:
+                if type(cache) is RaggedKVCache:
+                    return self.kernels.attention(q, k, v, a.scale, positions=positions)
+                if quantized is not None:
+                    return quantized(q, k, v, a.scale, group_size=cache.group_size,
+                                     bits=cache.bits, positions=positions)
         causal = mask is None if T == 1 else isinstance(mask, str) and mask == "causal"
         if causal and T <= MAX_ROWS:
             if type(cache) is KVCache:
                 return self.kernels.attention(q, k, v, a.scale)
-            if type(cache) is QuantizedKVCache and self.kernels.quantized_attention is not None:
-                return self.kernels.quantized_attention(q, k, v, a.scale,
-                                                        group_size=cache.group_size,
-                                                        bits=cache.bits)
+            if type(cache) is QuantizedKVCache and quantized is not None:
+                return quantized(q, k, v, a.scale, group_size=cache.group_size, bits=cache.bits)
         return scaled_dot_product_attention(q, k, v, cache=cache, scale=a.scale, mask=mask)
+
+
+def key_positions(cache: RaggedKVCache, T: int) -> mx.array:
+    """[B, N] int32: the position of each key slot of a ragged cache's rows once a step has
+    written its T slots (`pos`, -1 a hole, then each row's next T positions from `lengths`),
+    the numbers its `make_mask` builds the step's mask from."""
+    new = cache.lengths[:, None] + np.arange(T)[None]
+    return mx.array(np.concatenate([cache.pos, new], axis=1).astype(np.int32))
 
 
 # --------------------------------------------------------------------------- the view
