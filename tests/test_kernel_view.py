@@ -90,11 +90,12 @@ def quantized_target(folder, family: str, bits: int = 4):
     return folder
 
 
-def quantized_pipe(folder, draft=None, kernels=None) -> Pipeline:
+def quantized_pipe(folder, draft=None, kernels=None, kv_bits=None) -> Pipeline:
     """A pipeline on the quantized target as stored (`load` dequantizes it off a Mac), with the
-    drafter and kernel setting `load` gives."""
+    drafter and kernel setting `load` gives (kv_bits: its KV cache quantized, group 32)."""
     base = dflash2_mlx.load(str(folder), str(draft) if draft else None, kernels=kernels)
-    pipe = Pipeline(mlx_lm.load(str(folder))[0], base.tokenizer, base.drafter)
+    pipe = Pipeline(mlx_lm.load(str(folder))[0], base.tokenizer, base.drafter, kv_bits=kv_bits,
+                    kv_group_size=32 if kv_bits else None)
     pipe.kernel_setting = base.kernel_setting
     return pipe
 
@@ -226,20 +227,25 @@ def test_key_positions_give_the_ragged_caches_mask():
     assert (np.array(kv.key_positions(cache, 1)) < 0).any()          # holes were there
 
 
+@pytest.mark.parametrize("kv_bits", [None, 8], ids=["float KV", "8-bit KV"])
 def test_batch_engine_equals_each_sequence_alone_through_the_kernels(workdir, qwen3_q4,
-                                                                     dflash2_dir):
+                                                                     dflash2_dir, kv_bits):
     """The batch engine (ragged caches: rows of different lengths, holes from rejected drafts)
     through the custom view gives each sequence the tokens it gets alone at block size 1
-    through the same view, and its attention ran on the kernel over several batch rows."""
-    pipe = quantized_pipe(qwen3_q4, dflash2_dir)
+    through the same view, and its attention ran on the kernel over several batch rows (the
+    quantized one over `RaggedQuantizedKVCache` with an 8-bit KV cache)."""
+    pipe = quantized_pipe(qwen3_q4, dflash2_dir, kv_bits=kv_bits)
     counted = Counted(workdir)
-    pipe.verify_kernels, pipe.kernel_calls = record(pipe.target), counted.kernels()
+    pipe.verify_kernels = record(pipe.target, kv_quant=pipe.kv)
+    pipe.kernel_calls = counted.kernels()
     pipe.route_kernels()
     prompts = ["def add(a, b):", "Hello! How can I help you today?", "for i in range(10):"]
     limits = [8, 6, 7]
     gens = pipe.generate_batch(prompts, max_tokens=limits, block_size=4, max_batch=3)
     assert any(b > 1 for b, _ in counted.ragged), counted.ragged
     assert any(t > 1 for _, t in counted.ragged)                     # verifies among them
+    kinds = {what for what, _ in counted.calls if "attention" in what}
+    assert kinds == {"qattention" if kv_bits else "attention"}
     for prompt, n, gen in zip(prompts, limits, gens):
         counted.ragged.clear()
         alone = pipe.generate(prompt, max_tokens=n, block_size=1)
