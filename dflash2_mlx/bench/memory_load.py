@@ -108,10 +108,10 @@ def load(server: ServerProcess, convs: list, max_tokens: int) -> dict:
     def watch():
         while not done.is_set():
             h = _try(lambda: health(server))
-            if isinstance(h, dict):
+            if isinstance(h, dict):         # (today's server has no "memory" figures)
                 seen["running"] = max(seen["running"], h["batch"]["running"])
-                seen["waiting_for_memory"] = max(seen["waiting_for_memory"],
-                                                 h["memory"]["waiting_for_memory"])
+                seen["waiting_for_memory"] = max(seen["waiting_for_memory"], (
+                    h.get("memory") or {}).get("waiting_for_memory", 0))
             time.sleep(0.1)
 
     watcher = threading.Thread(target=watch, daemon=True)
@@ -123,7 +123,7 @@ def load(server: ServerProcess, convs: list, max_tokens: int) -> dict:
     wall = time.perf_counter() - tic
     done.set()
     watcher.join()
-    final = _try(lambda: health(server)["memory"])
+    final = _try(lambda: health(server).get("memory"))
     return {"replies": replies, "seen": seen, "wall_s": wall,
             "memory": final if isinstance(final, dict) else None}
 

@@ -350,13 +350,24 @@ class Scheduler:
         need = m.need(self._lengths() + [_length(job.request)])
         if need > m.room:
             return WAIT if self._decoding else m.too_long(_length(job.request))
-        short = need + self._cached() - m.room
-        if short > 0:
+        short = need + self._cached() + self._unaccounted() - m.room
+        if short > 0 and self._cached():
             freed = self.prompt_cache.evict(short)
             log.info(f"memory: {mem.gib(freed)} of prefix-cache entries evicted to make room "
                      "for a request")
             self._publish()
-        return ADMIT
+            short = need + self._cached() + self._unaccounted() - m.room
+        # memory MLX holds beyond the model's count waits for running sequences to leave;
+        # alone, the request runs (nothing else would free it)
+        return WAIT if short > 0 and self._decoding else ADMIT
+
+    def _unaccounted(self) -> int:
+        """Bytes MLX holds beyond what the budget counts (the weights, the engine's caches,
+        the prefix cache): admissions and prefill steps leave room for them too, so the
+        budget bounds what MLX holds, not only what it models."""
+        engine = getattr(self, "_engine", None)
+        counted = self.memory.weights + self._cached() + (engine_bytes(engine) if engine else 0)
+        return max(0, mx.get_active_memory() - counted)
 
     def _lengths(self) -> list[int]:
         """The lengths the admitted jobs may reach (prompt + max_tokens)."""
@@ -425,7 +436,7 @@ class Scheduler:
         context = max(len(seq.req.prompt) for seq in engine.queue)
         # the caches as they are now: the running ones grow into what they reserved only
         # after the scores are gone
-        free = m.room - engine_bytes(engine) - self._cached()
+        free = m.room - engine_bytes(engine) - self._cached() - self._unaccounted()
         return min(budget, m.prefill_tokens(free, context))
 
     def _out_of_memory(self, job: Job, e: BaseException) -> None:
