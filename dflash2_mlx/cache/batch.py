@@ -442,10 +442,13 @@ class RaggedRows:
             s.cache = None
         if self.cache is None:
             self.cache, rows = rows[0], rows[1:]
-        if rows:
-            for c, *joined in zip(self.cache, *rows):
-                c.extend(*joined)
-        mx.eval([c.state for c in self.cache])
+        for layer, c in enumerate(self.cache):
+            # a layer at a time, each joiner's copy dropped once it is in: the copies and
+            # the old buffers never all live beside the new ones (memory budget)
+            c.extend(*[r[layer] for r in rows])
+            mx.eval(c.state)
+            for r in rows:
+                r[layer] = None
 
     def slots(self) -> int:
         """The keys every row's attention reads."""
@@ -473,7 +476,7 @@ class RaggedRows:
             return
         for c in self.cache:
             c.filter(stay)
-        mx.eval([c.state for c in self.cache])    # the old buffers go now, not at the next step
+            mx.eval(c.state)        # its old buffer goes now, not beside every other layer's
 
 
 class SoloRows:

@@ -134,6 +134,8 @@ class Scheduler:
         self._held: Job | None = None     # the queue's head, waiting for memory (_closing)
         self._carried: dict[int, int] = {}    # id(job) -> tokens generated before a rebuild
         self.memory_figures: dict | None = None
+        self._peak_before = 0        # MLX's peak before the last reset (`_step` resets it)
+        self._step_rise = 0          # the most a decoding step raised MLX's memory above its start
         self.why = Engine.solo_reason(pipe.adapter, self.max_batch)
         self.mode = BATCH if self.why is None else SINGLE
         self.rows = self.max_batch if self.why is None else 1     # requests decoding at once
@@ -307,7 +309,7 @@ class Scheduler:
                 "kv_reserved": m.need(self._lengths()) if engine else 0,
                 "prompt_cache": self._cached(),
                 "waiting_for_memory": self.waiting if self._held is not None else 0,
-                "active": mx.get_active_memory(), "peak": mx.get_peak_memory()}
+                "active": mx.get_active_memory(), "peak": self._peak()}
 
     def _admit_queued(self) -> None:
         """Queued jobs join, in order, while rows are free (waiting for one when nothing
@@ -350,24 +352,33 @@ class Scheduler:
         need = m.need(self._lengths() + [_length(job.request)])
         if need > m.room:
             return WAIT if self._decoding else m.too_long(_length(job.request))
-        short = need + self._cached() + self._unaccounted() - m.room
+        short = need + self._cached() + self._beyond_count() - m.room
         if short > 0 and self._cached():
             freed = self.prompt_cache.evict(short)
             log.info(f"memory: {mem.gib(freed)} of prefix-cache entries evicted to make room "
                      "for a request")
             self._publish()
-            short = need + self._cached() + self._unaccounted() - m.room
+            short = need + self._cached() + self._beyond_count() - m.room
         # memory MLX holds beyond the model's count waits for running sequences to leave;
         # alone, the request runs (nothing else would free it)
         return WAIT if short > 0 and self._decoding else ADMIT
 
-    def _unaccounted(self) -> int:
-        """Bytes MLX holds beyond what the budget counts (the weights, the engine's caches,
-        the prefix cache): admissions and prefill steps leave room for them too, so the
-        budget bounds what MLX holds, not only what it models."""
+    def _beyond_count(self, rise: bool = True) -> int:
+        """What the budget's count misses, measured: MLX's active bytes beyond the weights,
+        the prefix cache and the running sequences' reservations (or their caches, where
+        those hold more), plus (`rise`) the most a decoding step has added above its start
+        (its transients; a prefill's are `_peak_bound`'s). Admissions and prefill steps leave
+        room for it, so the budget bounds what MLX holds, not only what it models."""
         engine = getattr(self, "_engine", None)
-        counted = self.memory.weights + self._cached() + (engine_bytes(engine) if engine else 0)
-        return max(0, mx.get_active_memory() - counted)
+        held = engine_bytes(engine) if engine else 0
+        counted = self.memory.weights + self._cached() + max(held, self.memory.need(
+            self._lengths()) if engine else 0)
+        return max(0, mx.get_active_memory() - counted) + max(
+            0, held - self.memory.need(self._lengths())) + (self._step_rise if rise else 0)
+
+    def _peak(self) -> int:
+        """MLX's peak memory since serving began (`_step` resets MLX's own each step)."""
+        return max(self._peak_before, mx.get_peak_memory())
 
     def _lengths(self) -> list[int]:
         """The lengths the admitted jobs may reach (prompt + max_tokens)."""
@@ -398,8 +409,11 @@ class Scheduler:
         budget = self.prefill_budget(engine.running, engine.waiting,
                                      self.pipe.prefill_step_size, engine.last_prefill)
         budget = self._peak_bound(budget)
+        start, decoding_only = self._mark_step(), not engine.queue
         try:
             events = engine.step(prefill_budget=budget, started=self._emit)
+            if decoding_only:                  # a decoding step's transients alone
+                self._step_rise = max(self._step_rise, mx.get_peak_memory() - start)
         except Exception as e:  # noqa: BLE001 - reported to the batch; the next one runs
             if mem.out_of_memory(e):
                 self._rebuild(engine, e)
@@ -426,6 +440,13 @@ class Scheduler:
         engine.history.clear()        # a server's engine runs for good: keep the last
         self._publish_batch(last)
 
+    def _mark_step(self) -> int:
+        """MLX's active bytes as a step starts, its peak counter reset (the peak so far kept
+        for /health), so that the step's own rise can be read after it."""
+        self._peak_before = self._peak()
+        mx.reset_peak_memory()
+        return mx.get_active_memory()
+
     def _peak_bound(self, budget: int) -> int:
         """At most the prompt tokens whose attention scores fit in what the budget has left
         (`MemoryBudget.prefill_tokens`, at the longest waiting prompt's context): a step's
@@ -436,7 +457,7 @@ class Scheduler:
         context = max(len(seq.req.prompt) for seq in engine.queue)
         # the caches as they are now: the running ones grow into what they reserved only
         # after the scores are gone
-        free = m.room - engine_bytes(engine) - self._cached() - self._unaccounted()
+        free = m.room - engine_bytes(engine) - self._cached() - self._beyond_count(rise=False)
         return min(budget, m.prefill_tokens(free, context))
 
     def _out_of_memory(self, job: Job, e: BaseException) -> None:
