@@ -429,3 +429,32 @@ def test_the_load_tests_outside_hold_limits_a_running_process():
     out, _ = proc.communicate("go\n", timeout=30)
     assert line.split()[3:5] == [str(limit), str(limit)]
     assert out.strip() == "refused"
+
+
+def _filled(n: int, layers: int = 2) -> list:
+    caches = [KVCache() for _ in range(layers)]
+    for c in caches:
+        c.update_and_fetch(mx.random.normal((1, 4, n, 64)), mx.random.normal((1, 4, n, 64)))
+    mx.eval([c.state for c in caches])
+    return caches
+
+
+def test_a_released_row_holds_its_own_bytes_only():
+    """A row released from a batch (its state goes to the prefix cache) owns its arrays: with
+    the batch gone, MLX holds that row's bytes, not the batch buffer a lazy copy would keep."""
+    import gc
+    from types import SimpleNamespace
+
+    from dflash2_mlx.cache.batch import RaggedRows
+
+    gc.collect()
+    base = mx.get_active_memory()
+    rows = RaggedRows()
+    rows.join([SimpleNamespace(cache=_filled(n)) for n in (900, 1000, 1100)])
+    out = SimpleNamespace(cache=None)
+    rows.release(0, out)
+    rows.filter([])
+    del rows
+    gc.collect()
+    own = sum(a.nbytes for c in out.cache for a in (c.keys, c.values))
+    assert 0 < mx.get_active_memory() - base <= own * 1.05
