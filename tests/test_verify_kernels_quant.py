@@ -163,7 +163,7 @@ def test_ragged_tile_of_holes_kept_as_it_was_or_fails(workdir):
         check_quant(out, q, k, v, 64, 8, positions=pos)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # 10-25 s each (every bits and group size at one head dim)
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_ragged_quant_attention_sweep(workdir, D):
     """Every bits and group size dividing D, T = 1..16, 4 batch rows, the production split."""
