@@ -129,6 +129,14 @@ class Oracles:
         return [self.propose(target, *d) for d in drafts]
 
 
+def random_prompt(rng: random.Random, vocab: int, k: int, longest: int, repeat: int) -> list[int]:
+    """Sequence k's prompt in a random-arrivals test: 2..longest ids; every third is
+    repetitive (its first 6 ids `repeat` times), so that the lookup finds matches."""
+    n = rng.randint(2, longest)
+    prompt = [rng.randrange(vocab - 1) for _ in range(n)]
+    return (prompt[:6] * repeat)[:n + 6] if k % 3 == 0 else prompt
+
+
 def run(engine, arrivals: dict, budget=None, cancel_at: dict | None = None, before_add=None):
     """Drive `engine`: arrivals[step] = [(key, Request)] join before that step (after
     `before_add(key)`); cancel_at[step] = [key] are cancelled then -> {key: (tokens, finish)}."""

@@ -18,7 +18,7 @@ from dflash2_mlx.policy.adaptive import AdaptiveWidth, FixedWidth
 from dflash2_mlx.policy.batch import BatchAwareWidth
 from dflash2_mlx.policy.costs import Correction, CostModel
 from fixtures import (Oracles, assert_burst_returns_to_idle, assert_seeded_batch_equals_alone,
-                      run, tiny)
+                      random_prompt, run, tiny)
 from test_exactness import mlx_lm_greedy
 
 
@@ -45,10 +45,7 @@ def test_sixteen_sequences_joining_and_leaving_are_exact(pipe):
     arrivals, refs, truths = {}, {}, {}
     kinds = _kinds(pipe)
     for k in range(16):
-        n = rng.randint(2, 40)
-        prompt = [rng.randrange(vocab - 1) for _ in range(n)]
-        if k % 3 == 0:                     # a repetitive prompt: the lookup has matches
-            prompt = (prompt[:6] * 8)[:n + 6]
+        prompt = random_prompt(rng, vocab, k, longest=40, repeat=8)
         max_tokens = rng.choice([1, 2] + list(range(20, 60)))
         ref = mlx_lm_greedy(pipe.target, prompt, max_tokens)
         stop = ()

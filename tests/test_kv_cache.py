@@ -31,9 +31,9 @@ from dflash2_mlx.model.drafter import Drafter
 from dflash2_mlx.model.target import KVQuant, TargetAdapter
 from dflash2_mlx.model.views import kv_bytes_per_token
 from dflash2_mlx.policy.adaptive import DRAFTER, LOOKUP, AdaptiveWidth, FixedWidth
-from dflash2_mlx.policy.calibration import measure_costs
+from dflash2_mlx.policy.calibration import grow_cache, measure_costs
 from fixtures import (Oracles, assert_seeded_batch_equals_alone, drafter_args, random_drafter,
-                      run, write_target)
+                      random_prompt, run, write_target)
 from test_cli import run as cli
 from test_disk_cache import Model, files
 from test_exactness import OracleDrafter
@@ -121,6 +121,23 @@ def kv_pipe(fixture_dir, dflash2_dir):
     return dflash2_mlx.load(str(folder), str(dflash2_dir), kv_bits=8, kv_group_size=32)
 
 
+def test_calibration_prices_the_context_of_a_quantized_cache():
+    """The calibration grows quantized caches too (random keys, quantized as they are written)
+    and fits a context slope from them: `auto` prices a long-context verify at the KV setting
+    that runs, instead of leaving it to the timed cycles."""
+    adapter = TargetAdapter(quant_model("llama"), (1, 3), kv=KV)
+    cache = adapter.make_cache()
+    adapter.forward(mx.array([[1, 2, 3]]), cache)
+    assert grow_cache(cache, 300) and {c.offset for c in cache} == {303}
+    codes, scales, _ = cache[0].keys
+    assert codes.shape[2] >= 303 and codes.dtype == mx.uint32 and scales.dtype == mx.float32
+    drafter = Drafter(drafter_args(block_size=8, layer_ids=(1, 3)))
+    cost = measure_costs(SimpleNamespace(adapter=adapter, drafter=drafter), 16, context=32,
+                         long=(8192,), reps=3)
+    assert cost.verify_slope[0] > 0 or cost.verify_slope[1] > 0
+    assert cost.verify(16, 2048) > cost.verify(16, 32)
+
+
 def test_the_api_generates_and_batches_like_the_oracle(kv_pipe):
     pipe = kv_pipe
     d = pipe.describe()
@@ -190,10 +207,7 @@ def test_sixteen_sequences_joining_and_leaving_equal_their_oracles():
     assert engine.solo_why is None
     arrivals, refs, truths = {}, {}, {}
     for k in range(16):
-        n = rng.randint(2, 30)
-        prompt = [rng.randrange(V - 1) for _ in range(n)]
-        if k % 3 == 0:                     # a repetitive prompt: the lookup has matches
-            prompt = (prompt[:6] * 6)[:n + 6]
+        prompt = random_prompt(rng, V, k, longest=30, repeat=6)
         max_tokens = rng.choice([1, 2] + list(range(10, 28)))
         truth = oracle(model, prompt, max_tokens + 16)
         truths[k], refs[k] = (len(prompt), truth), (truth[:max_tokens], "length")

@@ -17,6 +17,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import mlx.core as mx
+from mlx_lm.models.cache import QuantizedKVCache
 
 from .. import log
 from ..files import atomic_write
@@ -212,22 +213,33 @@ def fit_slope(points: list[tuple[int, int, float]]) -> tuple[float, float]:
 
 def grow_cache(cache: list, n: int) -> bool:
     """Append n random keys and values to every attention cache of a target, in chunks ->
-    False where a layer's cache is not a plain key/value store (recurrent, quantized, a
+    False where a layer's cache is not a key/value store, plain or quantized (recurrent, a
     sliding window): its context cost is then left to the timed cycles."""
-    stores = [c for c in cache if isinstance(getattr(c, "keys", None), mx.array)
-              and c.keys.ndim == 4 and hasattr(c, "update_and_fetch")
-              and not hasattr(c, "max_size")]
+    stores = [c for c in cache if _kv_shape(c) is not None]
     if len(stores) != len(cache):
         return False
     for start in range(0, n, 1024):
         rows = min(1024, n - start)
         for c in stores:
-            b, heads, _, dim = c.keys.shape
-            vdim = c.values.shape[-1]
-            c.update_and_fetch(mx.random.normal((b, heads, rows, dim)).astype(c.keys.dtype),
-                               mx.random.normal((b, heads, rows, vdim)).astype(c.values.dtype))
-        mx.eval([(c.keys, c.values) for c in stores])
+            b, heads, dim, vdim, dtype = _kv_shape(c)
+            c.update_and_fetch(mx.random.normal((b, heads, rows, dim)).astype(dtype),
+                               mx.random.normal((b, heads, rows, vdim)).astype(dtype))
+        mx.eval([c.state for c in stores])
     return True
+
+
+def _kv_shape(c) -> tuple | None:
+    """(batch, heads, key dim, value dim, dtype) of a filled key/value cache (a quantized one's
+    dims unpacked from its codes), None for any other cache."""
+    if isinstance(c, QuantizedKVCache) and c.keys is not None:
+        (k, scales, _), (v, _, _) = c.keys, c.values
+        per_word = 32 // c.bits
+        return (*k.shape[:2], k.shape[-1] * per_word, v.shape[-1] * per_word, scales.dtype)
+    keys = getattr(c, "keys", None)
+    if (isinstance(keys, mx.array) and keys.ndim == 4 and hasattr(c, "update_and_fetch")
+            and not hasattr(c, "max_size")):
+        return (*keys.shape[:2], keys.shape[-1], c.values.shape[-1], keys.dtype)
+    return None
 
 
 def measure_costs(pipeline, max_width: int, context: int = BASE_CONTEXT,
