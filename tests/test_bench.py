@@ -5,11 +5,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 from dflash2_mlx.bench.report import markdown, write
 from dflash2_mlx.bench.results import Run, add_ratios, summarize, unfinished
-from dflash2_mlx.bench.run import run_bench
+from dflash2_mlx.bench.run import _plain, prefilled, run_bench
 from dflash2_mlx.decode.stats import Cycle
 from fixtures import drafter_args, write_drafter
 
@@ -102,24 +103,43 @@ class _Draft:
         pass
 
 
-def test_long_context_sets_prefill_once_and_compare_with_plain(llama_dir, tmp_path, monkeypatch):
-    """A "long-" set: every system from a copy of one prefilled state, the baseline plain
-    decoding (b=1) from the same state, greedy outputs identical to it."""
+def test_long_context_sets_prefill_once_and_compare_with_mlx_lm(llama_dir, tmp_path,
+                                                                 monkeypatch):
+    """A "long-" set: every system, mlx-lm's loop the baseline, from a copy of one prefilled
+    state; greedy outputs identical to it, and to mlx-lm decoding the prompt from scratch."""
+    from mlx_lm.generate import generate_step
+
+    import dflash2_mlx
+
     monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path))
     drafter = write_drafter(tmp_path / "b4", drafter_args(dflash2=True, block_size=4), seed=2)
     text = "def add(a, b):\n    return a + b\n" * 12
-    results = run_bench(str(llama_dir), str(drafter), {"long-edit-test": [text + "def add("]},
+    prompt = text + "def add("
+    results = run_bench(str(llama_dir), str(drafter), {"long-edit-test": [prompt]},
                         block_sizes=(4, "auto"), temperatures=(0.0,), max_tokens=12,
                         reference=False, repeats=2)
     part = results["long-edit-test T=0"]
     assert results["setup"]["repeats"] == 2
     assert {row["requests"] for row in part["systems"].values()} == {2}    # two rounds each
-    assert part["baseline"] == "dflash2-mlx b=1" and part["greedy_identical"]
-    assert set(part["systems"]) == {"dflash2-mlx b=1", "dflash2-mlx b=4", "dflash2-mlx b=auto",
+    assert part["baseline"] == "mlx-lm" and part["greedy_identical"]
+    assert set(part["systems"]) == {"mlx-lm", "dflash2-mlx b=4", "dflash2-mlx b=auto",
                                     "hybrid b=4", "hybrid b=auto"}
-    assert part["systems"]["dflash2-mlx b=1"]["speedup"] == 1.0
+    assert part["systems"]["mlx-lm"]["speedup"] == 1.0
     assert part["prompt_tokens"] > 100
-    assert "speedup over dflash2-mlx b=1" in markdown(results)
+    assert "speedup over mlx-lm" in markdown(results)
+    # the baseline from the shared state is mlx-lm's greedy decoding of the whole prompt
+    pipe = dflash2_mlx.load(str(llama_dir), str(drafter))
+    ids = pipe.encode(prompt)
+    state, _ = prefilled(pipe, ids)
+    stop = set(pipe.tokenizer.eos_token_ids)
+    alone = []
+    for token, _ in generate_step(mx.array(ids), pipe.target, max_tokens=12,
+                                  sampler=lambda x: mx.argmax(x, axis=-1)):
+        alone.append(token)
+        if token in stop:
+            break
+    assert _plain(pipe, ids, 0.0, 12, 0, stop, state).tokens == alone
+    assert len(state.tokens) == len(ids) - 1            # the copy was used, not the state
 
 
 def test_an_interrupted_bench_resumes_keeping_the_parts_it_measured(llama_dir, tmp_path,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .. import log
 from ..files import atomic_path, atomic_write
-from .results import PLAIN_NAME, parts_of
+from .results import parts_of
 
 _log = log.get(__name__)
 
@@ -58,7 +58,7 @@ def plot(results: dict, out: Path) -> list[Path]:
     for ax, (key, part) in zip(axes[:, 0], parts):
         names = list(part["systems"])
         ax.bar(range(len(names)), [part["systems"][n]["speedup"] for n in names],
-               color=["gray" if n in ("mlx-lm", PLAIN_NAME) else "tab:orange" if n.startswith("reference")
+               color=["gray" if n == "mlx-lm" else "tab:orange" if n.startswith("reference")
                       else "tab:green" if n.startswith("hybrid") else "tab:blue"
                       for n in names])
         ax.axhline(1.0, color="black", linewidth=0.5)

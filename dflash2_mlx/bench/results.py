@@ -16,8 +16,6 @@ from ..decode.stats import Cycle, GenerationStats
 
 _log = log.get(__name__)
 
-PLAIN_NAME = "dflash2-mlx b=1"     # the baseline of the long-context sets: plain decoding
-
 
 @dataclass
 class Run:

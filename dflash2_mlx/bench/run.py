@@ -14,22 +14,27 @@ import numpy as np
 from .. import log
 from ..policy.adaptive import DRAFTER
 from ..decode.stats import Cycle
-from ..decode.state import DecodeState
-from .results import PLAIN_NAME, Run, add_ratios, kept_parts, summarize
+from ..decode.state import DecodeState, prefill
+from .results import Run, add_ratios, kept_parts, summarize
 
 _log = log.get(__name__)
 
 
-def _plain(pipe, ids, temperature, max_tokens, seed, stop_ids) -> Run:
+def _plain(pipe, ids, temperature, max_tokens, seed, stop_ids,
+           state: DecodeState | None = None) -> Run:
     """mlx-lm's own decoding of the same target (`generate_step`), at the pipeline's KV
-    setting: with `kv_bits`, `QuantizedKVCache` on the full-attention layers from token 0."""
+    setting: with `kv_bits`, `QuantizedKVCache` on the full-attention layers from token 0.
+    With `state` (`prefilled`), from a copy of its caches: mlx-lm reads the last prompt token."""
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
     from mlx_lm.sample_utils import make_sampler
 
     kv = pipe.kv
-    cache = [QuantizedKVCache(kv.group_size, kv.bits) if kv and type(c) is KVCache else c
-             for c in make_prompt_cache(pipe.target)]
+    if state is None:
+        cache = [QuantizedKVCache(kv.group_size, kv.bits) if kv and type(c) is KVCache else c
+                 for c in make_prompt_cache(pipe.target)]
+    else:
+        cache, ids = state.copy().cache, ids[len(state.tokens):]
     mx.random.seed(seed)
     tokens, tic, first = [], time.perf_counter(), None
     for token, _ in generate_step(mx.array(ids), pipe.target, max_tokens=max_tokens,
@@ -54,12 +59,15 @@ def _ours(pipe, ids, temperature, max_tokens, seed, block_size, lookup,
 
 
 def prefilled(pipe, ids) -> tuple[DecodeState, float]:
-    """The prompt's state after one prefill, and the seconds it took: every system of a long
-    context set starts from a copy (greedy, the state is the same whoever prefills it, so
-    this is fair, and an 8k prefill takes minutes here)."""
+    """The state after prefilling all but the prompt's last token, and the seconds it took:
+    every system of a long context set, mlx-lm's loop too, starts from a copy and reads that
+    token itself (the state is the same whoever prefills it, so this is fair, and an 8k
+    prefill takes minutes here)."""
     state = DecodeState.new(pipe.adapter, pipe.drafter)
     tic = time.perf_counter()
-    pipe.generate(ids, max_tokens=1, block_size=1, state=state)
+    prefill(pipe.adapter, state, ids[:-1], pipe.prefill_step_size,
+            pipe.drafter.context_window if pipe.drafter is not None else None)
+    mx.eval([c.state for c in state.cache], state.pending)
     return state, time.perf_counter() - tic
 
 
@@ -155,13 +163,14 @@ def _systems(pipe, ref, block_sizes, lookup: bool, max_tokens: int) -> dict[str,
 
 def _long_systems(pipe, block_sizes, lookup: bool, max_tokens: int) -> dict[str, Callable]:
     """The systems of a long set, each called with (ids, temperature, seed, prefilled state):
-    plain decoding through ours (`PLAIN_NAME`), and ours alone and the hybrid per block size."""
+    mlx-lm's loop, and ours alone and the hybrid per block size."""
     block = pipe.drafter.args.block_size
-    systems: dict[str, Callable] = {PLAIN_NAME: (
-        lambda ids, t, s, state: _ours(pipe, ids, t, max_tokens, s, 1, False, state))}
+    stop_ids = set(pipe.tokenizer.eos_token_ids)
+    systems: dict[str, Callable] = {"mlx-lm": (
+        lambda ids, t, s, state: _plain(pipe, ids, t, max_tokens, s, stop_ids, state))}
     for b in block_sizes:
         for hybrid in ((False, True) if lookup else (False,)):
-            if b != 1 and (hybrid or b == "auto" or b <= block):
+            if hybrid or b == "auto" or b <= block:
                 systems[f"{'hybrid' if hybrid else 'dflash2-mlx'} b={b}"] = (
                     lambda ids, t, s, state, b=b, h=hybrid:
                     _ours(pipe, ids, t, max_tokens, s, b, h, state))
@@ -230,9 +239,8 @@ def run_bench(model: str, draft: str, prompt_sets: dict[str, Sequence[str]], *,
     `QuantizedKVCache` from token 0); the reference, whose cache is float, is left out then.
 
     Sets named "long-..." (`prompt_sets.LONG_SIZES`) prefill each prompt once (`prefilled`)
-    and run every system of ours from a copy of that state, against plain decoding from the
-    same state ("dflash2-mlx b=1", the baseline of their speedups); mlx-lm and the reference
-    would prefill again (minutes at 8k) and are left out there.
+    and run every system from a copy of that state, mlx-lm's loop the baseline as in every
+    set; the reference would prefill again (minutes at 8k) and is left out there.
 
     earlier: the results of an unfinished run (`results.unfinished`); with the same setup its
     parts are kept as measured and only the rest run (the policy starts fresh: what it learned
@@ -260,13 +268,13 @@ def run_bench(model: str, draft: str, prompt_sets: dict[str, Sequence[str]], *,
     for set_name, prompts in prompt_sets.items():
         encoded = [pipe.encode(p) for p in prompts]
         long = set_name.startswith("long-")
-        chosen, baseline = (long_systems, PLAIN_NAME) if long else (systems, "mlx-lm")
+        chosen = long_systems if long else systems
         for temperature in temperatures:
             key = f"{set_name} T={temperature:g}"
             if key in kept:
                 results[key] = kept[key]
                 continue
-            results[key] = _part(pipe, chosen, baseline, encoded, key, temperature, seed,
+            results[key] = _part(pipe, chosen, "mlx-lm", encoded, key, temperature, seed,
                                  repeats, long)
             if checkpoint is not None:
                 checkpoint(results)
