@@ -191,9 +191,8 @@ class Pipeline:
         """The one place the target's forward takes the verify kernels `verify_kernels` chose
         (None: stock, the model's own modules), through `kernel_calls` (None: the Metal ones
         where Metal runs; tests inject others). A pipeline stage's target keeps stock."""
-        use = getattr(self.adapter, "use_kernels", None)
-        if use is not None:
-            use(self.verify_kernels, self.kernel_calls)
+        if self.stage is None:
+            self.adapter.use_kernels(self.verify_kernels, self.kernel_calls)
 
     def describe(self) -> dict:
         """The effective settings: sources, block size, weight dtypes and quantization as

@@ -180,7 +180,7 @@ def test_requests_beyond_the_budget_wait_and_all_finish_exact(pipe):
 
     want = [pipe.generate(p, max_tokens=MAX_TOKENS).text for p in PROMPTS]
     tokens = max(len(pipe.encode(p)) for p in PROMPTS) + MAX_TOKENS
-    seen = {"running": 0, "waiting_for_memory": 0}
+    seen = {"running": 0, "waiting_for_memory": 0, "cache": 0}
 
     async def clients(app, http, go):
         scheduler = app.state.scheduler
@@ -191,12 +191,21 @@ def test_requests_beyond_the_budget_wait_and_all_finish_exact(pipe):
             seen["running"] = max(seen["running"], health["batch"]["running"])
             seen["waiting_for_memory"] = max(seen["waiting_for_memory"],
                                              health["memory"]["waiting_for_memory"])
+            seen["cache"] = max(seen["cache"], mx.get_cache_memory())
             await asyncio.sleep(0.005)
         return [await t for t in tasks], (await http.get("/health")).json(), scheduler
 
-    replies, health, scheduler = in_process(pipe, clients, memory_budget=_fits(pipe, 2, tokens))
+    mx.clear_cache()
+    default = mx.set_cache_limit(0)
+    mx.set_cache_limit(default)
+    budget = _fits(pipe, 2, tokens)
+    replies, health, scheduler = in_process(pipe, clients, memory_budget=budget)
     assert [r.json()["choices"][0]["message"]["content"] for r in replies] == want
     assert seen["running"] == 2 and seen["waiting_for_memory"] >= 1
+    # MLX's cache of freed buffers stayed within what the budget leaves beside the weights;
+    # the limit is MLX's default again once the server is gone
+    assert seen["cache"] <= budget - scheduler.memory.weights
+    assert mx.set_cache_limit(default) == default
     m = health["memory"]
     assert m["budget"] == _fits(pipe, 2, tokens) and m["weights"] == scheduler.memory.weights
     assert m["kv_reserved"] == 0 and m["waiting_for_memory"] == 0 and m["failures"] == 0
@@ -409,7 +418,7 @@ def test_doctor_model_reads_the_config_alone(llama_dir, tmp_path):
 
 
 def test_the_load_tests_outside_hold_limits_a_running_process():
-    """memory_load --address-limit: the limit lands on the running process, at its address
+    """memory_load --hold address: the limit lands on the running process, at its address
     space then plus the room given (an allocation past it then fails in that process)."""
     import subprocess
     import sys
@@ -429,6 +438,40 @@ def test_the_load_tests_outside_hold_limits_a_running_process():
     out, _ = proc.communicate("go\n", timeout=30)
     assert line.split()[3:5] == [str(limit), str(limit)]
     assert out.strip() == "refused"
+
+
+def test_the_load_tests_resident_hold_ends_a_process_past_it():
+    """memory_load --hold resident: the running process goes into a memory cgroup of its
+    resident bytes then plus the room given; touching less goes on, touching more ends it
+    (the kernel's out-of-memory kill). Needs root and a memory cgroup controller."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from dflash2_mlx.bench.memory_load import hold_resident
+
+    code = ("import sys\nprint('ready', flush=True)\nkept = []\nfor line in sys.stdin:\n"
+            "    kept.append(b'x' * (int(line) << 20))\n    print('alive', flush=True)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    try:
+        limit, group = hold_resident(SimpleNamespace(proc=proc), 64 << 20)
+    except SystemExit as e:
+        proc.kill()
+        pytest.skip(str(e))
+    try:
+        assert str(proc.pid) in (group / "cgroup.procs").read_text().split()
+        proc.stdin.write("16\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "alive"
+        proc.stdin.write("256\n")
+        proc.stdin.flush()
+        assert proc.wait(timeout=60) == -9 and limit > 64 << 20
+    finally:
+        proc.kill()
+        proc.wait()
+        group.rmdir()
 
 
 def _filled(n: int, layers: int = 2) -> list:

@@ -11,16 +11,19 @@ requests of about --prompt-tokens tokens each on the embedded default pair, unde
    sequences seen running and waiting for memory (/health, sampled every 0.1 s), and MLX's
    peak active memory since the server began serving (/health "peak") against the budget.
 
-    python -m dflash2_mlx.bench.memory_load --out memory-load [--address-limit]
+    python -m dflash2_mlx.bench.memory_load --out memory-load [--hold address|resident]
 
 (= --clients 8 --prompt-tokens 2000 --max-tokens 64 --fit 3.5). The prompts are slices of
 the package's own source files, a different one per client, with a question. Everything
 listens on 127.0.0.1; nothing is downloaded. Writes --out/memory_load.json.
 
-With --address-limit, the same load also runs on servers held from outside (RLIMIT_AS set on
-the running server after a warm-up: its address space then plus the bytes the budget gives the
-caches): today's (`--before DIR`, or this one with no --memory-budget) and this one with the
-budget; reported as above, with whether the server survived and its last log lines.
+With --hold, the same load also runs on servers held from outside after a warm-up, to what
+they hold then plus the bytes the budget gives the caches: `address` sets RLIMIT_AS on the
+address space (as `ulimit -v`; it counts reserved, untouched pages too: thread stacks, malloc
+arenas), `resident` puts the server in a memory cgroup of that many resident bytes (as a
+container's limit; root, cgroup v1 or v2, no swap counted). Each runs today's server
+(`--before DIR`, or this one with no --memory-budget) and this one with the budget; reported
+as above, with whether the server survived and its last log lines.
 """
 
 from __future__ import annotations
@@ -83,10 +86,37 @@ def hold(server: ServerProcess, extra: int) -> int:
     (RLIMIT_AS, as `ulimit -v` would); the limit set."""
     import resource
 
-    status = Path(f"/proc/{server.proc.pid}/status").read_text()
-    size = int(next(ln.split()[1] for ln in status.splitlines() if ln.startswith("VmSize"))) * 1024
-    resource.prlimit(server.proc.pid, resource.RLIMIT_AS, (size + extra, size + extra))
-    return size + extra
+    size = _status_bytes(server.proc.pid, "VmSize") + extra
+    resource.prlimit(server.proc.pid, resource.RLIMIT_AS, (size, size))
+    return size
+
+
+def hold_resident(server: ServerProcess, extra: int) -> tuple[int, Path]:
+    """Hold a running server to its resident memory now plus `extra` bytes from outside: a
+    memory cgroup of its own (v2 `memory.max`, or v1 `memory.limit_in_bytes`), swap included
+    where the controller counts it; -> (the limit, the group, to remove after)."""
+    size = _status_bytes(server.proc.pid, "VmRSS") + extra
+    root = Path("/sys/fs/cgroup")
+    v2 = (root / "cgroup.controllers").exists()
+    group = (root if v2 else root / "memory") / f"dflash2-hold-{server.proc.pid}"
+    try:
+        group.mkdir()
+        limits = ("memory.max", "memory.swap.max") if v2 else (
+            "memory.limit_in_bytes", "memory.memsw.limit_in_bytes")
+        (group / limits[0]).write_text(str(size))
+        if (group / limits[1]).exists():
+            (group / limits[1]).write_text("0" if v2 else str(size))
+        (group / "cgroup.procs").write_text(str(server.proc.pid))
+    except OSError as e:
+        raise SystemExit(f"--hold resident: cannot make the memory cgroup {group} ({e}); it "
+                         "needs root and a cgroup v1 or v2 memory controller") from e
+    return size, group
+
+
+def _status_bytes(pid: int, field: str) -> int:
+    """A /proc/<pid>/status figure (VmSize, VmRSS) in bytes."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(ln.split()[1] for ln in status.splitlines() if ln.startswith(field))) * 1024
 
 
 def budget_for(figures: dict, tokens: int, fit: float) -> int:
@@ -159,19 +189,27 @@ def sizes(convs: list, max_tokens: int, fit: float) -> tuple[dict, int]:
     return figures, budget
 
 
-def held_load(label: str, extra: list[str], tree, convs, a, alone, budget, room) -> dict:
-    """The same load on a server held from outside to its idle address space plus `room`
-    bytes (what the budget gives the caches); whether the server is still alive after."""
-    server = start(extra, tree)
+def held_load(label: str, how: str, extra: list[str], tree, convs, a, alone, budget,
+              room) -> dict:
+    """The same load on a server held from outside (`how`: address or resident) to what it
+    holds after a warm-up plus `room` bytes (what the budget gives the caches); whether the
+    server is still alive after."""
+    server, group = start(extra, tree), None
     try:
         request(server.url, server.model, convs[0], 1)       # warm: buffers and kernels
-        limit = hold(server, room)
+        if how == "address":
+            limit = hold(server, room)
+        else:
+            limit, group = hold_resident(server, room)
         run = load(server, convs, a.max_tokens)
         alive = server.proc.poll() is None
     finally:
         code = server.stop()
-    out = {"run": label, "address_limit": limit, **summary(run, alone, budget),
-           "alive_after": alive, "exit_code": code, "log_tail": server.log[-3:]}
+        if group is not None:
+            group.rmdir()
+    out = {"run": f"{label}, held ({how})", f"{how}_limit": limit,
+           **summary(run, alone, budget), "alive_after": alive, "exit_code": code,
+           "log_tail": server.log[-3:]}
     _print(out)
     return out
 
@@ -183,11 +221,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--fit", type=float, default=3.5,
                     help="requests the budget holds at once (prompt + max tokens each)")
-    ap.add_argument("--address-limit", action="store_true",
-                    help="also run the load under an address-space limit: today's server "
-                         "(--before, or this one with no budget) and this one with the budget")
+    ap.add_argument("--hold", action="append", choices=("address", "resident"), default=[],
+                    help="also run the load held from outside (address: RLIMIT_AS; resident: "
+                         "a memory cgroup, root only): today's server (--before, or this one "
+                         "with no budget) and this one with the budget; may repeat")
     ap.add_argument("--before", type=Path, default=None,
-                    help="a checkout whose `serve` is today's, for --address-limit")
+                    help="a checkout whose `serve` is today's, for --hold")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     convs = prompts(a.clients, a.prompt_tokens)
@@ -203,12 +242,12 @@ def main() -> None:
               "prompt_tokens": [s["prompt_tokens"] for s in alone],
               **summary(run, alone, budget), "exit_code": code}
     _print(result)
-    if a.address_limit:
-        room = budget - figures["weights"]
-        result["held"] = [
-            held_load("today (no budget)", [], a.before, convs, a, alone, None, room),
-            held_load("with --memory-budget", ["--memory-budget", str(budget)], None, convs,
-                      a, alone, budget, room)]
+    room, result["held"] = budget - figures["weights"], []
+    for how in a.hold:
+        result["held"] += [
+            held_load("today (no budget)", how, [], a.before, convs, a, alone, None, room),
+            held_load("with --memory-budget", how, ["--memory-budget", str(budget)], None,
+                      convs, a, alone, budget, room)]
     if a.out is not None:
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "memory_load.json").write_text(json.dumps(result, indent=2))

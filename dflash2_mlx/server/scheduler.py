@@ -273,18 +273,24 @@ class Scheduler:
         self._engine.isolate_oom = True
         self._decoding: dict[int, tuple[Job, SequenceText]] = {}  # engine id -> job, text
         self._queue_closed = False
-        while True:
-            # before admitting: a request that left mid-prefill is in the prefix cache for its
-            # retry (an agent that timed out sends the same prompt again at once)
-            self._leave_cancelled()
-            self._admit_queued()
-            self._leave_cancelled()
-            if self._decoding:
-                self._step()
-                continue
-            self._publish_batch()
-            if self._queue_closed:
-                return
+        # MLX's buffer cache is held within the budget while serving (`_mark_step`)
+        restore = mx.set_cache_limit(self.memory.limit) if self.memory is not None else None
+        try:
+            while True:
+                # before admitting: a request that left mid-prefill is in the prefix cache for
+                # its retry (an agent that timed out sends the same prompt again at once)
+                self._leave_cancelled()
+                self._admit_queued()
+                self._leave_cancelled()
+                if self._decoding:
+                    self._step()
+                    continue
+                self._publish_batch()
+                if self._queue_closed:
+                    return
+        finally:
+            if restore is not None:
+                mx.set_cache_limit(restore)
 
     def _emit(self, ev) -> None:
         """A step's tokens to their job (a first token as soon as it is sampled)."""
@@ -304,9 +310,9 @@ class Scheduler:
         bytes."""
         m = self.memory
         if m is not None:
+            held, reserved = self._cache_bytes(engine) if engine else (0, 0)
             self.memory_figures = {
-                **m.describe(), "kv_in_use": engine_bytes(engine) if engine else 0,
-                "kv_reserved": m.need(self._lengths()) if engine else 0,
+                **m.describe(), "kv_in_use": held, "kv_reserved": reserved,
                 "prompt_cache": self._cached(),
                 "waiting_for_memory": self.waiting if self._held is not None else 0,
                 "active": mx.get_active_memory(), "peak": self._peak()}
@@ -363,18 +369,21 @@ class Scheduler:
         # alone, the request runs (nothing else would free it)
         return WAIT if short > 0 and self._decoding else ADMIT
 
-    def _beyond_count(self, rise: bool = True) -> int:
+    def _beyond_count(self) -> int:
         """What the budget's count misses, measured: MLX's active bytes beyond the weights,
         the prefix cache and the running sequences' reservations (or their caches, where
-        those hold more), plus (`rise`) the most a decoding step has added above its start
-        (its transients; a prefill's are `_peak_bound`'s). Admissions and prefill steps leave
-        room for it, so the budget bounds what MLX holds, not only what it models."""
-        engine = getattr(self, "_engine", None)
-        held = engine_bytes(engine) if engine else 0
-        counted = self.memory.weights + self._cached() + max(held, self.memory.need(
-            self._lengths()) if engine else 0)
-        return max(0, mx.get_active_memory() - counted) + max(
-            0, held - self.memory.need(self._lengths())) + (self._step_rise if rise else 0)
+        those hold more), plus the most a decoding step has added above its start (its
+        transients; a prefill's are `_peak_bound`'s). Admissions leave room for it, so the
+        budget bounds what MLX holds, not only what it models."""
+        held, reserved = self._cache_bytes()
+        over = max(0, mx.get_active_memory() - self.memory.weights - self._cached()
+                   - max(held, reserved))
+        return over + max(0, held - reserved) + self._step_rise
+
+    def _cache_bytes(self, engine: Engine | None = None) -> tuple[int, int]:
+        """(bytes the running sequences' caches hold, bytes their reservations reach)."""
+        engine = engine or self._engine
+        return engine_bytes(engine), self.memory.need(self._lengths())
 
     def _peak(self) -> int:
         """MLX's peak memory since serving began (`_step` resets MLX's own each step)."""
@@ -442,10 +451,14 @@ class Scheduler:
 
     def _mark_step(self) -> int:
         """MLX's active bytes as a step starts, its peak counter reset (the peak so far kept
-        for /health), so that the step's own rise can be read after it."""
+        for /health), so that the step's own rise can be read after it. With a budget, the
+        freed buffers MLX keeps for reuse are held to what the budget leaves beside them."""
         self._peak_before = self._peak()
         mx.reset_peak_memory()
-        return mx.get_active_memory()
+        active = mx.get_active_memory()
+        if self.memory is not None:
+            mx.set_cache_limit(max(0, self.memory.limit - active))
+        return active
 
     def _peak_bound(self, budget: int) -> int:
         """At most the prompt tokens whose attention scores fit in what the budget has left
@@ -455,9 +468,10 @@ class Scheduler:
         if m is None or not engine.queue:
             return budget
         context = max(len(seq.req.prompt) for seq in engine.queue)
-        # the caches as they are now: the running ones grow into what they reserved only
-        # after the scores are gone
-        free = m.room - engine_bytes(engine) - self._cached() - self._beyond_count(rise=False)
+        # what MLX holds now beyond the weights (the caches, the prefix cache, anything
+        # else): the running caches grow into what they reserved only after the scores go
+        held, _ = self._cache_bytes()
+        free = m.room - max(mx.get_active_memory() - m.weights, held + self._cached())
         return min(budget, m.prefill_tokens(free, context))
 
     def _out_of_memory(self, job: Job, e: BaseException) -> None:
