@@ -34,7 +34,7 @@ CHAIN_STEPS = 16         # plain steps per timed chain (its unhidden first build
 SLOPE_TRIES = 3          # long-context timings taken again while they fit no slope at all
 CALIBRATION_BUDGET = 40.0    # seconds of rounds a calibration may spend trying to settle
 MAX_ROUNDS = 12
-CALIBRATION_VERSION = "6"    # bump when measure_costs changes: older entries are timed again
+CALIBRATION_VERSION = "7"    # bump when measure_costs changes: older entries are timed again
 
 
 def cache_file() -> Path:
