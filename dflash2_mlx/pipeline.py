@@ -16,6 +16,7 @@ from mlx.utils import tree_flatten
 from . import log, settings as check
 from .decode.engine import Engine, Request
 from .decode.lookup import LookupConfig
+from .decode.row_check import RowCheck, check_rows
 from .decode.sampling import Sampling
 from .decode.state import DecodeState, common_prefix
 from .decode.stats import DRAFTER, LOOKUP, GenerationStats
@@ -78,6 +79,7 @@ class Pipeline:
         self.kernel_calls = None             # kernel_view.VerifyKernels; None: Metal's
         self._kernels_chosen = False         # choose_kernels ran
         self.stage = None                    # distributed.Stage of a pipeline-sharded target
+        self.plain_why: str | None = None    # why it decodes plain, speculation not exact
         bits, group = check.kv_bits(kv_bits), check.kv_group_size(kv_group_size)
         self.kv = KVQuant(bits, group) if bits is not None else None
         # what generates: this process's model, or the stage's target of a pipeline
@@ -194,6 +196,25 @@ class Pipeline:
         if self.stage is None:
             self.adapter.use_kernels(self.verify_kernels, self.kernel_calls)
 
+    def check_rows(self) -> None:
+        """With a quantized KV cache: speculation off (`plain_why`) where a verify's rows are
+        not bitwise plain steps, batching off where a batch's are not (`row_check`); a
+        pipeline-sharded target is not checked and decodes plain. Logged once."""
+        if self.kv is None:
+            return
+        if self.stage is not None:
+            rows = RowCheck("a pipeline-sharded target's forward is not checked", None)
+        else:
+            rows = check_rows(self.adapter)
+            self.adapter.batch_why = rows.batch and f"KV cache {self.kv}: {rows.batch}"
+        self.plain_why = rows.verify and f"KV cache {self.kv}: {rows.verify}"
+        for why, what in ((self.plain_why, "speculative decoding is off"),
+                          (self.adapter.batch_why if self.stage is None else None,
+                           "sequences decode one at a time")):
+            if why:
+                log.notice(f"{why}; a key could then round to another code than plain "
+                           f"decoding's, so {what} (exact; docs/kernels.md, Row-invariance)")
+
     def describe(self) -> dict:
         """The effective settings: sources, block size, weight dtypes and quantization as
         loaded, kernel path, the target's KV cache (for reports such as the CLI's
@@ -210,7 +231,8 @@ class Pipeline:
                 "draft_quantized_layers": (quant or {}).get("layers", 0),
                 "kernels": d.kernels if d is not None else None,
                 "kv_bits": self.kv.bits if self.kv else None,
-                "kv_group_size": self.kv.group_size if self.kv else None}
+                "kv_group_size": self.kv.group_size if self.kv else None,
+                **({"plain": self.plain_why} if self.plain_why else {})}
 
     # ---- generation
     def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 256,
@@ -316,7 +338,8 @@ class Pipeline:
         """One prompt (ids) for `engine`, with its width policy for the checked block size `b`
         (`block_size`; a prompt at or past max_ctx runs plain). state, keep_state, progress,
         checkpoint: as `engine.Request`'s (the prefix cache, a long prefill's progress)."""
-        wide = b if self.max_ctx is None or len(ids) < self.max_ctx else 1
+        wide = b if self.plain_why is None and (
+            self.max_ctx is None or len(ids) < self.max_ctx) else 1
         policy = engine.planner.policy(wide, self.width_policy() if wide == "auto" else None,
                                        alone=engine.solo)
         return Request(ids, max_tokens, sampling, policy, stop_ids, lookup and wide != 1, seed,

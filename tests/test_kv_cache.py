@@ -13,6 +13,7 @@ import random
 from types import SimpleNamespace
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
@@ -23,6 +24,7 @@ from dflash2_mlx import settings
 from dflash2_mlx.cache.batch import RaggedKVCache, RaggedQuantizedKVCache
 from dflash2_mlx.cache.prompt import PromptCache
 from dflash2_mlx.decode.engine import Engine, Request, stream_tokens
+from dflash2_mlx.decode.row_check import RowCheck, check_rows
 from dflash2_mlx.decode.lookup import LookupConfig
 from dflash2_mlx.decode.sampling import Sampling
 from dflash2_mlx.decode.state import DecodeState, cache_nbytes, prefill
@@ -119,6 +121,68 @@ def kv_pipe(fixture_dir, dflash2_dir):
     """The API on a dense target of head_dim 64, 8-bit KV cache in groups of 32."""
     folder = write_target(fixture_dir / "llama-hd64", "llama", seed=0, head_dim=HEAD_DIM)
     return dflash2_mlx.load(str(folder), str(dflash2_dir), kv_bits=8, kv_group_size=32)
+
+
+class RowVariant:
+    """A pipeline's target whose forwards over several rows (`axis` 1: a verify's; 0: a
+    batch's) differ from single steps in the last bits, as float32 BLAS does on the CPU."""
+
+    def __init__(self, inner, axis: int):
+        self.inner, self.axis = inner, axis
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __setattr__(self, name, value):         # `batch_why` lands on the real target
+        if name in ("inner", "axis"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.inner, name, value)
+
+    def forward(self, tokens, cache):
+        logits, feats = self.inner.forward(tokens, cache)
+        return (logits + 1e-5 if tokens.shape[self.axis] > 1 else logits), feats
+
+
+@pytest.mark.parametrize("axis", [1, 0])
+def test_rows_that_differ_from_plain_steps_turn_speculation_or_batching_off(
+        axis, fixture_dir, dflash2_dir):
+    """With a quantized cache, a forward whose rows are not bitwise plain steps (a verify's:
+    axis 1; a batch's: axis 0) is found at load: the pipeline decodes plain, or one sequence
+    at a time, says why, and its greedy output is the quantized oracle's. (float32 weights on
+    this CPU already differ in a verify, by ~1e-6 here: the pipeline decodes plain.)"""
+    folder = write_target(fixture_dir / "llama-hd64", "llama", seed=0, head_dim=HEAD_DIM)
+    pipe = dflash2_mlx.load(str(folder), str(dflash2_dir), kv_bits=8, kv_group_size=32)
+    assert pipe.engine(4).solo_why is None                 # its batch is bitwise plain steps
+    pipe.adapter = RowVariant(pipe.adapter, axis)
+    pipe.check_rows()
+    ids = pipe.encode("def add(a, b):")
+    ref = oracle(pipe.target, ids, 12, kv=KVQuant(8, 32))
+    if axis == 1:
+        assert "8-bit, group size 32: a forward of 8 rows gave logits up to" in pipe.plain_why
+        assert pipe.describe()["plain"] == pipe.plain_why
+        g = pipe.generate(ids, max_tokens=12, block_size=8, lookup=True)
+        assert {c.source for c in g.stats.steps} == {"plain"} and g.tokens == ref
+    else:
+        assert "2 sequences stepped as a batch" in pipe.engine(4).solo_why
+        outs = pipe.generate_batch([ids, ids[:-3]], max_tokens=12)
+        assert outs[0].tokens == ref
+
+
+def test_a_quantized_target_is_row_invariant_on_this_backend():
+    """Quantized weights and a quantized cache: MLX's CPU quantized matmul and the quantized
+    attention give a row the same bits alone, among a verify's 8 rows and in a batch, so
+    speculation and batching stay on, and speculative greedy output is the oracle's (float32
+    weights through BLAS are not row-invariant: 0.061 of a logit on SmolLM2 at 8 bits)."""
+    model = quant_model("llama")
+    nn.quantize(model, group_size=32, bits=4)
+    adapter = TargetAdapter(model, (1, 3), kv=KV)
+    assert check_rows(adapter) == RowCheck(None, None)
+    ids = PROMPTS[1]
+    ref = oracle(model, ids, N)
+    assert tokens(adapter, None, ids, N, FixedWidth(16), lookup=True) == ref
+    drafter = OracleDrafter(len(ids), ref, V, seed=5)
+    assert tokens(adapter, drafter, ids, N, FixedWidth(8)) == ref
 
 
 def test_calibration_prices_the_context_of_a_quantized_cache():

@@ -169,6 +169,7 @@ def load(model: str | None = None, draft: str | None = None, *,
         pipe.adapter = pipe.stage.target
         pipe.info["pipeline"] = pipe.stage.describe()
     pipe.choose_kernels()                # stock off a Mac: the start line says so once
+    pipe.check_rows()                    # the forward that will run, with a quantized cache
     return pipe
 
 

@@ -88,6 +88,7 @@ class TargetAdapter(TargetModel):
         if kv is not None:
             check_kv(model, kv)
         self.layer_ids = tuple(layer_ids)
+        self.batch_why: str | None = None      # why it must not batch (`Pipeline.check_rows`)
         self.range = LayerRange(self, 0, self.num_layers, self.layer_ids)
         self._view = self.range.view()
 
@@ -124,7 +125,7 @@ class TargetAdapter(TargetModel):
             raise rollback_error(bad)
 
     def batch_refusal(self) -> str | None:
-        return batch_refusal(self.make_cache())
+        return self.batch_why or batch_refusal(self.make_cache())
 
     def batch_rows(self) -> RaggedRows:
         return RaggedRows()
