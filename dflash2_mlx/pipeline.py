@@ -16,7 +16,7 @@ from mlx.utils import tree_flatten
 from . import log, settings as check
 from .decode.engine import Engine, Request
 from .decode.lookup import LookupConfig
-from .decode.row_check import RowCheck, check_rows
+from .decode import row_check
 from .decode.sampling import Sampling
 from .decode.state import DecodeState, common_prefix
 from .decode.stats import DRAFTER, LOOKUP, GenerationStats
@@ -203,9 +203,10 @@ class Pipeline:
         if self.kv is None:
             return
         if self.stage is not None:
-            rows = RowCheck("a pipeline-sharded target's forward is not checked", None)
+            rows = row_check.RowCheck("a pipeline-sharded target's forward is not checked",
+                                      None)
         else:
-            rows = check_rows(self.adapter)
+            rows = row_check.check_rows(self.adapter)
             self.adapter.batch_why = rows.batch and f"KV cache {self.kv}: {rows.batch}"
         self.plain_why = rows.verify and f"KV cache {self.kv}: {rows.verify}"
         for why, what in ((self.plain_why, "speculative decoding is off"),

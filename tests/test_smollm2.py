@@ -63,3 +63,25 @@ def test_a_batch_on_the_gguf_target_equals_mlx_lm(pipe):
             assert gen.tokens == ref[: len(gen.tokens)], b
             assert len(gen.tokens) == 24 or gen.finish_reason == "stop", b
         assert b == "auto" or sum(gen.stats.cycles for gen in gens) > 0
+
+
+@pytest.mark.slow  # ~25 s: the row check, mlx-lm and ours, 64 tokens
+def test_an_8_bit_kv_cache_on_the_gguf_target_equals_mlx_lm(tmp_path):
+    """At --kv-bits 8 the real target's greedy output equals mlx-lm's with QuantizedKVCache
+    from token 0, asked for b=8 with lookup, on a prompt where a float32 verify's keys round
+    to other codes (speculating there anyway leaves mlx-lm's output at token 56): the load's
+    row check decides, and what it decides is exact."""
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
+
+    folder = save_drafter(random_drafter(smollm2_drafter_args(), seed=0), tmp_path)
+    kv8 = dflash2_mlx.load(str(smollm2_gguf()), str(folder), kv_bits=8)
+    ids = kv8.encode('def count_vowels(text: str) -> int:\n    """Count the vowels in text.\n'
+                     '    >>> count_vowels("banana")\n    3\n    """\n')
+    cache = [QuantizedKVCache(64, 8) if type(c) is KVCache else c
+             for c in make_prompt_cache(kv8.target)]
+    ref = [t for t, _ in generate_step(mx.array(ids), kv8.target, max_tokens=64,
+                                       prompt_cache=cache)]
+    gen = kv8.generate(ids, max_tokens=64, block_size=8, lookup=True)
+    assert gen.tokens == ref[: len(gen.tokens)]
+    assert len(gen.tokens) == 64 or gen.finish_reason == "stop"
+    assert kv8.plain_why is None or gen.stats.to_dict()["cycles"] == 0

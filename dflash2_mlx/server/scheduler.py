@@ -382,8 +382,8 @@ class Scheduler:
 
     def _cache_bytes(self, engine: Engine | None = None) -> tuple[int, int]:
         """(bytes the running sequences' caches hold, bytes their reservations reach)."""
-        engine = engine or self._engine
-        return engine_bytes(engine), self.memory.need(self._lengths())
+        return (engine_bytes(self._engine if engine is None else engine),
+                self.memory.need(self._lengths()))
 
     def _peak(self) -> int:
         """MLX's peak memory since serving began (`_step` resets MLX's own each step)."""
