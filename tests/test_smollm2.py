@@ -65,7 +65,7 @@ def test_a_batch_on_the_gguf_target_equals_mlx_lm(pipe):
         assert b == "auto" or sum(gen.stats.cycles for gen in gens) > 0
 
 
-@pytest.mark.slow  # ~25 s: the row check, mlx-lm and ours, 64 tokens
+@pytest.mark.slow  # 25 s: the row check, mlx-lm and ours, 64 tokens
 def test_an_8_bit_kv_cache_on_the_gguf_target_equals_mlx_lm(tmp_path):
     """At --kv-bits 8 the real target's greedy output equals mlx-lm's with QuantizedKVCache
     from token 0, asked for b=8 with lookup, on a prompt where a float32 verify's keys round

@@ -274,7 +274,8 @@ class Scheduler:
         self._decoding: dict[int, tuple[Job, SequenceText]] = {}  # engine id -> job, text
         self._queue_closed = False
         # MLX's buffer cache is held within the budget while serving (`_mark_step`)
-        restore = mx.set_cache_limit(self.memory.limit) if self.memory is not None else None
+        self._cache_default = mx.set_cache_limit(0) if self.memory is not None else None
+        restore = self._cache_default
         try:
             while True:
                 # before admitting: a request that left mid-prefill is in the prefix cache for
@@ -369,16 +370,17 @@ class Scheduler:
         # alone, the request runs (nothing else would free it)
         return WAIT if short > 0 and self._decoding else ADMIT
 
-    def _beyond_count(self) -> int:
+    def _beyond_count(self, rise: bool = True) -> int:
         """What the budget's count misses, measured: MLX's active bytes beyond the weights,
         the prefix cache and the running sequences' reservations (or their caches, where
-        those hold more), plus the most a decoding step has added above its start (its
-        transients; a prefill's are `_peak_bound`'s). Admissions leave room for it, so the
-        budget bounds what MLX holds, not only what it models."""
+        those hold more), the caches held beyond their reservation, plus (`rise`) the most a
+        decoding step has added above its start (its transients; a prefill's are
+        `_peak_bound`'s). Admissions and prefill steps leave room for it, so the budget
+        bounds what MLX holds, not only what it models."""
         held, reserved = self._cache_bytes()
         over = max(0, mx.get_active_memory() - self.memory.weights - self._cached()
                    - max(held, reserved))
-        return over + max(0, held - reserved) + self._step_rise
+        return over + max(0, held - reserved) + (self._step_rise if rise else 0)
 
     def _cache_bytes(self, engine: Engine | None = None) -> tuple[int, int]:
         """(bytes the running sequences' caches hold, bytes their reservations reach)."""
@@ -452,12 +454,13 @@ class Scheduler:
     def _mark_step(self) -> int:
         """MLX's active bytes as a step starts, its peak counter reset (the peak so far kept
         for /health), so that the step's own rise can be read after it. With a budget, the
-        freed buffers MLX keeps for reuse are held to what the budget leaves beside them."""
+        freed buffers MLX keeps for reuse are held to what the budget leaves beside them
+        (or MLX's own limit, where that is less: 32 MiB on the CPU)."""
         self._peak_before = self._peak()
         mx.reset_peak_memory()
         active = mx.get_active_memory()
         if self.memory is not None:
-            mx.set_cache_limit(max(0, self.memory.limit - active))
+            mx.set_cache_limit(max(0, min(self._cache_default, self.memory.limit - active)))
         return active
 
     def _peak_bound(self, budget: int) -> int:
@@ -468,10 +471,10 @@ class Scheduler:
         if m is None or not engine.queue:
             return budget
         context = max(len(seq.req.prompt) for seq in engine.queue)
-        # what MLX holds now beyond the weights (the caches, the prefix cache, anything
-        # else): the running caches grow into what they reserved only after the scores go
+        # the caches as they are now, and what the count misses (their slack beyond the
+        # reservation counted once more: without it a 2k-token load peaked 1.5% over)
         held, _ = self._cache_bytes()
-        free = m.room - max(mx.get_active_memory() - m.weights, held + self._cached())
+        free = m.room - held - self._cached() - self._beyond_count(rise=False)
         return min(budget, m.prefill_tokens(free, context))
 
     def _out_of_memory(self, job: Job, e: BaseException) -> None:
