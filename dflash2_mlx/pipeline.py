@@ -203,15 +203,13 @@ class Pipeline:
         if self.kv is None:
             return
         if self.stage is not None:
-            rows = row_check.RowCheck("a pipeline-sharded target's forward is not checked",
-                                      None)
+            verify, batch = "a pipeline-sharded target's forward is not checked", None
         else:
-            rows = row_check.check_rows(self.adapter)
-            self.adapter.batch_why = rows.batch and f"KV cache {self.kv}: {rows.batch}"
-        self.plain_why = rows.verify and f"KV cache {self.kv}: {rows.verify}"
+            verify, batch = row_check.check_rows(self.adapter)
+            self.adapter.batch_why = batch and f"KV cache {self.kv}: {batch}"
+        self.plain_why = verify and f"KV cache {self.kv}: {verify}"
         for why, what in ((self.plain_why, "speculative decoding is off"),
-                          (self.adapter.batch_why if self.stage is None else None,
-                           "sequences decode one at a time")):
+                          (batch and self.adapter.batch_why, "sequences decode one at a time")):
             if why:
                 log.notice(f"{why}; a key could then round to another code than plain "
                            f"decoding's, so {what} (exact; docs/kernels.md, Row-invariance)")

@@ -10,7 +10,7 @@ custom kernels on a Mac) stores the codes plain decoding stores. docs/decisions.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import mlx.core as mx
 
@@ -20,8 +20,7 @@ CONTEXT = (37, 21)          # the two sequences' random prompts: different lengt
 ROWS = 8                    # rows of the verify checked against as many plain steps
 
 
-@dataclass(frozen=True)
-class RowCheck:
+class RowCheck(NamedTuple):
     """What differed (None: nothing): `verify`, a forward of ROWS rows against ROWS plain
     steps of one sequence; `batch`, two sequences of different lengths stepped together
     against each alone."""
@@ -41,11 +40,12 @@ def check_rows(target) -> RowCheck:
         target.forward(p, s.cache)
         mx.eval([c.state for c in s.cache])
         states.append(s)
-    steps = [_steps(target, s.copy(), r[None]) for s, r in zip(states, rows)]   # [1, ROWS, V]
+    steps = [_steps(target, states[0].copy(), rows[:1])]                      # [1, ROWS, V]
     block, _ = target.forward(rows[:1], states[0].copy().cache)
     verify = _differs(block, steps[0], f"a forward of {ROWS} rows")
     batch = None
     if target.batch_refusal() is None:
+        steps += [_steps(target, s.copy(), r[None]) for s, r in zip(states[1:], rows[1:])]
         together = target.batch_rows()
         together.join([s.copy() for s in states])
         stepped = []

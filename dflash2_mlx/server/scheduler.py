@@ -275,7 +275,6 @@ class Scheduler:
         self._queue_closed = False
         # MLX's buffer cache is held within the budget while serving (`_mark_step`)
         self._cache_default = mx.set_cache_limit(0) if self.memory is not None else None
-        restore = self._cache_default
         try:
             while True:
                 # before admitting: a request that left mid-prefill is in the prefix cache for
@@ -290,8 +289,8 @@ class Scheduler:
                 if self._queue_closed:
                     return
         finally:
-            if restore is not None:
-                mx.set_cache_limit(restore)
+            if self._cache_default is not None:
+                mx.set_cache_limit(self._cache_default)
 
     def _emit(self, ev) -> None:
         """A step's tokens to their job (a first token as soon as it is sampled)."""
@@ -370,14 +369,14 @@ class Scheduler:
         # alone, the request runs (nothing else would free it)
         return WAIT if short > 0 and self._decoding else ADMIT
 
-    def _beyond_count(self, rise: bool = True) -> int:
+    def _beyond_count(self, rise: bool = True, cache: tuple[int, int] | None = None) -> int:
         """What the budget's count misses, measured: MLX's active bytes beyond the weights,
         the prefix cache and the running sequences' reservations (or their caches, where
         those hold more), the caches held beyond their reservation, plus (`rise`) the most a
         decoding step has added above its start (its transients; a prefill's are
         `_peak_bound`'s). Admissions and prefill steps leave room for it, so the budget
-        bounds what MLX holds, not only what it models."""
-        held, reserved = self._cache_bytes()
+        bounds what MLX holds, not only what it models. cache: `_cache_bytes()`, if known."""
+        held, reserved = cache or self._cache_bytes()
         over = max(0, mx.get_active_memory() - self.memory.weights - self._cached()
                    - max(held, reserved))
         return over + max(0, held - reserved) + (self._step_rise if rise else 0)
@@ -473,8 +472,8 @@ class Scheduler:
         context = max(len(seq.req.prompt) for seq in engine.queue)
         # the caches as they are now, and what the count misses (their slack beyond the
         # reservation counted once more: without it a 2k-token load peaked 1.5% over)
-        held, _ = self._cache_bytes()
-        free = m.room - held - self._cached() - self._beyond_count(rise=False)
+        cache = self._cache_bytes()
+        free = m.room - cache[0] - self._cached() - self._beyond_count(False, cache)
         return min(budget, m.prefill_tokens(free, context))
 
     def _out_of_memory(self, job: Job, e: BaseException) -> None:
