@@ -162,6 +162,30 @@ def test_state_kept_on_leaving_restarts_exactly(pipe):
     assert engine.stats[0].cached_tokens == cached
 
 
+def test_a_state_without_room_is_not_copied_and_the_tokens_are_the_same(pipe):
+    """`room_for_state` is asked, before a leaving row is copied out of the batch, with the
+    bytes the copy takes (the kept state's target caches, to the byte); refused, the
+    sequence keeps no state and its tokens are unchanged (the server's memory budget)."""
+    rng = random.Random(13)
+    vocab = pipe.adapter.vocab_size
+    prompts = [[rng.randrange(vocab - 1) for _ in range(n)] for n in (20, 11)]
+    asked = []
+
+    def room(nbytes: int) -> bool:
+        asked.append(nbytes)
+        return len(asked) == 1              # the first leaver's copy fits, the second's not
+
+    engine = Engine(pipe.adapter, pipe.drafter)
+    engine.room_for_state = room
+    out = run(engine, {0: [(0, Request(prompts[0], 10, policy=FixedWidth(4), keep_state=True)),
+                           (1, Request(prompts[1], 16, policy=FixedWidth(3), keep_state=True))]})
+    assert out[0] == (mlx_lm_greedy(pipe.target, prompts[0], 10), "length")
+    assert out[1] == (mlx_lm_greedy(pipe.target, prompts[1], 16), "length")
+    kept = engine.pop_state(0)
+    assert len(asked) == 2 and kept is not None and engine.pop_state(1) is None
+    assert asked[0] == sum(a.nbytes for c in kept.cache for a in (c.keys, c.values)) > 0
+
+
 @pytest.mark.parametrize("block_size", ["auto", 4, 1])
 def test_generate_batch_equals_generate(pipe, block_size):
     prompts = ["def add(a, b):", "Hello! How can I help you today?", "for i in range(10):",

@@ -169,7 +169,8 @@ def summary(run: dict, alone: list[dict], budget: int | None) -> dict:
             "most_waiting_for_memory": run["seen"]["waiting_for_memory"],
             "peak_active": m.get("peak"),
             "peak_under_budget": None if budget is None or "peak" not in m else m["peak"] <= budget,
-            "allocation_failures": m.get("failures"), "wall_s": round(run["wall_s"], 1)}
+            "allocation_failures": m.get("failures"),
+            "states_not_kept": m.get("states_not_kept"), "wall_s": round(run["wall_s"], 1)}
 
 
 def sizes(convs: list, max_tokens: int, fit: float) -> tuple[dict, int]:

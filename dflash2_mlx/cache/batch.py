@@ -11,8 +11,8 @@ the per-row `offset` (the next position of each row: its token count), and `make
 [B, 1, N, S + N] from the positions, so holes are never attended to and a sliding window is a
 condition on positions, not on slots. After the forward, `commit(keep)` says how many of the T
 slots each row keeps; slots that are holes in every row at the end are trimmed at once, and
-holes elsewhere are squeezed out by `compact` when they make up a quarter of the buffer (a
-gather of the kept slots, right-aligned).
+holes elsewhere are squeezed out by `compact` when they make up 1/16 of the buffer (a
+gather of the kept slots, right-aligned; `cache.memory.buffer_slots` counts a row so).
 
 Only the public protocol of the models is used: `update_and_fetch`, `make_mask`, `offset`.
 
@@ -30,8 +30,8 @@ from mlx_lm.models.cache import (ArraysCache, BatchKVCache, KVCache, QuantizedKV
                                  RotatingKVCache)
 
 from ..model.views import RollbackRotatingKVCache
+from .memory import COMPACT_MIN, COMPACT_SHARE
 
-COMPACT_MIN = 64          # slots of holes before a compaction is worth its gather
 SPARE_ROWS = 4            # a buffer keeps at most 1/4 of its rows (at least 1) past the batch
 
 
@@ -124,7 +124,7 @@ class RaggedKVCache(BatchKVCache):
 
     def _maybe_compact(self) -> None:
         holes = self._idx - int((self.pos >= 0).sum(axis=1).max(initial=0))
-        if holes >= max(COMPACT_MIN, self._idx // 4):
+        if holes >= max(COMPACT_MIN, self._idx // COMPACT_SHARE):
             self.compact()
 
     def _drop_trailing_holes(self) -> None:
@@ -286,6 +286,14 @@ class RaggedKVCache(BatchKVCache):
                 out.state = (*parts, length, 0, self.window, n)
         return out
 
+    def row_bytes(self, row: int) -> int:
+        """The bytes `to_single(row)` copies: the row's kept slots."""
+        parts = self._parts()
+        if parts is None:
+            return 0
+        n = int((self.pos[row, : self._idx] >= 0).sum())
+        return n * sum(p.nbytes // (p.shape[0] * p.shape[2]) for p in parts)
+
     def _single(self):
         """An empty single-sequence cache of the kind `from_single` takes."""
         return KVCache() if self.window is None else RollbackRotatingKVCache(self.window, 0)
@@ -395,6 +403,10 @@ class RecurrentRows(ArraysCache):
         out.cache = [mx.contiguous(c[row : row + 1]) for c in self.cache]
         return out
 
+    def row_bytes(self, row: int) -> int:
+        """The bytes `to_single(row)` copies."""
+        return sum(c.nbytes // c.shape[0] for c in self.cache if c is not None)
+
     def extract(self, idx):
         return self.to_single(idx)
 
@@ -469,6 +481,10 @@ class RaggedRows:
         state.cache = [c.to_single(row) for c in self.cache]
         mx.eval([c.state for c in state.cache])
 
+    def release_bytes(self, row: int) -> int:
+        """The bytes `release(row)` copies."""
+        return sum(c.row_bytes(row) for c in self.cache)
+
     def filter(self, stay: list[int]) -> None:
         """Keep these rows, in this order (none: the batch is empty)."""
         if not stay:
@@ -500,6 +516,9 @@ class SoloRows:
 
     def release(self, row: int, state) -> None:
         pass                              # the state's caches are the ones decoded in
+
+    def release_bytes(self, row: int) -> int:
+        return 0
 
     def filter(self, stay: list[int]) -> None:
         self.cache = self.state = None

@@ -24,6 +24,9 @@ from .. import settings as check
 from ..settings import KV_GROUP_SIZE
 
 STEP = 256                   # mlx-lm's caches grow in steps of 256 tokens
+# a batch buffer's holes (rejected drafts) are squeezed out once they are COMPACT_MIN slots
+# and 1/COMPACT_SHARE of the buffer (`cache.batch.RaggedKVCache`)
+COMPACT_MIN, COMPACT_SHARE = 64, 16
 MARGIN = 0.10                # of the device's memory, kept out of the default budget
 MIN_MARGIN = 512 * 2**20     # bytes
 FULL, SLIDING, RECURRENT = "full_attention", "sliding_attention", "recurrent"
@@ -213,6 +216,13 @@ def gib(n: float) -> str:
 
 # ---------------------------------------------------------------- running sequences
 
+def buffer_slots(tokens: int) -> int:
+    """The most slots a row of `tokens` tokens takes in a batch buffer: its tokens, the holes
+    short of a compaction (under 1/COMPACT_SHARE of the buffer, or COMPACT_MIN slots, which
+    also covers a verify's slots past the row's length) and a growth step's free slots."""
+    return tokens + -(-tokens // (COMPACT_SHARE - 1)) + COMPACT_MIN + STEP
+
+
 class Footprint:
     """The bytes a set of sequences holds as the engine lays it out: the target's caches in a
     ragged batch pad every row to the longest (`batched`; one at a time otherwise), the
@@ -224,11 +234,11 @@ class Footprint:
     def bytes(self, lengths: list[int]) -> int:
         if not lengths:
             return 0
-        lengths = [-(-n // STEP) * STEP for n in lengths]
-        own = sum(self.drafter.bytes(n) for n in lengths) if self.drafter is not None else 0
+        rounded = [-(-n // STEP) * STEP for n in lengths]
+        own = sum(self.drafter.bytes(n) for n in rounded) if self.drafter is not None else 0
         if self.batched:
-            return own + len(lengths) * self.target.bytes(max(lengths))
-        return own + sum(self.target.bytes(n) for n in lengths)
+            return own + len(lengths) * self.target.bytes(buffer_slots(max(lengths)))
+        return own + sum(self.target.bytes(n) for n in rounded)
 
     def most_tokens(self, nbytes: int) -> int:
         """The longest sequence that fits in `nbytes` alone."""
@@ -330,4 +340,4 @@ __all__ = ["KVCost", "Footprint", "kv_cost", "kv_bytes_per_token", "drafter_cost
            "layer_kinds", "text_config", "device_memory", "budget_bytes", "margin",
            "weights_bytes", "activation_itemsize", "prefill_tokens", "SCORES_PEAK",
            "out_of_memory", "estimate_weights", "fit_lines", "gib", "FULL", "SLIDING",
-           "RECURRENT", "STEP", "KV_GROUP_SIZE"]
+           "RECURRENT", "STEP", "KV_GROUP_SIZE", "COMPACT_MIN", "COMPACT_SHARE"]

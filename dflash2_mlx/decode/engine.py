@@ -59,7 +59,10 @@ class Engine:
     launch: launch all-plain steps ahead (False: every step synchronous; same tokens).
     isolate_oom: a sequence whose own prefill fails to allocate ends alone, with an Event
     whose finish is FAILED (the error in `failures`), and the step goes on for the others;
-    False: the error propagates (the server sets it; docs/server.md, "Memory")."""
+    False: the error propagates (the server sets it; docs/server.md, "Memory").
+    room_for_state: asked with the bytes a copy would take before a leaving sequence's caches
+    are copied out of the batch (or a checkpoint copied) for `keep_state` -> whether to copy
+    (the server's memory budget; None: always). Refused, the state is not kept."""
 
     def __init__(self, target: Target, drafter: Drafter | None = None, *,
                  lookup: LookupConfig | None = None, max_batch: int | None = None,
@@ -87,6 +90,7 @@ class Engine:
         self.planner = Planner()
         self.vetoed = 0                     # steps whose drafting plain beat (run or launched)
         self.isolate_oom = False
+        self.room_for_state: Callable[[int], bool] | None = None
         self.failures: dict[int, BaseException] = {}      # id -> why it ended FAILED
 
     @staticmethod
@@ -254,7 +258,8 @@ class Engine:
                 or all(c.is_trimmable() for c in state.cache)):
             return None
         if at == len(state.tokens):
-            self.checkpoints[seq.id] = state.copy()
+            if self._may_copy(state.nbytes):
+                self.checkpoints[seq.id] = state.copy()
             return None
         return at - len(state.tokens)
 
@@ -486,12 +491,16 @@ class Engine:
         if seq.req.keep_state:
             self.states[seq.id] = seq.state
 
+    def _may_copy(self, nbytes: int) -> bool:
+        """Whether a state's copy of `nbytes` may be made (`room_for_state`)."""
+        return not nbytes or self.room_for_state is None or self.room_for_state(nbytes)
+
     def _leave(self, rows: list[int]) -> None:
         ahead = self._ahead
         for i in rows:
             seq = self.rows[i]
             self.planner.leave(seq.id)
-            if seq.req.keep_state:
+            if seq.req.keep_state and self._may_copy(self.caches.release_bytes(i)):
                 if ahead is not None:     # its launched row is in the cache: the state says so
                     j = ahead.index(seq)
                     seq.state.tokens.append(seq.tokens[-1])

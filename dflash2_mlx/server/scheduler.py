@@ -136,6 +136,7 @@ class Scheduler:
         self.memory_figures: dict | None = None
         self._peak_before = 0        # MLX's peak before the last reset (`_step` resets it)
         self._step_rise = 0          # the most a decoding step raised MLX's memory above its start
+        self.states_not_kept = 0      # finished sequences' states not kept for want of memory
         self.why = Engine.solo_reason(pipe.adapter, self.max_batch)
         self.mode = BATCH if self.why is None else SINGLE
         self.rows = self.max_batch if self.why is None else 1     # requests decoding at once
@@ -269,8 +270,7 @@ class Scheduler:
     def _serve(self) -> None:
         pipe = self.pipe
         self._b, self._stop_ids = pipe.block_size(self.block_size), pipe.stop_ids()
-        self._engine = pipe.engine(self.max_batch)
-        self._engine.isolate_oom = True
+        self._engine = self._new_engine()
         self._decoding: dict[int, tuple[Job, SequenceText]] = {}  # engine id -> job, text
         self._queue_closed = False
         # MLX's buffer cache is held within the budget while serving (`_mark_step`)
@@ -292,6 +292,16 @@ class Scheduler:
             if self._cache_default is not None:
                 mx.set_cache_limit(self._cache_default)
 
+    def _new_engine(self) -> Engine:
+        """The engine for the next steps: an allocation failure in one sequence's prefill
+        ends that sequence alone; a finished sequence's state is copied out for the prefix
+        cache only where the budget has room for it (`_room_for_state`)."""
+        engine = self.pipe.engine(self.max_batch)
+        engine.isolate_oom = True
+        if self.memory is not None:
+            engine.room_for_state = self._room_for_state
+        return engine
+
     def _emit(self, ev) -> None:
         """A step's tokens to their job (a first token as soon as it is sampled)."""
         job, text = self._decoding[ev.id]
@@ -306,8 +316,9 @@ class Scheduler:
 
     def _publish_memory(self, engine: Engine | None = None) -> None:
         """/health's "memory": the budget, the weights, the caches' bytes in use and
-        reserved, the prefix cache's, the requests waiting for memory, MLX's active and peak
-        bytes."""
+        reserved, the prefix cache's, the requests waiting for memory, the finished
+        sequences' states not kept for the prefix cache for want of room, MLX's active and
+        peak bytes."""
         m = self.memory
         if m is not None:
             held, reserved = self._cache_bytes(engine) if engine else (0, 0)
@@ -315,6 +326,7 @@ class Scheduler:
                 **m.describe(), "kv_in_use": held, "kv_reserved": reserved,
                 "prompt_cache": self._cached(),
                 "waiting_for_memory": self.waiting if self._held is not None else 0,
+                "states_not_kept": self.states_not_kept,
                 "active": mx.get_active_memory(), "peak": self._peak()}
 
     def _admit_queued(self) -> None:
@@ -355,19 +367,53 @@ class Scheduler:
         m = self.memory
         if m is None:
             return ADMIT
-        need = m.need(self._lengths() + [_length(job.request)])
-        if need > m.room:
+        lengths = self._lengths() + [_length(job.request)]
+        if m.need(lengths) > m.room:
             return WAIT if self._decoding else m.too_long(_length(job.request))
-        short = need + self._cached() + self._beyond_count() - m.room
+        short = self._over(lengths)
         if short > 0 and self._cached():
-            freed = self.prompt_cache.evict(short)
-            log.info(f"memory: {mem.gib(freed)} of prefix-cache entries evicted to make room "
-                     "for a request")
-            self._publish()
-            short = need + self._cached() + self._beyond_count() - m.room
+            self._evict(short, "a request")
+            short = self._over(lengths)
         # memory MLX holds beyond the model's count waits for running sequences to leave;
         # alone, the request runs (nothing else would free it)
         return WAIT if short > 0 and self._decoding else ADMIT
+
+    def _over(self, lengths: list[int]) -> int:
+        """The bytes by which sequences of these lengths (prompt + max_tokens), the prefix
+        cache and what the count misses (`_beyond_count`) exceed the budget's room."""
+        m = self.memory
+        return m.need(lengths) + self._cached() + self._beyond_count() - m.room
+
+    def _evict(self, nbytes: int, why: str) -> None:
+        """Prefix-cache entries out, least recently used first, until `nbytes` are freed."""
+        freed = self.prompt_cache.evict(nbytes)
+        log.info(f"memory: {mem.gib(freed)} of prefix-cache entries evicted to make room for "
+                 f"{why}")
+        self._publish()
+
+    def _make_room(self) -> None:
+        """The prefix cache within what the running sequences leave of the budget, as they
+        hold it now (caches beyond their reservation, a step's rise)."""
+        if self.memory is not None and self._cached():
+            short = self._over(self._lengths())
+            if short > 0:
+                self._evict(short, "the running sequences")
+
+    def _room_for_state(self, nbytes: int) -> bool:
+        """Whether a finished sequence's state, `nbytes` copied out of the batch for the
+        prefix cache, fits in the budget now beside a decoding step's rise (prefix-cache
+        entries evicted to make room); the engine does not copy it otherwise."""
+        def short() -> int:
+            return mx.get_active_memory() + nbytes + self._step_rise - self.memory.limit
+
+        if short() > 0 and self._cached():
+            self._evict(short(), "a finished sequence's state")
+        if short() <= 0:
+            return True
+        self.states_not_kept += 1
+        log.info(f"memory: a finished sequence's state ({mem.gib(nbytes)}) is not kept for the "
+                 "prefix cache: the budget has no room for its copy")
+        return False
 
     def _beyond_count(self, rise: bool = True, cache: tuple[int, int] | None = None) -> int:
         """What the budget's count misses, measured: MLX's active bytes beyond the weights,
@@ -415,6 +461,7 @@ class Scheduler:
         engine's FAILED event); a step that fails to allocate otherwise ends the newest
         running sequence and rebuilds the others (`_rebuild`); any other failure ends every
         running job with an error and starts a new engine for the next."""
+        self._make_room()
         engine = self._engine
         budget = self.prefill_budget(engine.running, engine.waiting,
                                      self.pipe.prefill_step_size, engine.last_prefill)
@@ -422,7 +469,8 @@ class Scheduler:
         start, decoding_only = self._mark_step(), not engine.queue
         try:
             events = engine.step(prefill_budget=budget, started=self._emit)
-            if decoding_only:                  # a decoding step's transients alone
+            if decoding_only and all(ev.finish is None for ev in events):
+                # a decoding step's transients alone (a leave's copy asks `_room_for_state`)
                 self._step_rise = max(self._step_rise, mx.get_peak_memory() - start)
         except Exception as e:  # noqa: BLE001 - reported to the batch; the next one runs
             if mem.out_of_memory(e):
@@ -434,8 +482,7 @@ class Scheduler:
             for job in jobs:
                 self._done(job)                 # counted before its client hears
                 self._failed(job, e)
-            self._engine = self.pipe.engine(self.max_batch)
-            self._engine.isolate_oom = True
+            self._engine = self._new_engine()
             return
         for ev in events:
             if ev.finish == FAILED:
@@ -503,8 +550,7 @@ class Scheduler:
         victim = max(started or self._decoding,
                      key=lambda rid: order.get(id(self._decoding[rid][0]), -1))
         decoding, self._decoding = self._decoding, {}
-        self._engine = engine = self.pipe.engine(self.max_batch)
-        engine.isolate_oom = True
+        self._engine = engine = self._new_engine()
         for rid, (job, text) in decoding.items():
             seq = seqs.get(rid)
             if rid == victim or seq is None:       # (None: it ended in the failed step)
@@ -589,20 +635,9 @@ class Scheduler:
             # this conversation starts from it
             self.prompt_cache.insert(state)
         if self.prompt_cache is not None and (state is not None or kept is not None):
-            self._fit_cache(rid)
+            self._make_room()
         self._done(job)             # counted (/health's served) before its client hears
         self._final(job, finish, stats)
-
-    def _fit_cache(self, leaving: int) -> None:
-        """The prefix cache within what the budget leaves beside the running jobs (but the
-        one leaving)."""
-        if self.memory is None:
-            return
-        lengths = [_length(j.request) for rid, (j, _) in self._decoding.items()
-                   if rid != leaving]
-        over = self.memory.need(lengths) + self._cached() - self.memory.room
-        if over > 0:
-            self.prompt_cache.evict(over)
 
 
 def _length(request: GenerationRequest) -> int:
