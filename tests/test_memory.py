@@ -213,7 +213,7 @@ def test_requests_beyond_the_budget_wait_and_all_finish_exact(pipe):
     m = health["memory"]
     assert m["budget"] == _fits(pipe, 2, tokens) and m["weights"] == scheduler.memory.weights
     assert m["kv_reserved"] == 0 and m["waiting_for_memory"] == 0 and m["failures"] == 0
-    assert m["peak"] >= m["weights"] and m["kv_bytes_per_token"] > 0
+    assert m["weights"] <= m["peak"] <= budget and m["kv_bytes_per_token"] > 0
     assert {"kv_in_use", "prompt_cache", "device", "active"} <= set(m)
 
 
@@ -242,6 +242,28 @@ def test_prefix_cache_entries_make_room_before_a_request_waits(pipe):
     assert first.status_code == second.status_code == 200
     assert cached > 0                       # the first one's state was kept
     assert health["memory"]["kv_reserved"] + health["prompt_cache"]["bytes"] <= budget - b.weights
+
+
+def test_a_finished_states_copy_is_made_only_where_the_budget_has_room(pipe):
+    """Before a leaving sequence's state is copied out of the batch (`Engine.room_for_state`),
+    the scheduler allows the copy where it fits beside MLX's active bytes; where it does not,
+    prefix-cache entries go first (their arrays freed); with none left it refuses, and
+    /health counts the state not kept."""
+    from dflash2_mlx.cache.prompt import PromptCache
+    from dflash2_mlx.decode.state import DecodeState
+    from dflash2_mlx.server.scheduler import Scheduler
+
+    MB = 2**20
+    cache = PromptCache()
+    cache.insert(DecodeState(_filled(2000), None, [], list(range(2000))))   # 8 MiB of arrays
+    gc.collect()
+    s = Scheduler(pipe, prompt_cache=cache,
+                  memory=MemoryBudget(pipe, mx.get_active_memory() + 2 * MB))
+    assert s._room_for_state(1 * MB) and len(cache) == 1
+    assert s._room_for_state(5 * MB) and len(cache) == 0        # the entry made room
+    assert not s._room_for_state(20 * MB)
+    s._publish_memory()
+    assert s.states_not_kept == 1 and s.memory_figures["states_not_kept"] == 1
 
 
 def test_a_request_that_never_fits_is_refused_at_once_in_each_apis_words(pipe):

@@ -136,7 +136,7 @@ class Scheduler:
         self.memory_figures: dict | None = None
         self._peak_before = 0        # MLX's peak before the last reset (`_step` resets it)
         self._step_rise = 0          # the most a decoding step raised MLX's memory above its start
-        self.states_not_kept = 0      # finished sequences' states not kept for want of memory
+        self.states_not_kept = 0     # finished sequences' states not kept for want of memory
         self.why = Engine.solo_reason(pipe.adapter, self.max_batch)
         self.mode = BATCH if self.why is None else SINGLE
         self.rows = self.max_batch if self.why is None else 1     # requests decoding at once
