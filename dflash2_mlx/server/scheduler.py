@@ -16,6 +16,7 @@ ends only the sequence that must end. docs/server.md, "Memory".
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -469,6 +470,9 @@ class Scheduler:
         start, decoding_only = self._mark_step(), not engine.queue
         try:
             events = engine.step(prefill_budget=budget, started=self._emit)
+            self._note_peak(f"in a step of {len(engine.rows)} rows, {len(engine.queue)} "
+                            f"prefilling (at most {budget} prompt tokens), "
+                            f"{sum(ev.finish is not None for ev in events)} leaving", start)
             if decoding_only and all(ev.finish is None for ev in events):
                 # a decoding step's transients alone (a leave's copy asks `_room_for_state`)
                 self._step_rise = max(self._step_rise, mx.get_peak_memory() - start)
@@ -502,12 +506,21 @@ class Scheduler:
         for /health), so that the step's own rise can be read after it. With a budget, the
         freed buffers MLX keeps for reuse are held to what the budget leaves beside them
         (or MLX's own limit, where that is less: 32 MiB on the CPU)."""
+        self._note_peak("between steps (joins, leaves, the prefix cache)", 0)
         self._peak_before = self._peak()
         mx.reset_peak_memory()
         active = mx.get_active_memory()
         if self.memory is not None:
             mx.set_cache_limit(max(0, min(self._cache_default, self.memory.limit - active)))
         return active
+
+    def _note_peak(self, where: str, start: int) -> None:
+        """A debug line where MLX's peak since serving began rose (`serve --verbose`): what a
+        budget's user reads to see which step made it."""
+        peak = mx.get_peak_memory()
+        if self.memory is not None and peak > self._peak_before and log.isEnabledFor(logging.DEBUG):
+            log.debug(f"memory: peak {peak / 2**20:.1f} MiB {where}, from {start / 2**20:.1f}"
+                      f" MiB (budget {self.memory.limit / 2**20:.1f} MiB)")
 
     def _peak_bound(self, budget: int) -> int:
         """At most the prompt tokens whose attention scores fit in what the budget has left
@@ -517,10 +530,13 @@ class Scheduler:
         if m is None or not engine.queue:
             return budget
         context = max(len(seq.req.prompt) for seq in engine.queue)
-        # the caches as they are now, and what the count misses (their slack beyond the
-        # reservation counted once more: without it a 2k-token load peaked 1.5% over)
+        # the caches as they are now, what the count misses (their slack beyond the
+        # reservation counted once more: without it a 2k-token load peaked 1.5% over), and
+        # what the decoding rows may add while the prompt is read: the step launched ahead
+        # runs beside it (a decoding step's rise), its buffers may grow by a step of slots
         cache = self._cache_bytes()
-        free = m.room - cache[0] - self._cached() - self._beyond_count(False, cache)
+        growth = len(engine.rows) * m.target.per_token * mem.STEP
+        free = m.room - cache[0] - self._cached() - self._beyond_count(True, cache) - growth
         return min(budget, m.prefill_tokens(free, context))
 
     def _out_of_memory(self, job: Job, e: BaseException) -> None:
