@@ -171,7 +171,8 @@ def _post(http, path, body):
 def _fits(pipe, n: int, tokens: int) -> int:
     """A --memory-budget in bytes that holds n sequences of `tokens`, not n + 1."""
     b = MemoryBudget(pipe)
-    two, three = b.need([tokens] * n), b.need([tokens] * (n + 1))
+    two, three = ([tokens] * k for k in (n, n + 1))
+    two, three = b.need(two) + b.join_bytes(two), b.need(three) + b.join_bytes(three)
     assert two < three
     return b.weights + (two + three) // 2
 
@@ -558,3 +559,28 @@ def test_a_batch_row_never_takes_more_slots_than_its_reservation_counts():
         assert slots <= memory.buffer_slots(int(cache.lengths.max())), step
         most = max(most, slots - int(cache.lengths.max()))
     assert most > memory.STEP             # holes were there to count
+
+
+def test_a_join_holds_no_more_than_join_layers_of_the_new_batch_beyond_it():
+    """`RaggedRows.join` copies a layer at a time: for a moment it holds the new buffer beside
+    the old one, the joiner's and their padded copies. What it holds beyond the larger of
+    before and after stays within `budget.JOIN_LAYERS` layers of the batch it makes, which
+    admission leaves room for (`MemoryBudget.join_bytes`)."""
+    from types import SimpleNamespace
+
+    from dflash2_mlx.cache.batch import RaggedRows
+    from dflash2_mlx.server.budget import JOIN_LAYERS
+
+    layers = 8
+    rows = RaggedRows()
+    rows.join([SimpleNamespace(cache=_filled(n, layers)) for n in (1500, 1200)])
+    joiner = [SimpleNamespace(cache=_filled(1700, layers))]
+    gc.collect()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    rows.join(joiner)
+    del joiner
+    gc.collect()
+    after = mx.get_active_memory()
+    batch = sum(a.nbytes for c in rows.cache for a in (c.keys, c.values))
+    assert 0 < mx.get_peak_memory() - max(before, after) <= JOIN_LAYERS * batch / layers

@@ -8,8 +8,9 @@ requests of about --prompt-tokens tokens each on the embedded default pair, unde
    --max-tokens, as the scheduler counts it) answers each request alone, one after another,
    then all of them at once.
 3. Reported: every request completed, each concurrent text equals its text alone, the most
-   sequences seen running and waiting for memory (/health, sampled every 0.1 s), and MLX's
-   peak active memory since the server began serving (/health "peak") against the budget.
+   sequences seen running and waiting for memory (/health, sampled every 0.1 s), MLX's
+   peak active memory since the server began serving (/health "peak") against the budget,
+   and where the load's last peaks were made (the server runs with --verbose).
 
     python -m dflash2_mlx.bench.memory_load --out memory-load [--hold address|resident]
 
@@ -190,6 +191,17 @@ def sizes(convs: list, max_tokens: int, fit: float) -> tuple[dict, int]:
     return figures, budget
 
 
+LOAD = "(the requests at once)\n"       # marks the load in a server's log
+
+
+def peak_lines(log: list[str], last: int = 2) -> list[str]:
+    """Where MLX's peak rose last (`serve --verbose`'s "memory: peak" lines), those of the
+    load marked "(load)", of the requests alone "(alone)"."""
+    start = log.index(LOAD) if LOAD in log else len(log)
+    return [("(load) " if i > start else "(alone) ") + ln.split("memory: ", 1)[1].strip()
+            for i, ln in enumerate(log) if "memory: peak" in ln][-last:]
+
+
 def held_load(label: str, how: str, extra: list[str], tree, convs, a, alone, budget,
               room) -> dict:
     """The same load on a server held from outside (`how`: address or resident) to what it
@@ -233,15 +245,17 @@ def main() -> None:
     convs = prompts(a.clients, a.prompt_tokens)
     figures, budget = sizes(convs, a.max_tokens, a.fit)
 
-    server = start(["--memory-budget", str(budget)])
+    server = start(["--memory-budget", str(budget), "--verbose"])
     try:
         alone = [request(server.url, server.model, c, a.max_tokens) for c in convs]
+        server.log.append(LOAD)
         run = load(server, convs, a.max_tokens)
     finally:
         code = server.stop()
     result = {"budget": budget, "weights": figures["weights"], "clients": a.clients,
               "prompt_tokens": [s["prompt_tokens"] for s in alone],
-              **summary(run, alone, budget), "exit_code": code}
+              **summary(run, alone, budget), "exit_code": code,
+              "peak_made": peak_lines(server.log)}
     _print(result)
     room, result["held"] = budget - figures["weights"], []
     for how in a.hold:

@@ -15,6 +15,7 @@ from ..cache import memory
 from ..pipeline import Pipeline
 
 log = logs.get(__name__)
+JOIN_LAYERS = 3         # a join's copies beside the batch, in layers of the new batch
 
 class MemoryBudget:
     """The server's budget over `pipe`. setting: `--memory-budget` (None: the device's memory
@@ -40,6 +41,7 @@ class MemoryBudget:
         self.n_heads = int(text["num_attention_heads"])
         self.n_kv_heads = int(text.get("num_key_value_heads") or self.n_heads)
         self.head_dim = int(text.get("head_dim") or text["hidden_size"] // self.n_heads)
+        self.layers = int(text.get("num_hidden_layers") or 1)
         self.target = memory.kv_cost(config, self.kv_bits, self.kv_group_size, self.itemsize)
         drafter = None if pipe.drafter is None else memory.drafter_cost(
             pipe.drafter.args, memory.activation_itemsize(pipe.drafter))
@@ -58,6 +60,16 @@ class MemoryBudget:
     def need(self, lengths: list[int]) -> int:
         """The bytes of sequences that may reach these lengths, running together."""
         return self.footprint.bytes(lengths)
+
+    def join_bytes(self, lengths: list[int]) -> int:
+        """What a sequence joining a batch of these lengths (the joiner's included) holds
+        for a moment beyond them: `RaggedRows.join` copies a layer at a time, the new
+        buffer beside the old one, the joiner's and their padded copies (JOIN_LAYERS
+        layers' worth of the new batch)."""
+        if not lengths or not self.footprint.batched:
+            return 0
+        batch = len(lengths) * self.target.bytes(memory.buffer_slots(max(lengths)))
+        return JOIN_LAYERS * batch // max(1, self.layers)
 
     def most_tokens(self) -> int:
         """The longest sequence (prompt + completion) that fits alone."""

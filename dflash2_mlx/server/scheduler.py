@@ -371,10 +371,10 @@ class Scheduler:
         lengths = self._lengths() + [_length(job.request)]
         if m.need(lengths) > m.room:
             return WAIT if self._decoding else m.too_long(_length(job.request))
-        short = self._over(lengths)
+        short = self._over(lengths) + m.join_bytes(lengths)
         if short > 0 and self._cached():
             self._evict(short, "a request")
-            short = self._over(lengths)
+            short = self._over(lengths) + m.join_bytes(lengths)
         # memory MLX holds beyond the model's count waits for running sequences to leave;
         # alone, the request runs (nothing else would free it)
         return WAIT if short > 0 and self._decoding else ADMIT
