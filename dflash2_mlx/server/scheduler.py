@@ -362,9 +362,9 @@ class Scheduler:
                 self.served += 1
 
     def _room_for(self, job: Job) -> str:
-        """ADMIT when the job's caches fit beside the running ones (the prefix cache's RAM
-        entries evicted, least recently used first, as far as needed), WAIT when they will
-        once some leave, else why they never fit."""
+        """ADMIT when the job's caches, and its join's copies, fit beside the running ones
+        (the prefix cache's RAM entries evicted, least recently used first, as far as
+        needed), WAIT when they will once some leave, else why they never fit."""
         m = self.memory
         if m is None:
             return ADMIT
