@@ -225,8 +225,9 @@ def buffer_slots(tokens: int) -> int:
 
 class Footprint:
     """The bytes a set of sequences holds as the engine lays it out: the target's caches in a
-    ragged batch pad every row to the longest (`batched`; one at a time otherwise), the
-    drafter's are each sequence's own. Lengths are rounded up to the caches' growth step."""
+    ragged batch pad every row to the longest, holes and free slots counted (`batched`:
+    `buffer_slots`; one at a time otherwise, in the caches' growth steps); the drafter's are
+    each sequence's own, in growth steps."""
 
     def __init__(self, target: KVCost, drafter: KVCost | None = None, batched: bool = True):
         self.target, self.drafter, self.batched = target, drafter, batched

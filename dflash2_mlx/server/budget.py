@@ -17,6 +17,7 @@ from ..pipeline import Pipeline
 log = logs.get(__name__)
 JOIN_LAYERS = 3         # a join's copies beside the batch, in layers of the new batch
 
+
 class MemoryBudget:
     """The server's budget over `pipe`. setting: `--memory-budget` (None: the device's memory
     less a margin; bytes; "70%" of the device's memory). device: the device's memory in
