@@ -169,12 +169,14 @@ def _post(http, path, body):
 
 
 def _fits(pipe, n: int, tokens: int) -> int:
-    """A --memory-budget in bytes that holds n sequences of `tokens`, not n + 1."""
+    """A --memory-budget in bytes that holds n sequences of `tokens`, not n + 1, beside the
+    arrays this process holds now (other tests' included: the scheduler measures them)."""
+    gc.collect()
     b = MemoryBudget(pipe)
     two, three = ([tokens] * k for k in (n, n + 1))
     two, three = b.need(two) + b.join_bytes(two), b.need(three) + b.join_bytes(three)
     assert two < three
-    return b.weights + (two + three) // 2
+    return max(b.weights, mx.get_active_memory()) + (two + three) // 2
 
 
 def test_requests_beyond_the_budget_wait_and_all_finish_exact(pipe):
@@ -212,7 +214,7 @@ def test_requests_beyond_the_budget_wait_and_all_finish_exact(pipe):
     assert seen["cache"] <= budget - scheduler.memory.weights
     assert mx.set_cache_limit(default) == default
     m = health["memory"]
-    assert m["budget"] == _fits(pipe, 2, tokens) and m["weights"] == scheduler.memory.weights
+    assert m["budget"] == budget and m["weights"] == scheduler.memory.weights
     assert m["kv_reserved"] == 0 and m["waiting_for_memory"] == 0 and m["failures"] == 0
     assert m["weights"] <= m["peak"] <= budget and m["kv_bytes_per_token"] > 0
     assert {"kv_in_use", "prompt_cache", "device", "active"} <= set(m)
@@ -238,7 +240,7 @@ def test_prefix_cache_entries_make_room_before_a_request_waits(pipe):
     gc.collect()
     b = MemoryBudget(pipe)
     budget = max(b.weights, mx.get_active_memory()) + b.need([tokens]) + \
-        b.target.bytes(tokens) // 2
+        b.target.bytes(tokens) * 2
     first, cached, second, health = in_process(pipe, clients, memory_budget=budget)
     assert first.status_code == second.status_code == 200
     assert cached > 0                       # the first one's state was kept

@@ -257,9 +257,8 @@ class Engine:
                 or at < len(state.tokens) or at > len(seq.req.prompt)
                 or all(c.is_trimmable() for c in state.cache)):
             return None
-        if at == len(state.tokens):
-            if self._may_copy(state.nbytes):
-                self.checkpoints[seq.id] = state.copy()
+        if at == len(state.tokens):     # (None: refused room, not asked again)
+            self.checkpoints[seq.id] = state.copy() if self._may_copy(state.nbytes) else None
             return None
         return at - len(state.tokens)
 

@@ -138,6 +138,7 @@ class Scheduler:
         self._peak_before = 0        # MLX's peak before the last reset (`_step` resets it)
         self._step_rise = 0          # the most a decoding step raised MLX's memory above its start
         self.states_not_kept = 0     # finished sequences' states not kept for want of memory
+        self._engine: Engine | None = None     # the worker's (`_serve`)
         self.why = Engine.solo_reason(pipe.adapter, self.max_batch)
         self.mode = BATCH if self.why is None else SINGLE
         self.rows = self.max_batch if self.why is None else 1     # requests decoding at once
@@ -392,11 +393,17 @@ class Scheduler:
                  f"{why}")
         self._publish()
 
+    def _joining(self) -> int:
+        """The room a join still to come holds (admission counted it; a prefill may take
+        several steps)."""
+        queued = self._engine is not None and self._engine.queue
+        return self.memory.join_bytes(self._lengths()) if queued else 0
+
     def _make_room(self) -> None:
-        """The prefix cache within what the running sequences leave of the budget, as they
-        hold it now (caches beyond their reservation, a step's rise)."""
+        """The prefix cache within what the running sequences leave of the budget: their
+        reservations, what the count misses (`_beyond_count`) and a join to come."""
         if self.memory is not None and self._cached():
-            short = self._over(self._lengths())
+            short = self._over(self._lengths()) + self._joining()
             if short > 0:
                 self._evict(short, "the running sequences")
 
@@ -405,7 +412,8 @@ class Scheduler:
         prefix cache, fits in the budget now beside a decoding step's rise (prefix-cache
         entries evicted to make room); the engine does not copy it otherwise."""
         def short() -> int:
-            return mx.get_active_memory() + nbytes + self._step_rise - self.memory.limit
+            return (mx.get_active_memory() + nbytes + self._step_rise + self._joining()
+                    - self.memory.limit)
 
         if short() > 0 and self._cached():
             self._evict(short(), "a finished sequence's state")
@@ -506,7 +514,7 @@ class Scheduler:
         for /health), so that the step's own rise can be read after it. With a budget, the
         freed buffers MLX keeps for reuse are held to what the budget leaves beside them
         (or MLX's own limit, where that is less: 32 MiB on the CPU)."""
-        self._note_peak("between steps (joins, leaves, the prefix cache)", 0)
+        self._note_peak("between steps (cancels, the prefix cache's fetches and inserts)", 0)
         self._peak_before = self._peak()
         mx.reset_peak_memory()
         active = mx.get_active_memory()
@@ -521,6 +529,7 @@ class Scheduler:
         if self.memory is not None and peak > self._peak_before and log.isEnabledFor(logging.DEBUG):
             log.debug(f"memory: peak {peak / 2**20:.1f} MiB {where}, from {start / 2**20:.1f}"
                       f" MiB (budget {self.memory.limit / 2**20:.1f} MiB)")
+        self._peak_before = max(self._peak_before, peak)     # said once
 
     def _peak_bound(self, budget: int) -> int:
         """At most the prompt tokens whose attention scores fit in what the budget has left
@@ -530,13 +539,11 @@ class Scheduler:
         if m is None or not engine.queue:
             return budget
         context = max(len(seq.req.prompt) for seq in engine.queue)
-        # the caches as they are now, what the count misses (their slack beyond the
-        # reservation counted once more: without it a 2k-token load peaked 1.5% over), and
-        # what the decoding rows may add while the prompt is read: the step launched ahead
-        # runs beside it (a decoding step's rise), its buffers may grow by a step of slots
+        # the caches as they are now, and what the count misses (their slack beyond the
+        # reservation counted once more: without it a 2k-token load peaked 1.5% over); no
+        # step launched ahead runs beside a prefill (`Engine.admit` waits for it)
         cache = self._cache_bytes()
-        growth = len(engine.rows) * m.target.per_token * mem.STEP
-        free = m.room - cache[0] - self._cached() - self._beyond_count(True, cache) - growth
+        free = m.room - cache[0] - self._cached() - self._beyond_count(False, cache)
         return min(budget, m.prefill_tokens(free, context))
 
     def _out_of_memory(self, job: Job, e: BaseException) -> None:
