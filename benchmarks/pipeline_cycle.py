@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 import dflash2_mlx  # noqa: E402
 import mlx.core as mx  # noqa: E402
 
-from dflash2_mlx.decode.sampling import Sampling  # noqa: E402
+from dflash2_mlx.model.sampling import Sampling  # noqa: E402
 
 
 def setup(pipe, context: int):

@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 # flag errors answer without importing MLX and mlx-lm (~2 s). Importing the package changes
 # nothing in the process: `use_fast_blas()` (called by `load()` and the CLI) picks the BLAS.
 _EXPORTS = {
-    "load": "loading.pair", "Pipeline": "pipeline", "Generation": "pipeline", "Chunk": "pipeline",
+    "load": "pair", "Pipeline": "pipeline", "Generation": "pipeline", "Chunk": "pipeline",
     "DFlashNotice": "log", "GenerationStats": "decode.stats",
     "DrafterArgs": "model.config", "CheckpointError": "model.config",
     "load_omlx_settings": "loading.omlx", "OmlxSettings": "loading.omlx",

@@ -153,9 +153,9 @@ def _storage() -> Rows:
 
 def kernel_rows() -> list[str]:
     """One line per shape class the verify kernels' probe decided, per stored calibration: the
-    choice, why, and stock/custom microseconds per width (`policy.kernel_probe`)."""
+    choice, why, and stock/custom microseconds per width (`model.kernel_probe`)."""
     from .policy.calibration import stored_calibrations
-    from .policy.kernel_probe import decision_rows
+    from .model.kernel_probe import decision_rows
 
     rows = [row for entry in stored_calibrations().values() if entry.get("kernels") is not None
             for row in decision_rows(entry["kernels"])]
@@ -189,7 +189,7 @@ def memory_rows(model: str) -> list[str]:
 
 
 def _fit_lines(config: dict) -> list[str]:
-    from .cache import memory
+    from .model import memory
 
     device, source = memory.device_memory()
     p = runtime.resolve_precision(metal=runtime.on_metal())
@@ -238,7 +238,7 @@ def recalibrate(model: str | None = None, draft: str | None = None) -> None:
     stored, of every stored pair; then the entries not timed again are forgotten (the next
     load with their settings times them). Progress: one log line per pair."""
     from .policy import calibration
-    from .loading.pair import load
+    from .pair import load
 
     stored = calibration.stored_calibrations()
     if model is not None or draft is not None or not stored:

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .. import log, settings as check
-from ..model.drafter import Drafter
-from ..model.kernels import kernel_setting, resolve_kernel_path
-from ..model.target import KVQuant, TargetAdapter
-from ..pipeline import Pipeline
-from . import blas, drafters, runtime
-from .checkpoint import load_drafter, load_target, resolve, stored_quantization
-from .omlx import OmlxSettings, OmlxSettingsError
-from .weights import quantization
+from . import log, settings as check
+from .model.drafter import Drafter
+from .model.kernels import kernel_setting, resolve_kernel_path
+from .model.target import KVQuant, TargetAdapter
+from .pipeline import Pipeline
+from .loading import blas, drafters, runtime
+from .loading.checkpoint import load_drafter, load_target, resolve, stored_quantization
+from .loading.omlx import OmlxSettings, OmlxSettingsError
+from .loading.weights import quantization
 
 _log = log.get(__name__)
 
@@ -44,7 +44,7 @@ def _pair(model: str | None, draft: str | None, settings: OmlxSettings | None):
     a model; the drafter given, else the one the oMLX settings plan, else the published one the
     table finds for the target (`drafters`); "none" asks for no drafter and no look-up."""
     if model is None:
-        from .defaults import default_pair
+        from .loading.defaults import default_pair
 
         target_path, default_draft = default_pair()
         if draft is None:
@@ -145,7 +145,7 @@ def load(model: str | None = None, draft: str | None = None, *,
         draft_dir = resolve(draft, "draft model", ["*.json", "*.safetensors"])
     plan = None
     if pipeline is not None and pipeline.size() > 1:   # split and agreement before weights
-        from .. import distributed
+        from . import distributed
 
         plan, link = distributed.prepare(pipeline, resolve(model, "target model", ["*.json"]),
                                          draft_dir if draft else None, pipeline_split,

@@ -1,4 +1,4 @@
-"""The Python API: a `Pipeline` (made by `dflash2_mlx.load`, `loading.pair`) generates or
+"""The Python API: a `Pipeline` (made by `dflash2_mlx.load`, `pair`) generates or
 streams one prompt or a batch; what its engine, requests and width policies are made of."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from . import log, settings as check
 from .decode.engine import Engine, Request
 from .decode.lookup import LookupConfig
 from .decode import row_check
-from .decode.sampling import Sampling
+from .model.sampling import Sampling
 from .decode.state import DecodeState, common_prefix
 from .decode.stats import DRAFTER, LOOKUP, GenerationStats
 from .loading.weights import quantization
@@ -26,7 +26,8 @@ from .model.target import Target, TargetAdapter
 from .model.views import KVQuant
 from .policy.adaptive import AdaptiveWidth
 from .policy.calibration import calibration_key, load_or_measure_costs, store_correction
-from .policy.kernel_probe import verify_kernels
+from .policy.kernel_choice import verify_kernels
+from .policy.planner import Planner
 
 _log = log.get(__name__)
 
@@ -296,7 +297,7 @@ class Pipeline:
         prompt (as mlx-lm's `batch_generate`); seed: prompt i uses seed + i. max_batch: the
         most prompts decoding at once; prefill_budget: prompt tokens prefilled per step (None:
         a prompt's whole prefill in the step it joins). A target whose caches the batch cannot
-        hold (`cache.batch.batch_refusal`) decodes its prompts one at a time."""
+        hold (`model.row_caches.batch_refusal`) decodes its prompts one at a time."""
         sampling = Sampling(temperature, top_p, top_k)
         lookup = self.lookup if lookup is None else check.lookup(lookup)
         b = self.block_size(block_size, lookup)
@@ -327,7 +328,7 @@ class Pipeline:
         """An `Engine` on this pipeline's target and drafter, decoding up to `max_batch`
         sequences at once (one at a time where the target cannot batch:
         `Engine.solo_reason`)."""
-        return Engine(self.adapter, self.drafter, lookup=self.lookup_config,
+        return Engine(self.adapter, self.drafter, planner=Planner(), lookup=self.lookup_config,
                       max_batch=max_batch, prefill_step_size=self.prefill_step_size)
 
     def request(self, engine: Engine, ids: list[int], max_tokens: int, sampling: Sampling,

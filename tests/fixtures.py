@@ -21,8 +21,9 @@ import mlx.core as mx
 from mlx_lm.utils import _get_classes
 
 from dflash2_mlx.decode.engine import CANCELLED, Engine, Request, stream_tokens
+from dflash2_mlx.policy.planner import Planner
 from dflash2_mlx.decode.lookup import LookupConfig
-from dflash2_mlx.decode.sampling import Sampling
+from dflash2_mlx.model.sampling import Sampling
 from dflash2_mlx.model.target import TargetAdapter
 from dflash2_mlx.policy.adaptive import FixedWidth
 from dflash2_mlx.testing import (CHAT_TEMPLATE, HIDDEN, SMOLLM2_DRAFTER, TARGET_LAYERS,
@@ -173,12 +174,12 @@ def assert_seeded_batch_equals_alone(adapter, drafter, max_tokens: int) -> Engin
         prompt = [rng.randrange(vocab - 1) for _ in range(5 + 7 * k)]
         refs[k] = [t for new in stream_tokens(
             adapter, drafter, prompt, max_tokens=max_tokens, sampling=sampling,
-            policy=policy, stop_ids=set(), lookup=LookupConfig() if lookup else None,
+            planner=Planner(), policy=policy, stop_ids=set(), lookup=LookupConfig() if lookup else None,
             seed=100 + k) for t in new]
         arrivals.setdefault(k % 2, []).append(
             (k, Request(prompt, max_tokens, sampling, policy=policy, lookup=lookup,
                         seed=100 + k)))
-    engine = Engine(adapter, drafter)
+    engine = Engine(adapter, drafter, planner=Planner())
     out = run(engine, arrivals)
     for k, ref in refs.items():
         assert out[k] == (ref, "length"), k
@@ -193,7 +194,7 @@ def assert_burst_returns_to_idle(adapter, drafter, prompt_len: int, max_tokens: 
     vocab = adapter.vocab_size
 
     def burst():
-        engine = Engine(adapter, drafter)
+        engine = Engine(adapter, drafter, planner=Planner())
         arrivals = {s: [(8 * s + k, Request([rng.randrange(vocab - 1)
                                              for _ in range(prompt_len)], max_tokens,
                                             policy=FixedWidth(1 + k % 5), lookup=k % 2 == 1))

@@ -351,7 +351,7 @@ def _head(cache, n: int):
 
 def ragged_positions(B: int, N: int, T: int, seed: int, pads=(0, 5, 40)) -> mx.array:
     """[B, N] int32 key positions of ragged rows as the batch engine's caches lay them out
-    (cache/batch.py): batch row b starts with pads[b % len(pads)] holes (-1: a shorter row
+    (model/row_caches.py): batch row b starts with pads[b % len(pads)] holes (-1: a shorter row
     joined, rows that left), then its positions in order with about one slot in five a hole (a
     rejected draft), then the T slots of the block being verified."""
     rng = np.random.default_rng(seed)

@@ -958,7 +958,7 @@ def test_corrected_prices_are_written_to_the_stored_calibration(pipe):
 def test_the_policies_are_what_the_planner_asks_for():
     """`WidthPolicy`: every policy; a batch prices a fixed one as plain decoding at width 1 and
     as unknown wider."""
-    from dflash2_mlx.policy import WidthPolicy
+    from dflash2_mlx.decode.sequence import WidthPolicy
     from dflash2_mlx.policy.adaptive import PLAIN_OUTLOOK
     from dflash2_mlx.policy.batch import BatchAwareWidth, _outlook
 

@@ -1,4 +1,4 @@
-"""The batch caches (`cache.batch`): ragged rows against single-sequence caches, through
+"""The batch caches (`model.row_caches`): ragged rows against single-sequence caches, through
 trims, holes, compactions, rows leaving and joining; and which caches are refused. The engine on
 them: test_engine.py; hybrid GatedDeltaNet targets: test_batch_hybrid.py."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import ChunkedKVCache, QuantizedKVCache, RotatingKVCache
 
-from dflash2_mlx.cache.batch import SPARE_ROWS, batch_cache, batch_refusal
+from dflash2_mlx.model.row_caches import SPARE_ROWS, batch_cache, batch_refusal
 from dflash2_mlx.decode.engine import _fill
 from fixtures import tiny
 from test_families import CONFIGS

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from mlx_lm.utils import _get_classes
 
-from dflash2_mlx.cache.batch import RaggedKVCache, RecurrentRows, batch_cache, batch_refusal
+from dflash2_mlx.model.row_caches import RaggedKVCache, RecurrentRows, batch_cache, batch_refusal
 from dflash2_mlx.decode.engine import CANCELLED, Engine, Request
+from dflash2_mlx.policy.planner import Planner
 from dflash2_mlx.decode.stats import DRAFTER, LOOKUP
 from dflash2_mlx.model.target import TargetAdapter
 from dflash2_mlx.policy.adaptive import AdaptiveWidth, FixedWidth
@@ -135,7 +136,7 @@ def test_hybrid_sequences_joining_at_different_steps_are_exact(name):
         policy = auto_policy(shared) if policy is None else policy
         arrivals.setdefault([0, 0, 1, 3, 4, 6, 9][k], []).append(
             (k, Request(prompt, max_tokens, policy=policy, lookup=lookup)))
-    engine = Engine(adapter, oracles, prefill_step_size=8)
+    engine = Engine(adapter, oracles, planner=Planner(), prefill_step_size=8)
     out = run(engine, arrivals, budget=10, before_add=lambda k: oracles.expect(*truths[k]))
     for k, ref in refs.items():
         assert out[k] == ref, f"{name}: sequence {k}"
@@ -163,7 +164,7 @@ def test_cancelled_sequence_leaves_others_exact():
     prompts = [[rng.randrange(vocab - 1) for _ in range(n)] for n in (5, 17, 9, 24)]
     arrivals = {0: [(k, Request(p, 24, policy=FixedWidth(2 + 2 * k), lookup=k % 2 == 1))
                     for k, p in enumerate(prompts)]}
-    out = run(Engine(adapter, drafter), arrivals, cancel_at={4: [1]})
+    out = run(Engine(adapter, drafter, planner=Planner()), arrivals, cancel_at={4: [1]})
     assert out[1][1] == CANCELLED and 0 < len(out[1][0]) < 24
     for k in (0, 2, 3):
         assert out[k] == (mlx_lm_greedy(adapter.model, prompts[k], 24), "length"), k
@@ -180,14 +181,14 @@ def test_state_kept_on_leaving_resumes_exactly():
     prompt = [rng.randrange(vocab - 1) for _ in range(20)]
     others = [Request([rng.randrange(vocab - 1) for _ in range(9)], 12, policy=FixedWidth(3))
               for _ in range(2)]
-    engine = Engine(adapter, drafter)
+    engine = Engine(adapter, drafter, planner=Planner())
     out = run(engine, {0: [(0, Request(prompt, 10, policy=FixedWidth(4), keep_state=True)),
                            (1, others[0])], 2: [(2, others[1])]})
     state = engine.pop_state(0)
     assert state is not None and state.tokens == prompt + out[0][0][:-1]
     follow = prompt + out[0][0] + [5, 6, 7]
     cached = len(state.tokens)
-    engine = Engine(adapter, drafter)
+    engine = Engine(adapter, drafter, planner=Planner())
     out2 = run(engine, {0: [(0, Request(follow, 20, policy=FixedWidth(5), state=state)),
                             (1, copy.deepcopy(others[0]))]})
     assert out2[0] == (mlx_lm_greedy(adapter.model, follow, 20), "length")
@@ -203,14 +204,14 @@ def test_a_checkpoint_in_the_prompt_is_kept_and_resumes_exactly():
     rng = random.Random(13)
     vocab = adapter.vocab_size
     prompt = [rng.randrange(vocab - 1) for _ in range(30)]
-    engine = Engine(adapter, drafter)
+    engine = Engine(adapter, drafter, planner=Planner())
     run(engine, {0: [(0, Request(prompt, 6, policy=FixedWidth(4), keep_state=True,
                                  checkpoint=21))]}, budget=8)
     kept = engine.pop_checkpoint(0)
     assert kept is not None and kept.tokens == prompt[:21]
     assert engine.pop_state(0).tokens[:30] == prompt
     follow = prompt[:21] + [7, 8, 9, 10]
-    engine = Engine(adapter, drafter)
+    engine = Engine(adapter, drafter, planner=Planner())
     out = run(engine, {0: [(0, Request(follow, 12, policy=FixedWidth(4), state=kept))]})
     assert out[0] == (mlx_lm_greedy(adapter.model, follow, 12), "length")
     assert engine.stats[0].cached_tokens == 21

@@ -25,9 +25,10 @@ from dflash2_mlx.cache.disk_file import entry_name, read_header, write_file
 from dflash2_mlx.model.drafter import Drafter
 from dflash2_mlx.decode.state import DecodeState
 from dflash2_mlx.decode.engine import stream_tokens
+from dflash2_mlx.policy.planner import Planner
 from dflash2_mlx.decode.lookup import LookupConfig
 from dflash2_mlx.cache.prompt import PromptCache
-from dflash2_mlx.decode.sampling import Sampling
+from dflash2_mlx.model.sampling import Sampling
 from dflash2_mlx.model.target import TargetAdapter
 from fixtures import drafter_args, random_drafter, write_target
 from test_families import CONFIGS
@@ -44,7 +45,7 @@ class Model:
     def gen(self, prompt, state=None, n=10, width=4, **sampling):
         seed = sampling.pop("seed", None)
         out = stream_tokens(self.adapter, self.drafter, prompt, max_tokens=n,
-                            sampling=Sampling(**sampling), policy=FixedWidth(width),
+                            sampling=Sampling(**sampling), planner=Planner(), policy=FixedWidth(width),
                             lookup=LookupConfig(), stop_ids=set(), seed=seed, state=state)
         return [t for new in out for t in new]
 

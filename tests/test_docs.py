@@ -80,9 +80,9 @@ def test_omlx_key_table_matches_what_omlx_reads():
 
 def test_layout_table_matches_the_package():
     text = (DOCS / "api.md").read_text()
-    cells = table_cells(text, "Where the code is")
-    documented = {p for cell in cells for p in re.findall(r"`(dflash2_mlx/[a-z_/]+(?:\.py)?)`",
-                                                          cell)}
+    rows = table_rows(text, "Where the code is")
+    documented = {p for row in rows for p in re.findall(r"`(dflash2_mlx/[a-z_/]+(?:\.py)?)`",
+                                                        row.split("|")[2])}
     pkg = ROOT / "dflash2_mlx"
     actual = {f"dflash2_mlx/{p.name}" for p in pkg.glob("*.py") if p.name != "__init__.py"}
     actual |= {f"dflash2_mlx/{p.name}/" for p in pkg.iterdir()

@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.utils import _get_classes
 
 from dflash2_mlx.model.drafter import Draft, DraftVocab
-from dflash2_mlx.decode.sampling import Sampling
+from dflash2_mlx.model.sampling import Sampling
 from dflash2_mlx.model.target import TargetAdapter
 from fixtures import drafter_args, random_drafter, target_config
 

@@ -11,8 +11,9 @@ import pytest
 
 import dflash2_mlx
 from dflash2_mlx.decode.engine import CANCELLED, Engine, Request, stream_tokens
+from dflash2_mlx.policy.planner import Planner
 from dflash2_mlx.decode.lookup import LookupConfig
-from dflash2_mlx.decode.sampling import Sampling
+from dflash2_mlx.model.sampling import Sampling
 from dflash2_mlx.decode.stats import DRAFTER
 from dflash2_mlx.policy.adaptive import AdaptiveWidth, FixedWidth
 from dflash2_mlx.policy.batch import BatchAwareWidth
@@ -41,7 +42,7 @@ def test_sixteen_sequences_joining_and_leaving_are_exact(pipe):
     rng = random.Random(3)
     vocab = pipe.adapter.vocab_size
     oracles = Oracles(vocab)
-    engine = Engine(pipe.adapter, oracles, prefill_step_size=8)
+    engine = Engine(pipe.adapter, oracles, planner=Planner(), prefill_step_size=8)
     arrivals, refs, truths = {}, {}, {}
     kinds = _kinds(pipe)
     for k in range(16):
@@ -90,7 +91,7 @@ def test_a_target_that_cannot_batch_decodes_its_sequences_one_at_a_time(pipe):
     sequences one after another in their own caches, each exactly mlx-lm's greedy output."""
     rng = random.Random(11)
     vocab = pipe.adapter.vocab_size
-    engine = Engine(Unbatchable(pipe.adapter), pipe.drafter, max_batch=8)
+    engine = Engine(Unbatchable(pipe.adapter), pipe.drafter, planner=Planner(), max_batch=8)
     assert engine.solo and engine.max_batch == 1 and "refuses" in engine.solo_why
     arrivals, refs = {0: []}, {}
     for k, (policy, lookup) in enumerate(_kinds(pipe)):
@@ -106,7 +107,7 @@ def test_a_target_that_cannot_batch_decodes_its_sequences_one_at_a_time(pipe):
 def test_cancelled_sequence_leaves_others_exact(pipe):
     rng = random.Random(5)
     vocab = pipe.adapter.vocab_size
-    engine = Engine(pipe.adapter, pipe.drafter)
+    engine = Engine(pipe.adapter, pipe.drafter, planner=Planner())
     prompts = [[rng.randrange(vocab - 1) for _ in range(n)] for n in (5, 17, 9, 30)]
     arrivals = {0: [(k, Request(p, 30, policy=FixedWidth(4 + k), lookup=k % 2 == 1))
                     for k, p in enumerate(prompts)]}
@@ -125,7 +126,7 @@ def test_sliding_window_families_are_exact(family):
     prompts[1] = (prompts[1][:4] * 6)[:14]
     arrivals = {k: [(k, Request(p, 40, policy=FixedWidth(1 + 3 * (k % 3)), lookup=k % 3 > 0))]
                 for k, p in enumerate(prompts)}
-    out = run(Engine(target, None), arrivals, budget=9)
+    out = run(Engine(target, None, planner=Planner()), arrivals, budget=9)
     for k, p in enumerate(prompts):
         assert out[k] == (mlx_lm_greedy(target.model, p, 40), "length"), k
 
@@ -146,7 +147,7 @@ def test_state_kept_on_leaving_restarts_exactly(pipe):
     rng = random.Random(12)
     vocab = pipe.adapter.vocab_size
     prompt = [rng.randrange(vocab - 1) for _ in range(20)]
-    engine = Engine(pipe.adapter, pipe.drafter)
+    engine = Engine(pipe.adapter, pipe.drafter, planner=Planner())
     others = [Request([rng.randrange(vocab - 1) for _ in range(9)], 12, policy=FixedWidth(3))
               for _ in range(2)]
     out = run(engine, {0: [(0, Request(prompt, 10, policy=FixedWidth(4), keep_state=True)),
@@ -155,7 +156,7 @@ def test_state_kept_on_leaving_restarts_exactly(pipe):
     assert state is not None and state.tokens == prompt + out[0][0][:-1]
     follow = prompt + out[0][0] + [5, 6, 7]
     cached = len(state.tokens)          # the state is advanced in place from here
-    engine = Engine(pipe.adapter, pipe.drafter)
+    engine = Engine(pipe.adapter, pipe.drafter, planner=Planner())
     out2 = run(engine, {0: [(0, Request(follow, 20, policy=FixedWidth(5), state=state)),
                             (1, others[0])]})
     assert out2[0] == (mlx_lm_greedy(pipe.target, follow, 20), "length")
@@ -175,7 +176,7 @@ def test_a_state_without_room_is_not_copied_and_the_tokens_are_the_same(pipe):
         asked.append(nbytes)
         return len(asked) == 1              # the first leaver's copy fits, the second's not
 
-    engine = Engine(pipe.adapter, pipe.drafter)
+    engine = Engine(pipe.adapter, pipe.drafter, planner=Planner())
     engine.room_for_state = room
     out = run(engine, {0: [(0, Request(prompts[0], 10, policy=FixedWidth(4), keep_state=True)),
                            (1, Request(prompts[1], 16, policy=FixedWidth(3), keep_state=True))]})
@@ -213,7 +214,7 @@ def test_batch_aware_policies_stay_exact(pipe):
     for k, p in enumerate(prompts):                  # two join at each of the first steps
         policy = BatchAwareWidth(copy.deepcopy(pipe.width_policy()), shared)
         arrivals.setdefault(k // 2, []).append((k, Request(p, 30, policy=policy, lookup=True)))
-    out = run(Engine(pipe.adapter, pipe.drafter), arrivals)
+    out = run(Engine(pipe.adapter, pipe.drafter, planner=Planner()), arrivals)
     for k, p in enumerate(prompts):
         assert out[k] == (mlx_lm_greedy(pipe.target, p, 30), "length"), k
 
@@ -239,7 +240,7 @@ def test_a_batch_better_plain_than_its_drafting_stays_plain_in_one_chain(pipe):
     rng = random.Random(31)
     vocab = pipe.adapter.vocab_size
     prompts = [[rng.randrange(vocab - 1) for _ in range(5 + 4 * k)] for k in range(3)]
-    engine = Engine(pipe.adapter, pipe.drafter)
+    engine = Engine(pipe.adapter, pipe.drafter, planner=Planner())
     arrivals = {0: [(k, Request(p, 24, policy=Wants(AdaptiveWidth(cost, {DRAFTER: 8}), shared),
                                 keep_state=True)) for k, p in enumerate(prompts)]}
     out = run(engine, arrivals)
@@ -266,7 +267,7 @@ def test_batch_aware_policies_decoding_plainly_launch_ahead_exactly(pipe):
     for k, p in enumerate(prompts):
         policy = BatchAwareWidth(base.for_sequence(), shared)
         arrivals.setdefault(k // 2, []).append((k, Request(p, 40, policy=policy, lookup=True)))
-    engine = Engine(pipe.adapter, pipe.drafter)
+    engine = Engine(pipe.adapter, pipe.drafter, planner=Planner())
     out = run(engine, arrivals)
     assert engine.launches >= 5
     for k, p in enumerate(prompts):
@@ -302,13 +303,13 @@ def test_one_drafter_pass_per_step_is_exact(pipe, sampling):
     specs = [(FixedWidth(4), False), (FixedWidth(16), False), (FixedWidth(2), False),
              (FixedWidth(1), False), (FixedWidth(7), True), (FixedWidth(9), False)]
     drafter = CountingDrafter(pipe.drafter)
-    engine = Engine(pipe.adapter, drafter)
+    engine = Engine(pipe.adapter, drafter, planner=Planner())
     arrivals, refs = {}, {}
     for k, (policy, lookup) in enumerate(specs):
         prompt = [rng.randrange(vocab - 1) for _ in range(3 + 6 * k)]
         refs[k] = [t for new in stream_tokens(
             pipe.adapter, pipe.drafter, prompt, max_tokens=24, sampling=sampling,
-            policy=policy, stop_ids=set(), lookup=LookupConfig() if lookup else None,
+            planner=Planner(), policy=policy, stop_ids=set(), lookup=LookupConfig() if lookup else None,
             seed=200 + k) for t in new]
         arrivals.setdefault(k // 2, []).append(
             (k, Request(prompt, 24, sampling, policy=policy, lookup=lookup, seed=200 + k)))
@@ -325,7 +326,7 @@ def test_plain_batch_launched_ahead_is_exact(pipe):
     state all stay as alone, and no token computed ahead is emitted."""
     rng = random.Random(21)
     vocab = pipe.adapter.vocab_size
-    engine = Engine(pipe.adapter, pipe.drafter)
+    engine = Engine(pipe.adapter, pipe.drafter, planner=Planner())
     arrivals, refs, prompts = {}, {}, {}
     for k, (n, max_tokens, at) in enumerate([(7, 30, 0), (19, 24, 0), (4, 2, 0), (12, 30, 0),
                                              (25, 1, 3), (9, 20, 5), (15, 26, 5), (6, 30, 9)]):
@@ -355,7 +356,7 @@ def test_plain_batch_launched_ahead_is_exact(pipe):
     assert state.tokens in (prompts[1] + out[1][0], prompts[1] + out[1][0][:-1])
     assert all(c.offset == len(state.tokens) for c in state.cache)
     follow = state.tokens + [5, 6, 7]
-    engine = Engine(pipe.adapter, pipe.drafter)
+    engine = Engine(pipe.adapter, pipe.drafter, planner=Planner())
     again = run(engine, {0: [(0, Request(follow, 12, policy=FixedWidth(1), state=state))]})
     assert again[0] == (mlx_lm_greedy(pipe.target, follow, 12), "length")
 
@@ -367,7 +368,7 @@ def test_a_sequence_ending_by_length_keeps_the_others_launch_chain(pipe):
     rng = random.Random(23)
     vocab = pipe.adapter.vocab_size
     prompts = [[rng.randrange(vocab - 1) for _ in range(n)] for n in (8, 14, 5)]
-    engine = Engine(pipe.adapter, pipe.drafter)
+    engine = Engine(pipe.adapter, pipe.drafter, planner=Planner())
     ids = [engine.add(Request(p, m, policy=FixedWidth(1), keep_state=k == 0))
            for k, (p, m) in enumerate(zip(prompts, (6, 16, 11)))]
     out = {rid: [] for rid in ids}
@@ -385,7 +386,7 @@ def test_a_sequence_ending_by_length_keeps_the_others_launch_chain(pipe):
     assert state.tokens == prompts[0] + out[ids[0]]        # its launched row is in its cache
     assert all(c.offset == len(state.tokens) for c in state.cache)
     follow = state.tokens + [5, 6, 7]
-    engine = Engine(pipe.adapter, pipe.drafter)
+    engine = Engine(pipe.adapter, pipe.drafter, planner=Planner())
     again = run(engine, {0: [(0, Request(follow, 12, policy=FixedWidth(1), state=state))]})
     assert again[0] == (mlx_lm_greedy(pipe.target, follow, 12), "length")
 
@@ -399,7 +400,7 @@ def test_a_first_token_is_handed_out_before_the_step_decodes(pipe):
     vocab = pipe.adapter.vocab_size
     prompts = [[rng.randrange(vocab - 1) for _ in range(n)] for n in (9, 6, 12)]
     limits = (7, 1, 10)
-    engine = Engine(pipe.adapter, pipe.drafter)
+    engine = Engine(pipe.adapter, pipe.drafter, planner=Planner())
     ids = [engine.add(Request(p, m, policy=FixedWidth(1))) for p, m in zip(prompts, limits)]
     out, handed = {rid: [] for rid in ids}, set()
 
@@ -430,10 +431,10 @@ def test_plain_batch_launched_ahead_samples_as_alone(pipe):
         s = sampling if k < 3 else Sampling()
         refs[k] = [t for new in stream_tokens(
             pipe.adapter, pipe.drafter, prompt, max_tokens=20, sampling=s,
-            policy=FixedWidth(1), stop_ids=set(), seed=200 + k) for t in new]
+            planner=Planner(), policy=FixedWidth(1), stop_ids=set(), seed=200 + k) for t in new]
         arrivals.setdefault(2 * (k % 2), []).append(
             (k, Request(prompt, 20, s, FixedWidth(1), seed=200 + k)))
-    engine = Engine(pipe.adapter, pipe.drafter)
+    engine = Engine(pipe.adapter, pipe.drafter, planner=Planner())
     out = run(engine, arrivals)
     assert engine.launches >= 10
     for k, ref in refs.items():

@@ -12,7 +12,8 @@ from dflash2_mlx.model.drafter import Proposal
 from dflash2_mlx.policy.adaptive import FixedWidth
 from dflash2_mlx.decode.stats import GenerationStats
 from dflash2_mlx.decode.engine import stream_tokens
-from dflash2_mlx.decode.sampling import Sampling
+from dflash2_mlx.policy.planner import Planner
+from dflash2_mlx.model.sampling import Sampling
 from fixtures import drafter_args, write_drafter
 
 PROMPTS = ["def add(a, b):", "Hello! How can I help you today?", "for i in range(10):"]
@@ -145,7 +146,7 @@ def test_partial_and_full_acceptance_stay_exact(pipelines, family):
             oracle = OracleDrafter(len(ids), ref, pipe.adapter.vocab_size, seed=seed * 31 + b)
             stats = GenerationStats()
             out = [t for step in stream_tokens(pipe.adapter, oracle, ids, max_tokens=60,
-                                               sampling=Sampling(), policy=FixedWidth(b),
+                                               sampling=Sampling(), planner=Planner(), policy=FixedWidth(b),
                                                stop_ids=set(), stats=stats) for t in step]
             assert out == ref, f"{family} b={b}"
             assert max(stats.accepted) == b - 1, "no fully accepted block"

@@ -15,7 +15,8 @@ from dflash2_mlx.model.drafter import Drafter
 from dflash2_mlx.decode.lookup import LookupConfig
 from dflash2_mlx.decode.stats import GenerationStats
 from dflash2_mlx.decode.engine import stream_tokens
-from dflash2_mlx.decode.sampling import Sampling
+from dflash2_mlx.policy.planner import Planner
+from dflash2_mlx.model.sampling import Sampling
 from dflash2_mlx.model.target import TargetAdapter
 from fixtures import drafter_args
 from test_exactness import OracleDrafter
@@ -99,7 +100,7 @@ def test_greedy_equals_mlx_lm_with_partial_acceptance(target, b):
         oracle = OracleDrafter(len(ids), ref, V, seed=seed + b)
         stats = GenerationStats()
         out = [t for s in stream_tokens(adapter, oracle, ids, max_tokens=40,
-                                        sampling=Sampling(), policy=FixedWidth(b), stop_ids=set(),
+                                        sampling=Sampling(), planner=Planner(), policy=FixedWidth(b), stop_ids=set(),
                                         stats=stats) for t in s]
         assert out == ref, (name, b)
         assert max(stats.accepted) == b - 1 and min(stats.accepted) < b - 1
@@ -112,7 +113,7 @@ def test_real_drafter_greedy_equals_mlx_lm(target):
     ids = PROMPTS[1]
     ref = mlx_lm_greedy(model, ids, 30)
     out = [t for s in stream_tokens(adapter, drafter, ids, max_tokens=30, sampling=Sampling(),
-                                    policy=FixedWidth(8), stop_ids=set()) for t in s]
+                                    planner=Planner(), policy=FixedWidth(8), stop_ids=set()) for t in s]
     assert out == ref, name
 
 
@@ -135,7 +136,7 @@ def test_auto_and_lookup_equal_mlx_lm(target, with_drafter):
         for policy in (AdaptiveWidth(cost, widths), FixedWidth(16)):
             stats = GenerationStats()
             out = [t for s in stream_tokens(adapter, drafter, ids, max_tokens=40,
-                                            sampling=Sampling(), policy=policy,
+                                            sampling=Sampling(), planner=Planner(), policy=policy,
                                             stop_ids=set(), lookup=LookupConfig(),
                                             stats=stats) for t in s]
             assert out == ref, (name, type(policy).__name__, ids)

@@ -1,4 +1,4 @@
-"""The verify kernels' probe (`policy.kernel_probe`): its rule on fake timings, its record
+"""The verify kernels' probe (`model.kernel_probe`, `policy.kernel_choice`): its rule on fake timings, its record
 stored with the calibration, the stock path off Metal, and what `doctor` shows."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from dflash2_mlx.policy import calibration, kernel_probe as kp
-from dflash2_mlx.policy.kernel_probe import Decision, KernelRecord, Timing, decide
+from dflash2_mlx.model import kernel_probe as kp
+from dflash2_mlx.policy import calibration, kernel_choice
+from dflash2_mlx.model.kernel_probe import Decision, KernelRecord, Timing, decide
 
 WIDTHS = (1, 2, 4, 8, 16)
 
@@ -145,19 +146,19 @@ def test_shape_classes_with_a_quantized_kv_cache():
 
 @pytest.mark.skipif(kp.machine_chip() and mx.metal.is_available(), reason="Metal here")
 def test_off_metal_the_stock_path_runs_and_says_so_once(monkeypatch, caplog):
-    monkeypatch.setattr(kp, "_said_stock", False)
+    monkeypatch.setattr(kernel_choice, "_said_stock", False)
     with caplog.at_level(logging.INFO):
-        assert kp.verify_kernels(object(), "auto") is None
-        assert kp.verify_kernels(object(), "auto") is None
+        assert kernel_choice.verify_kernels(object(), "auto") is None
+        assert kernel_choice.verify_kernels(object(), "auto") is None
     said = [r.getMessage() for r in caplog.records if "verify kernels" in r.getMessage()]
     assert said == ["verify kernels: stock (no Metal GPU here; the custom ones run on Apple "
                     "silicon where its probe chose them)"]
 
 
 def test_kernels_stock_forces_stock(monkeypatch):
-    monkeypatch.setattr(kp, "_said_stock", True)
+    monkeypatch.setattr(kernel_choice, "_said_stock", True)
     monkeypatch.setattr("dflash2_mlx.model.kernels.metal_usable", lambda: True)
-    assert kp.verify_kernels(object(), "stock") is None     # no probe, no model needed
+    assert kernel_choice.verify_kernels(object(), "stock") is None     # no probe, no model needed
 
 
 def test_mac_simulation_picks_the_best_width_and_custom_never_loses():

@@ -25,7 +25,7 @@ from dflash2_mlx.model.kernels import metal
 from dflash2_mlx.model.target import TargetAdapter
 from dflash2_mlx.model.views import KVQuant
 from dflash2_mlx.pipeline import Pipeline
-from dflash2_mlx.policy.kernel_probe import Decision, KernelRecord, TOLERANCE, shape_classes
+from dflash2_mlx.model.kernel_probe import Decision, KernelRecord, TOLERANCE, shape_classes
 from fixtures import write_target
 
 import metal_harness as mh
@@ -208,7 +208,7 @@ def test_key_positions_give_the_ragged_caches_mask():
     verifies keeping different counts (holes inside the rows)."""
     from mlx_lm.models.cache import KVCache
 
-    from dflash2_mlx.cache.batch import RaggedKVCache
+    from dflash2_mlx.model.row_caches import RaggedKVCache
     from dflash2_mlx.model.kernels.ops import verify_mask
 
     rows = []

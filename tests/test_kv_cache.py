@@ -21,12 +21,13 @@ from mlx_lm.utils import _get_classes
 
 import dflash2_mlx
 from dflash2_mlx import settings
-from dflash2_mlx.cache.batch import RaggedKVCache, RaggedQuantizedKVCache
+from dflash2_mlx.model.row_caches import RaggedKVCache, RaggedQuantizedKVCache
 from dflash2_mlx.cache.prompt import PromptCache
 from dflash2_mlx.decode.engine import Engine, Request, stream_tokens
+from dflash2_mlx.policy.planner import Planner
 from dflash2_mlx.decode.row_check import RowCheck, check_rows
 from dflash2_mlx.decode.lookup import LookupConfig
-from dflash2_mlx.decode.sampling import Sampling
+from dflash2_mlx.model.sampling import Sampling
 from dflash2_mlx.decode.state import DecodeState, cache_nbytes, prefill
 from dflash2_mlx.loading.omlx import OmlxSettingsError, parse_entry
 from dflash2_mlx.model.drafter import Drafter
@@ -74,7 +75,7 @@ def oracle(model, ids, n, kv: KVQuant | None = KV) -> list[int]:
 
 def tokens(adapter, drafter, ids, n, policy, lookup=False, **kw) -> list[int]:
     return [t for s in stream_tokens(adapter, drafter, ids, max_tokens=n, sampling=Sampling(),
-                                     policy=policy, stop_ids=set(),
+                                     planner=Planner(), policy=policy, stop_ids=set(),
                                      lookup=LookupConfig() if lookup else None, **kw) for t in s]
 
 
@@ -267,7 +268,7 @@ def test_sixteen_sequences_joining_and_leaving_equal_their_oracles():
     adapter = TargetAdapter(model, (1, 3), kv=KV)
     rng = random.Random(3)
     oracles = Oracles(V)
-    engine = Engine(adapter, oracles, prefill_step_size=8)
+    engine = Engine(adapter, oracles, planner=Planner(), prefill_step_size=8)
     assert engine.solo_why is None
     arrivals, refs, truths = {}, {}, {}
     for k in range(16):

@@ -18,7 +18,7 @@ from mlx_lm.utils import _get_classes
 
 import dflash2_mlx
 from dflash2_mlx import settings as check
-from dflash2_mlx.cache import memory
+from dflash2_mlx.model import memory
 from dflash2_mlx.decode.state import _flat
 from dflash2_mlx.server.budget import MemoryBudget, model_config
 
@@ -520,7 +520,7 @@ def test_a_released_row_holds_its_own_bytes_only():
     the batch gone, MLX holds that row's bytes, not the batch buffer a lazy copy would keep."""
     from types import SimpleNamespace
 
-    from dflash2_mlx.cache.batch import RaggedRows
+    from dflash2_mlx.model.row_caches import RaggedRows
 
     gc.collect()
     base = mx.get_active_memory()
@@ -540,7 +540,7 @@ def test_a_batch_row_never_takes_more_slots_than_its_reservation_counts():
     random part of their slots (the rest are holes), never holds more slots than
     `buffer_slots` of its longest row: the reservation a budget admits against covers the
     holes short of a compaction and the free slots of a growth step."""
-    from dflash2_mlx.cache.batch import RaggedKVCache
+    from dflash2_mlx.model.row_caches import RaggedKVCache
 
     rng = np.random.default_rng(0)
 
@@ -570,7 +570,7 @@ def test_a_join_holds_no_more_than_join_layers_of_the_new_batch_beyond_it():
     admission leaves room for (`MemoryBudget.join_bytes`)."""
     from types import SimpleNamespace
 
-    from dflash2_mlx.cache.batch import RaggedRows
+    from dflash2_mlx.model.row_caches import RaggedRows
     from dflash2_mlx.server.budget import JOIN_LAYERS
 
     layers = 8

@@ -115,8 +115,9 @@ def test_hybrid_target_reuses_exact_prefixes_and_recomputes_branches(caplog):
 
     from dflash2_mlx.policy.adaptive import FixedWidth
     from dflash2_mlx.decode.engine import stream_tokens
+    from dflash2_mlx.policy.planner import Planner
     from dflash2_mlx.decode.lookup import LookupConfig
-    from dflash2_mlx.decode.sampling import Sampling
+    from dflash2_mlx.model.sampling import Sampling
     from dflash2_mlx.model.target import TargetAdapter
     from test_families import CONFIGS
 
@@ -130,7 +131,7 @@ def test_hybrid_target_reuses_exact_prefixes_and_recomputes_branches(caplog):
 
     def gen(prompt, state=None):
         out = stream_tokens(adapter, None, prompt, max_tokens=10, sampling=Sampling(),
-                            policy=FixedWidth(4), lookup=LookupConfig(), stop_ids=set(),
+                            planner=Planner(), policy=FixedWidth(4), lookup=LookupConfig(), stop_ids=set(),
                             state=state)
         return [t for new in out for t in new]
 

@@ -15,9 +15,10 @@ import dflash2_mlx.decode.state as state_mod
 from dflash2_mlx.model.drafter import Drafter, DraftVocab, Proposal
 from dflash2_mlx.policy.adaptive import FixedWidth
 from dflash2_mlx.decode.engine import stream_tokens
+from dflash2_mlx.policy.planner import Planner
 from dflash2_mlx.decode.stats import GenerationStats
 from dflash2_mlx.decode.lookup import LookupConfig
-from dflash2_mlx.decode.sampling import Sampling, rejection_accept
+from dflash2_mlx.model.sampling import Sampling, rejection_accept
 from dflash2_mlx.model.target import TargetAdapter
 from fixtures import drafter_args
 
@@ -158,7 +159,7 @@ def speculative_counts(model, drafter, sampling, n, block_size=3, prompt=PROMPT,
         # resets the sequence it follows there)
         state.dcache = drafter.make_cache() if drafter is not None else None
         with closing(stream_tokens(adapter, drafter, prompt, max_tokens=4, sampling=sampling,
-                                   policy=FixedWidth(block_size), stop_ids=set(), seed=seed,
+                                   planner=Planner(), policy=FixedWidth(block_size), stop_ids=set(), seed=seed,
                                    stats=stats, lookup=lookup, prefill_step_size=step_size,
                                    state=state)) as steps:
             for step in steps:
@@ -319,7 +320,7 @@ def test_sampling_is_reproducible_with_seed(tiny):
     adapter = TargetAdapter(model, drafters["dflash2"].args.target_layer_ids)
     run = lambda seed: [t for s in stream_tokens(adapter, drafters["dflash2"], PROMPT,
                                                  max_tokens=20, sampling=Sampling(1.0),
-                                                 policy=FixedWidth(4), stop_ids=set(), seed=seed)
+                                                 planner=Planner(), policy=FixedWidth(4), stop_ids=set(), seed=seed)
                         for t in s]
     assert run(5) == run(5)
     assert any(run(5) != run(s) for s in (6, 7, 8))
@@ -366,7 +367,7 @@ def test_joint_distribution_batched_unseeded(tiny, kind):
     else:
         drafter = drafters[kind]
         adapter = TargetAdapter(model, drafter.args.target_layer_ids)
-    engine = Engine(adapter, drafter, lookup=LookupConfig(1, 4), max_batch=12)
+    engine = Engine(adapter, drafter, planner=Planner(), lookup=LookupConfig(1, 4), max_batch=12)
     measured, others = set(), [(FixedWidth(1), False, 6), (FixedWidth(4), False, 9),
                                (FixedWidth(3), True, 5)]
     for k in range(N):

@@ -395,7 +395,7 @@ def test_a_hybrid_gated_delta_net_target_is_batched_exactly(hybrid_pipe):
 def test_the_mode_and_the_batch_settings(pipe, monkeypatch):
     from mlx_lm.models.cache import ChunkedKVCache
 
-    from dflash2_mlx.cache.batch import batch_refusal
+    from dflash2_mlx.model.row_caches import batch_refusal
 
     assert Scheduler(pipe).mode == "batch" and Scheduler(pipe).max_batch == check.MAX_BATCH
     single = Scheduler(pipe, max_batch=1)
@@ -499,7 +499,7 @@ def test_a_prompt_cancelled_mid_prefill_is_resumed_by_its_retry_exactly(pipe):
     """An agent whose request timed out during a long prefill sends it again: what was
     prefilled went to the prefix cache, the retry resumes there, and its text is the text."""
     from dflash2_mlx.cache.prompt import PromptCache
-    from dflash2_mlx.decode.sampling import Sampling
+    from dflash2_mlx.model.sampling import Sampling
 
     prompt = pipe.encode(LONG_TEXT, chat_template=False)
     assert len(prompt) > 300

@@ -39,7 +39,7 @@ from pathlib import Path
 from .serve_load import PACKAGE, request
 from .serve_systems import QUEUE_SIZE, ServerProcess
 
-STEP = 256                  # the caches grow in steps of 256 tokens (cache.memory.STEP)
+STEP = 256                  # the caches grow in steps of 256 tokens (model.memory.STEP)
 CHARS_PER_TOKEN = 3.2       # SmolLM2's tokenizer on this package's Python source
 
 

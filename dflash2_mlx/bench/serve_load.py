@@ -101,7 +101,7 @@ TOOLS = """Tools you can call:
 - edit_file(path, old, new): replaces `old` by `new` in the file
 Answer briefly; quote code exactly."""
 # the agent system prompts' source files, named as the prompts name them
-SOURCES = ["dflash2_mlx/decode/lookup.py", "dflash2_mlx/decode/sampling.py",
+SOURCES = ["dflash2_mlx/decode/lookup.py", "dflash2_mlx/model/sampling.py",
            "dflash2_mlx/cache/prompt.py", "dflash2_mlx/model/target.py"]
 TURNS = ["What does the first function of this file do? Answer in two sentences.",
          "Write a pytest test for it.",

@@ -1,5 +1,5 @@
 """The verify kernels' probe as a table: stock against custom per shape class and width, the
-custom result's error and the decision (`policy.kernel_probe`). Run it on a Mac and paste the
+custom result's error and the decision (`model.kernel_probe`). Run it on a Mac and paste the
 table into an issue to report that chip's figures.
 
     python -m dflash2_mlx.bench.verify_kernels                      # typical shape classes
@@ -20,7 +20,7 @@ import sys
 import mlx.core as mx
 
 from dflash2_mlx.model.kernels import metal_usable
-from dflash2_mlx.policy import kernel_probe as kp
+from dflash2_mlx.model import kernel_probe as kp
 
 DEFAULT_SHAPES = [
     kp.ShapeClass("attention", (32, 8, 128, 0, 0), "bfloat16"),

@@ -144,7 +144,7 @@ def load_pipeline(model, draft, omlx_settings, model_id, block_size, lookup, **o
     elif draft is None:
         draft = default_draft
 
-    from ..loading.pair import load
+    from ..pair import load
 
     tic = time.perf_counter()
     with contextlib.redirect_stdout(sys.stderr):       # stdout carries the generated text only

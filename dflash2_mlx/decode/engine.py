@@ -3,14 +3,14 @@
 is a batch of one.
 
 A step, for the running sequences s_1..s_B:
-  plan     the planner (`policy.Planner`) picks each sequence's source and width w_b from what
-           its sources offer; drafts come from the lookup, or from ONE drafter pass for every
-           sequence drafting from it
+  plan     the planner (passed in: `policy.Planner`) picks each sequence's source and width w_b
+           from what its sources offer; drafts come from the lookup, or from ONE drafter pass
+           for every sequence drafting from it
   verify   the target runs [B, T = max w_b]: row b is [anchor_b, drafts_b, padding]
   accept   per sequence, greedy prefix match or rejection sampling on its own rows -> a_b
            accepted drafts and a bonus token
   commit   the caches keep each row's a_b + 1 rows (the target's `batch_rows()` for a batch,
-           `cache.batch.SoloRows` for a sequence alone); the sequences take their tokens
+           `model.row_caches.SoloRows` for a sequence alone); the sequences take their tokens
 A step whose sequences are all plain may launch the next one before its tokens are read
 (mlx-lm's double buffering). Greedy output equals the target's own greedy decoding token for
 token; seeded sampling draws the same sample alone or batched. docs/batching.md.
@@ -26,15 +26,14 @@ from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 
-from ..cache.batch import SoloRows
-from ..cache.memory import out_of_memory
+from ..model.row_caches import SoloRows
+from ..model.memory import out_of_memory
 from ..model.drafter import Draft, Drafter
 from ..model.target import Target
-from ..policy import Planner
 from .lookup import LookupConfig, LookupIndex
-from .sampling import Sampling, greedy_accept, rejection_accept
-from .sequence import (CANCELLED, LENGTH, STOP, Event, LaunchedStep, Plan, Request, Sequence,
-                       commit, offer)
+from ..model.sampling import Sampling, greedy_accept, rejection_accept
+from .sequence import (CANCELLED, LENGTH, STOP, Event, LaunchedStep, Plan, Planning, Request,
+                       Sequence, commit, offer)
 
 FAILED = "failed"        # a sequence ended by its own prefill's allocation failure
 from .state import DecodeState, prefill, reuse
@@ -52,6 +51,7 @@ class Engine:
     for one request to its end. `running` and `waiting` count the sequences decoding and
     those still prefilling or queued.
 
+    planner: what plans each step's rows (`policy.Planner`; `sequence.Planning`).
     lookup: the lookup's settings for requests with `lookup=True`. max_batch: the most
     sequences decoding at once (the others wait); a target whose caches cannot hold ragged
     rows decodes one at a time (`solo_why` says why: `solo_reason`). prefill_step_size: the
@@ -64,7 +64,7 @@ class Engine:
     are copied out of the batch (or a checkpoint copied) for `keep_state` -> whether to copy
     (the server's memory budget; None: always). Refused, the state is not kept."""
 
-    def __init__(self, target: Target, drafter: Drafter | None = None, *,
+    def __init__(self, target: Target, drafter: Drafter | None = None, *, planner: Planning,
                  lookup: LookupConfig | None = None, max_batch: int | None = None,
                  prefill_step_size: int = 2048, launch: bool = True):
         self.target, self.drafter = target, drafter
@@ -87,7 +87,7 @@ class Engine:
         self._ahead: LaunchedStep | None = None           # the plain step launched last step
         self.launches = 0                                 # plain steps launched ahead
         self.last_prefill = (0, 0.0)                      # the last step's prompt tokens, s
-        self.planner = Planner()
+        self.planner = planner
         self.vetoed = 0                     # steps whose drafting plain beat (run or launched)
         self.isolate_oom = False
         self.room_for_state: Callable[[int], bool] | None = None
@@ -531,14 +531,15 @@ def _fill(n: int, leaving: list[int]) -> list[int]:
 
 
 def stream_tokens(target: Target, drafter: Drafter | None, prompt: list[int], *,
-                  max_tokens: int, sampling: Sampling, policy, stop_ids,
+                  max_tokens: int, sampling: Sampling, policy, planner: Planning, stop_ids,
                   lookup: LookupConfig | None = None, seed: int | None = None,
                   prefill_step_size: int = 2048, stats: GenerationStats | None = None,
                   state: DecodeState | None = None,
                   progress: Callable[[int, int], object] | None = None
                   ) -> Iterator[list[int]]:
     """One prompt alone on an engine of one row: yield the tokens prefill, then each step,
-    commits, until a stop token (included) or `max_tokens`. policy: its width policy; lookup:
+    commits, until a stop token (included) or `max_tokens`. policy: its width policy; planner:
+    the engine's (`policy.Planner`); lookup:
     draft from the context too (None: the drafter only); state: the caches of an earlier
     generation to reuse for the prompt's common prefix (advanced in place); stats: filled as
     it goes; progress: `prefill`'s, for long prompts."""
@@ -548,7 +549,7 @@ def stream_tokens(target: Target, drafter: Drafter | None, prompt: list[int], *,
         stats.prompt_tokens = len(prompt)
     if max_tokens < 1:
         return
-    engine = Engine(target, drafter, lookup=lookup, max_batch=1,
+    engine = Engine(target, drafter, planner=planner, lookup=lookup, max_batch=1,
                     prefill_step_size=prefill_step_size)
     request = Request(list(prompt), max_tokens, sampling, policy, frozenset(stop_ids),
                       lookup is not None, seed, state, keep_state=state is not None,

@@ -1,23 +1,49 @@
 """One sequence in the engine: what it asks for (`Request`), what a step did for it (`Event`),
 its record while it runs (`Sequence`), what its sources can draft (`Offer`), its part of a step
-(`Plan`), and the commit of its tokens."""
+(`Plan`), and the commit of its tokens; and what the decode layer asks of the layer above it:
+a sequence's width policy (`WidthPolicy`) and the engine's planner (`Planning`), both made in
+`policy/` and passed in."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, NamedTuple
+from typing import Callable, NamedTuple, Protocol, runtime_checkable
 
 import mlx.core as mx
 
 from ..model.drafter import Draft, Drafter, Proposal
 from .lookup import LookupConfig, LookupIndex
-from .sampling import Sampling
+from ..model.sampling import Sampling
 from .state import DecodeState
 from .stats import DRAFTER, LOOKUP, GenerationStats
 
-if TYPE_CHECKING:
-    from ..policy import WidthPolicy
+@runtime_checkable
+class WidthPolicy(Protocol):
+    """What the planner (`policy.Planner`) asks of a sequence's policy each cycle.
+    available: the widest block each source ("drafter", "lookup") can draft now; match_n: the
+    lookup's recurring suffix length (0: none); context: the tokens the target's cache holds
+    (None: the calibration's short context)."""
+
+    last: tuple[float, float]        # (expected tokens, draft seconds) of its latest choice
+
+    def choose(self, available: dict[str, int], match_n: int = 0, context: int | None = None,
+               launched: bool = False) -> tuple[str, int]:
+        """(source, width) of this cycle: ("plain", 1) or a source and the rows to verify.
+        launched: the cycle is a plain step launched last cycle (a probe waits)."""
+
+    def update(self, source: str, width: int, accepted: int, seconds: float | None = None,
+               match_n: int = 0, context: int | None = None, first: int = 1) -> None:
+        """A cycle's outcome: drafts accepted, seconds (None: untimed, or a `LookupShadow`'s
+        score); first: the first draft position to count."""
+
+    def launch_next(self, choice: tuple[str, int], available: dict[str, int],
+                    match_n: int = 0, context: int | None = None) -> bool:
+        """Whether this plain step launches the next one before its token is read."""
+
+    def next_plain(self, available: dict[str, int], context: int | None = None) -> bool:
+        """Whether the next cycle will be a plain step."""
+
 
 STOP, LENGTH, CANCELLED = "stop", "length", "cancelled"
 
@@ -93,6 +119,22 @@ class Offer(NamedTuple):
     room: int                      # tokens it may still generate
     context: int                   # the keys every verified row reads
     launched: bool                 # its step is a plain one launched last step
+
+
+class Planning(Protocol):
+    """What the engine asks of its planner (`policy.Planner`), passed in by whoever makes the
+    engine: `join` and `leave` as sequences come and go, `plan` each step's rows, `learn` what
+    the step did."""
+
+    def join(self, rid: int, policy: WidthPolicy | None) -> None: ...
+
+    def leave(self, rid: int) -> None: ...
+
+    def plan(self, rids: list[int], offers: list[Offer],
+             slots: int | None) -> tuple[list, bool]: ...
+
+    def learn(self, T: int, slots: int | None, accepted: list[int], new: list[list[int]],
+              seconds: float, was_launched: bool, launches: bool) -> None: ...
 
 
 def offer(seq: Sequence, drafter: Drafter | None) -> Offer:

@@ -19,7 +19,7 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache.batch import RaggedRows, batch_refusal
+from ..model.row_caches import RaggedRows, batch_refusal
 from ..model.target import rollback_error
 from ..model.views import (Incoming, KVQuant, LayerRange, Snapshot, StandIn, TargetModel,
                            run_to_stand_in, stop)

@@ -25,7 +25,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from .config import DrafterArgs
 from .kernels import KernelPath, path_walk, short_conv
-from ..decode.sampling import Sampling
+from .sampling import Sampling
 from .target import Target
 from .topk import top_k_indices
 

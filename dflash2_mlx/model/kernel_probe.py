@@ -1,15 +1,15 @@
 """Whether the target's custom verify kernels (`metal.verify_attention_metal`,
 `metal.verify_attention_quant_metal`, `metal.small_m_qmm_metal`) run on this machine: the
 probe that times them against MLX's stock kernels per shape class, the rule that decides from
-its timings (`decide`), and the record stored with the calibration, keyed by chip, MLX version
-and model.
+its timings (`decide`), and the record of its decisions, keyed by chip, MLX version and model
+(`policy.kernel_choice` stores it with the calibration).
 
 One decision covers a shape class at every width, plain steps (one row) and verifies (2-16
 rows) alike: both then run the same row-invariant kernel, and a verify is bit for bit the plain
 steps it replaces (docs/kernels.md). So the custom kernel is chosen only where it is within
 tolerance of stock at every probed width and faster at every one of them.
 
-The probe needs Metal; elsewhere every class is stock and the start line says so once.
+The probe needs Metal; elsewhere every class is stock.
 """
 
 from __future__ import annotations
@@ -271,7 +271,7 @@ def _pair(shape: ShapeClass, width: int, context: int):
     """(stock, custom) callables of `shape` at `width` rows, on random inputs."""
     import mlx.core as mx
 
-    from ..model.kernels import metal, ops
+    from .kernels import metal, ops
 
     dtype = getattr(mx, shape.dtype)
     key = iter(mx.random.split(mx.random.key(width), 4))
@@ -329,44 +329,3 @@ def probe(shapes: list[ShapeClass], **kw) -> dict[str, Decision]:
         out[s.key] = probe_shape(s, **kw)
     return out
 
-
-# ------------------------------------------------------------------ at load
-
-_said_stock = False
-
-
-def verify_kernels(pipeline, setting: str | None, key: str | None = None) -> KernelRecord | None:
-    """The verify kernels a pipeline runs: None (stock everywhere) or the probe's record.
-
-    setting: `settings.kernels` ("stock" forces stock). Off Metal, stock, said once per process;
-    on Metal the record stored under calibration `key` serves while it matches the chip, MLX
-    version and model, else the target's shape classes are probed and the record stored."""
-    global _said_stock
-    import mlx.core as mx
-
-    from ..model.kernels import metal_usable
-
-    if setting == "stock" or not metal_usable():
-        if not _said_stock:
-            _said_stock = True
-            _log.info("verify kernels: stock (" + ("--kernels stock" if setting == "stock" else
-                      "no Metal GPU here; the custom ones run on Apple silicon where its probe "
-                      "chose them") + ")")
-        return None
-    from . import calibration
-
-    target = getattr(pipeline.adapter, "model", None)  # a pipeline stage's ranks: none here
-    shapes = shape_classes(target, getattr(pipeline, "kv", None)) if target is not None else []
-    if setting == "metal":                         # forced: every class custom, unprobed
-        return KernelRecord(machine_chip(), mx.__version__, "?", {
-            s.key: Decision(s.key, True, "forced (kernels=metal)", 0.0) for s in shapes})
-    model = str((pipeline.info or {}).get("model")) if hasattr(pipeline, "info") else "?"
-    chip, version = machine_chip(), mx.__version__
-    if key is not None:
-        stored = KernelRecord.from_dict(calibration.stored_kernel_record(key))
-        if stored is not None and stored.stale(chip, version, model) is None:
-            return stored
-    record = KernelRecord(chip, version, model, probe(shapes))
-    if key is not None:
-        calibration.store_kernel_record(key, record.to_dict())
-    return record

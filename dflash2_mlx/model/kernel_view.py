@@ -34,8 +34,8 @@ from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from .. import log
-from ..cache.batch import RaggedKVCache, RaggedQuantizedKVCache
-from ..policy.kernel_probe import KernelRecord, attention_class, qmm_class
+from .row_caches import RaggedKVCache, RaggedQuantizedKVCache
+from .kernel_probe import KernelRecord, attention_class, qmm_class
 from .kernels import metal, ops
 
 _log = log.get(__name__)

@@ -25,7 +25,7 @@ from ..settings import KV_GROUP_SIZE
 
 STEP = 256                   # mlx-lm's caches grow in steps of 256 tokens
 # a batch buffer's holes (rejected drafts) are squeezed out once they are COMPACT_MIN slots
-# and 1/COMPACT_SHARE of the buffer (`cache.batch.RaggedKVCache`)
+# and 1/COMPACT_SHARE of the buffer (`model.row_caches.RaggedKVCache`)
 COMPACT_MIN, COMPACT_SHARE = 64, 16
 MARGIN = 0.10                # of the device's memory, kept out of the default budget
 MIN_MARGIN = 512 * 2**20     # bytes

@@ -12,7 +12,7 @@ the per-row `offset` (the next position of each row: its token count), and `make
 condition on positions, not on slots. After the forward, `commit(keep)` says how many of the T
 slots each row keeps; slots that are holes in every row at the end are trimmed at once, and
 holes elsewhere are squeezed out by `compact` when they make up 1/16 of the buffer (a
-gather of the kept slots, right-aligned; `cache.memory.buffer_slots` counts a row so).
+gather of the kept slots, right-aligned; `model.memory.buffer_slots` counts a row so).
 
 Only the public protocol of the models is used: `update_and_fetch`, `make_mask`, `offset`.
 
@@ -29,7 +29,7 @@ import numpy as np
 from mlx_lm.models.cache import (ArraysCache, BatchKVCache, KVCache, QuantizedKVCache,
                                  RotatingKVCache)
 
-from ..model.views import RollbackRotatingKVCache
+from .views import RollbackRotatingKVCache
 from .memory import COMPACT_MIN, COMPACT_SHARE
 
 SPARE_ROWS = 4            # a buffer keeps at most 1/4 of its rows (at least 1) past the batch

@@ -16,7 +16,7 @@ from typing import Callable, Protocol, runtime_checkable
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache.batch import RaggedRows, batch_refusal
+from .row_caches import RaggedRows, batch_refusal
 from .views import (STACK_PATHS, KVQuant, LayerRange, LayerTap, RollbackRotatingKVCache,
                     Snapshot, TargetModel, check_kv, find_stack_path)
 

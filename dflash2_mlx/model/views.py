@@ -12,7 +12,7 @@ Rollback after a partial acceptance: attention caches drop the rejected rows; re
 (GatedDeltaNet in qwen3_5 / qwen3_next), whose state cannot be trimmed, get the state from
 before the verify back and re-run the installed layer over the kept rows only (their inputs are
 recorded by the taps). Only a `Snapshot` taken before the forward rolls back. A batch (B rows of
-recurrent state, `cache.batch.RecurrentRows`) rolls back per row: `Snapshot.rollback_rows`.
+recurrent state, `model.row_caches.RecurrentRows`) rolls back per row: `Snapshot.rollback_rows`.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from mlx_lm.models.cache import QuantizedKVCache
 
 from .. import log
 from ..files import atomic_write
-from ..decode.sampling import Sampling
+from ..model.sampling import Sampling
 from .costs import BASE_CONTEXT, SPREAD, CostModel, monotone
 
 _log = log.get(__name__)
@@ -157,7 +157,7 @@ def _store(path: Path, key: str, cost: CostModel, meta: dict) -> None:
 
 
 def stored_kernel_record(key: str):
-    """The verify kernels' probe record of entry `key` (`policy.kernel_probe`), or None."""
+    """The verify kernels' probe record of entry `key` (`model.kernel_probe`), or None."""
     entry = _read_table(cache_file()).get(key)
     return entry.get("kernels") if isinstance(entry, dict) else None
 

@@ -9,17 +9,14 @@ decodes plainly. After the step, `learn` times it and tells each policy what it 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
-from ..decode.sequence import Offer
+from ..decode.sequence import Offer, WidthPolicy
 from ..decode.stats import DRAFTER, LOOKUP, PLAIN
 from .adaptive import AdaptiveWidth, FixedWidth, LookupShadow
 from .batch import BatchAwareWidth, Want, outlooks_after, plain_is_better
 from .costs import Correction, drafter_pass
 from .fitted import FIT
-
-if TYPE_CHECKING:
-    from . import WidthPolicy
 
 PLAIN_WANT = Want()
 

@@ -12,7 +12,7 @@ from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse
 
 from .. import log as logs
-from ..cache import memory
+from ..model import memory
 from ..cache.prompt import PromptCache
 from ..decode.engine import Engine
 from ..pipeline import Pipeline

@@ -3,7 +3,7 @@
 The budget is for every MLX array of the process: the weights, the running sequences' caches,
 the prefix cache's RAM tier and a prefill step's attention scores. A sequence is counted at
 the length it may reach (its prompt plus its max_tokens), laid out as the engine holds it
-(`cache.memory.Footprint`). docs/server.md, "Memory".
+(`model.memory.Footprint`). docs/server.md, "Memory".
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, is_dataclass
 
 from .. import log as logs
-from ..cache import memory
+from ..model import memory
 from ..pipeline import Pipeline
 
 log = logs.get(__name__)

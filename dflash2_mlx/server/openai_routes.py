@@ -10,7 +10,7 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from ..decode.sampling import Sampling
+from ..model.sampling import Sampling
 from .errors import APIError, error_body
 from .http import PING, Authorized, JSONRoute, ServiceDep, event_stream, sse
 from .scheduler import GenerationRequest, Job

@@ -24,7 +24,7 @@ from fastapi import APIRouter, Body, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
 
-from ..decode.sampling import Sampling
+from ..model.sampling import Sampling
 from .errors import APIError, validation_error
 from .http import PING, Authorized, JSONRoute, ServiceDep, event_stream, sse
 from .scheduler import GenerationRequest, Job

@@ -4,7 +4,7 @@ submits jobs and reads their events.
 One loop on `engine.Engine`: continuous batching (every running request advances in one
 target forward per step, each still speculating; a request joins at any step, its prefill
 chunked under a per-step budget), one request at a time ("single") where the engine says the
-target cannot batch (`cache.batch.batch_refusal`) or max_batch is 1.
+target cannot batch (`model.row_caches.batch_refusal`) or max_batch is 1.
 docs/server.md, "Batching".
 
 With a `budget.MemoryBudget`, a request joins only when its caches, at its prompt plus its
@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from .. import log as logs, settings as check
-from ..cache import memory as mem
+from ..model import memory as mem
 from ..decode.engine import FAILED, Engine
 from ..decode.stats import GenerationStats
 from ..pipeline import Pipeline, SequenceText
-from ..decode.sampling import Sampling
+from ..model.sampling import Sampling
 from .budget import MemoryBudget, engine_bytes
 
 log = logs.get(__name__)
