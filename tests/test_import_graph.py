@@ -218,6 +218,17 @@ def test_an_upward_or_sideways_import_is_named_with_its_file_and_line(tmp_path):
     assert layers(api_md) == [["dflash2_mlx.log", "dflash2_mlx.files"], ["dflash2_mlx.model"]]
 
 
+MAX_LINES = 600         # a module past this holds more than one job: split it where its parts are
+
+
+def test_no_module_is_over_600_lines():
+    sizes = {p.relative_to(ROOT): len(p.read_text().splitlines())
+             for folder in (ROOT / "dflash2_mlx", ROOT / "metal_kernels")
+             for p in folder.rglob("*.py")}
+    assert len(sizes) > 50
+    assert {p: n for p, n in sizes.items() if n > MAX_LINES} == {}
+
+
 def folder_imports(package: Path = ROOT / "dflash2_mlx") -> Counter:
     """(importing folder, imported folder) -> how many modules of the first import the second;
     root modules count as folders of their own."""

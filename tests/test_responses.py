@@ -99,7 +99,7 @@ def check_stream(events: list[dict]) -> dict:
 def test_input_items_become_the_chat_messages_of_the_same_conversation():
     """Every item kind against `server.openai_messages` for the chat request a chat client
     would send: a text-and-call assistant turn, a tool turn, a developer turn, text parts."""
-    from dflash2_mlx.server.responses import chat_messages, chat_tools, parse_request
+    from dflash2_mlx.server.responses_input import chat_messages, chat_tools, parse_request
     from dflash2_mlx.server.openai_routes import ChatRequest, openai_messages, openai_tools
 
     args = '{"city": "Paris"}'

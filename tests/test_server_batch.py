@@ -480,7 +480,7 @@ def test_server_prefill_budget_grows_with_the_joiners(pipe):
 def test_a_steps_prefill_is_bounded_by_its_measured_seconds(pipe):
     """A client that leaves during a long prompt frees the model within a step: the budget
     holds what `PREFILL_SECONDS` prefill at the last step's rate (never below MIN_PREFILL)."""
-    from dflash2_mlx.server.scheduler import FIRST_PREFILL, MIN_PREFILL, PREFILL_SECONDS
+    from dflash2_mlx.server.admission import FIRST_PREFILL, MIN_PREFILL, PREFILL_SECONDS
 
     s = Scheduler(pipe, max_batch=4, prefill_chunk=100)
     assert s.prefill_budget(0, 1, 2048) == 2048                         # no timing given

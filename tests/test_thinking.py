@@ -338,7 +338,7 @@ def test_reasoning_sent_back_reaches_the_template(thinker):
     once a new user query follows."""
     from dflash2_mlx.server.anthropic_routes import anthropic_messages
     from dflash2_mlx.server.openai_routes import openai_messages
-    from dflash2_mlx.server.responses import chat_messages, parse_request, seal
+    from dflash2_mlx.server.responses_input import chat_messages, parse_request, seal
     from dflash2_mlx.server.schemas import ChatRequest, MessagesRequest
 
     use = {"id": "call_1", "name": "get_weather", "input": CALL["arguments"]}

@@ -1,5 +1,5 @@
 """The request bodies of the OpenAI and Anthropic routes, as pydantic models (the Responses
-API's, closed to unknown fields, are in `responses.py`).
+API's, closed to unknown fields, are in `responses_input.py`).
 
 Strict: a string where a number belongs is a 400, not a silent conversion. Unknown fields are
 ignored, as the hosted APIs' clients send fields we do not use; fields we know but do not serve
