@@ -206,6 +206,7 @@ class Pipeline:
         if self.stage is not None:
             verify, batch = "a pipeline-sharded target's forward is not checked", None
         else:
+            self.adapter.batch_why = None            # checked afresh, not refused by a past check
             verify, batch = row_check.check_rows(self.adapter)
             self.adapter.batch_why = batch and f"KV cache {self.kv}: {batch}"
         self.plain_why = verify and f"KV cache {self.kv}: {verify}"

@@ -21,11 +21,11 @@ from mlx_lm.utils import _get_classes
 
 import dflash2_mlx
 from dflash2_mlx import settings
-from dflash2_mlx.model.row_caches import RaggedKVCache, RaggedQuantizedKVCache
+from dflash2_mlx.model.row_caches import RaggedKVCache, RaggedQuantizedKVCache, SoloRows
 from dflash2_mlx.cache.prompt import PromptCache
 from dflash2_mlx.decode.engine import Engine, Request, stream_tokens
 from dflash2_mlx.policy.planner import Planner
-from dflash2_mlx.decode.row_check import RowCheck, check_rows
+from dflash2_mlx.decode.row_check import check_rows
 from dflash2_mlx.decode.lookup import LookupConfig
 from dflash2_mlx.model.sampling import Sampling
 from dflash2_mlx.decode.state import DecodeState, cache_nbytes, prefill
@@ -124,66 +124,177 @@ def kv_pipe(fixture_dir, dflash2_dir):
     return dflash2_mlx.load(str(folder), str(dflash2_dir), kv_bits=8, kv_group_size=32)
 
 
-class RowVariant:
-    """A pipeline's target whose forwards over several rows (`axis` 1: a verify's; 0: a
-    batch's) differ from single steps in the last bits, as float32 BLAS does on the CPU."""
+class RowExact:
+    """A pipeline's target whose every forward runs one token of one sequence at a time: a
+    verify's rows are plain steps, and a batch (`batch_rows`: `LoopRows`) is its sequences
+    stepped each in its own caches. Its multi-row results are its single-row ones bit for bit
+    by construction, whatever the machine's BLAS does with several rows."""
 
-    def __init__(self, inner, axis: int):
-        self.inner, self.axis = inner, axis
+    def __init__(self, inner):
+        self.inner = inner
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
     def __setattr__(self, name, value):         # `batch_why` lands on the real target
-        if name in ("inner", "axis"):
+        if name == "inner":
             object.__setattr__(self, name, value)
         else:
             setattr(self.inner, name, value)
 
     def forward(self, tokens, cache):
-        logits, feats = self.inner.forward(tokens, cache)
+        rows = cache.rows if isinstance(cache, LoopCache) else [cache]
+        out = [self.inner.forward(tokens[b : b + 1, t : t + 1], c)
+               for b, c in enumerate(rows) for t in range(tokens.shape[1])]
+        T = tokens.shape[1]
+        logits = mx.concatenate([mx.concatenate([lg for lg, _ in out[b * T:(b + 1) * T]], 1)
+                                 for b in range(len(rows))])
+        feats = (None if out[0][1] is None else mx.concatenate(
+            [mx.concatenate([f for _, f in out[b * T:(b + 1) * T]], 1) for b in range(len(rows))]))
+        return logits, feats
+
+    def batch_refusal(self):
+        return self.inner.batch_why
+
+    def batch_rows(self):
+        return LoopRows()
+
+    def snapshot(self, cache):
+        return None if isinstance(cache, LoopCache) else self.inner.snapshot(cache)
+
+
+class LoopCache(list):
+    """`LoopRows.cache`: each row's own caches (attention layers: they roll back by trimming)."""
+
+    @property
+    def rows(self):
+        return list(self)
+
+
+class LoopRows:
+    """A batch as the engine's row set (`model.row_caches.RaggedRows`' protocol) whose rows stay
+    single sequences' caches, stepped one at a time by `RowExact.forward`."""
+
+    def __init__(self):
+        self.cache = LoopCache()
+
+    def join(self, states):
+        for s in states:
+            self.cache.append(s.cache)
+            s.cache = None
+
+    def slots(self):
+        return max(c.offset for row in self.cache for c in row)
+
+    def kept(self, keep, total, snapshot=None):
+        for row, k in zip(self.cache, keep):
+            for c in row:
+                c.trim(total - k)
+
+    def release(self, row, state):
+        state.cache = self.cache[row]
+
+    def release_bytes(self, row):
+        return 0
+
+    def filter(self, stay):
+        self.cache = LoopCache(self.cache[i] for i in stay)
+
+
+class RowVariant(RowExact):
+    """`RowExact`, but its forwards over several rows (`axis` 1: a verify's; 0: a batch's)
+    differ from single steps in the last bits, as float32 BLAS may on a CPU."""
+
+    def __init__(self, inner, axis: int):
+        super().__init__(inner)
+        object.__setattr__(self, "axis", axis)
+
+    def forward(self, tokens, cache):
+        logits, feats = super().forward(tokens, cache)
         return (logits + 1e-5 if tokens.shape[self.axis] > 1 else logits), feats
+
+
+class StepByStep:
+    """mlx-lm's view of a `RowExact` target: the model called one token at a time (the oracle
+    for a pipeline on `RowExact`: its prefill too runs a token at a time)."""
+
+    def __init__(self, model):
+        self.model, self.layers = model, model.layers
+
+    def __call__(self, inputs, cache=None, **kw):
+        return mx.concatenate([self.model(inputs[:, t : t + 1], cache=cache, **kw)
+                               for t in range(inputs.shape[1])], axis=1)
+
+
+def followed(pipe, prompts, refs, max_tokens):
+    """The decision `check_rows` made is said and followed, and greedy output is the oracle's
+    whichever it was: decoding plain where a verify's rows are not plain steps, one sequence at
+    a time where a batch's are not."""
+    d = pipe.describe()
+    g = pipe.generate(prompts[0], max_tokens=max_tokens, block_size=8, lookup=True)
+    assert g.tokens == refs[0]
+    if pipe.plain_why is not None:
+        assert d["plain"] == pipe.plain_why and "a forward of 8 rows gave logits" in pipe.plain_why
+        assert {c.source for c in g.stats.steps} == {"plain"}
+    else:
+        assert "plain" not in d
+    engine = pipe.engine(4)
+    assert isinstance(engine.caches, SoloRows) == (engine.solo_why is not None)
+    if engine.solo_why is not None:
+        assert "2 sequences stepped as a batch gave logits" in engine.solo_why
+    gens = pipe.generate_batch(prompts, max_tokens=max_tokens, block_size=8)
+    assert [g.tokens for g in gens] == refs
 
 
 @pytest.mark.parametrize("axis", [1, 0])
 def test_rows_that_differ_from_plain_steps_turn_speculation_or_batching_off(
         axis, fixture_dir, dflash2_dir):
-    """With a quantized cache, a forward whose rows are not bitwise plain steps (a verify's:
-    axis 1; a batch's: axis 0) is found at load: the pipeline decodes plain, or one sequence
-    at a time, says why, and its greedy output is the quantized oracle's. (float32 weights on
-    this CPU already differ in a verify, by ~1e-6 here: the pipeline decodes plain.)"""
+    """With a quantized cache, the row check's two answers, each on a target whose behaviour is
+    known by construction (not by the BLAS): on `RowExact` (every row a plain step) it lets the
+    pipeline speculate and batch; with a verify's (axis 1) or a batch's (axis 0) rows moved by
+    1e-5, it finds them at load and the pipeline decodes plain, or one sequence at a time, and
+    says why. Greedy output is the oracle's every time."""
     folder = write_target(fixture_dir / "llama-hd64", "llama", seed=0, head_dim=HEAD_DIM)
     pipe = dflash2_mlx.load(str(folder), str(dflash2_dir), kv_bits=8, kv_group_size=32)
-    assert pipe.engine(4).solo_why is None                 # its batch is bitwise plain steps
-    pipe.adapter = RowVariant(pipe.adapter, axis)
+    real = pipe.adapter
+    prompts = [pipe.encode("def add(a, b):"), pipe.encode("Hello! How can I help?")]
+    refs = [oracle(StepByStep(pipe.target), ids, 12, kv=KVQuant(8, 32)) for ids in prompts]
+
+    pipe.adapter = RowExact(real)
     pipe.check_rows()
-    ids = pipe.encode("def add(a, b):")
-    ref = oracle(pipe.target, ids, 12, kv=KVQuant(8, 32))
+    assert pipe.plain_why is None and pipe.engine(4).solo_why is None
+    g = pipe.generate(prompts[0], max_tokens=12, block_size=8, lookup=True)
+    assert g.tokens == refs[0] and {c.source for c in g.stats.steps} - {"plain"}   # speculated
+    engine = pipe.engine(4)
+    gens = pipe.generate_batch(prompts, max_tokens=12, block_size=8)
+    assert [g.tokens for g in gens] == refs and isinstance(engine.caches, LoopRows)
+
+    pipe.adapter = RowVariant(real, axis)
+    pipe.check_rows()
     if axis == 1:
         assert "8-bit, group size 32: a forward of 8 rows gave logits up to" in pipe.plain_why
-        assert pipe.describe()["plain"] == pipe.plain_why
-        g = pipe.generate(ids, max_tokens=12, block_size=8, lookup=True)
-        assert {c.source for c in g.stats.steps} == {"plain"} and g.tokens == ref
+        assert pipe.engine(4).solo_why is None
     else:
+        assert pipe.plain_why is None
         assert "2 sequences stepped as a batch" in pipe.engine(4).solo_why
-        outs = pipe.generate_batch([ids, ids[:-3]], max_tokens=12)
-        assert outs[0].tokens == ref
+    followed(pipe, prompts, refs, 12)
 
 
-def test_a_quantized_target_is_row_invariant_on_this_backend():
-    """Quantized weights and a quantized cache: MLX's CPU quantized matmul and the quantized
-    attention give a row the same bits alone, among a verify's 8 rows and in a batch, so
-    speculation and batching stay on, and speculative greedy output is the oracle's (float32
-    weights through BLAS are not row-invariant: 0.061 of a logit on SmolLM2 at 8 bits)."""
+def test_a_quantized_target_speculates_exactly_where_its_rows_allow():
+    """Quantized weights and a quantized cache: whatever the row check finds on this backend
+    (MLX's CPU quantized kernels give a row the same bits alone or among others, a Mac's GPU
+    kernels may not), speculative greedy output is the oracle's, and where a verify's rows were
+    found to differ the target decodes plain (the decision `Pipeline.check_rows` follows)."""
     model = quant_model("llama")
     nn.quantize(model, group_size=32, bits=4)
     adapter = TargetAdapter(model, (1, 3), kv=KV)
-    assert check_rows(adapter) == RowCheck(None, None)
-    ids = PROMPTS[1]
-    ref = oracle(model, ids, N)
-    assert tokens(adapter, None, ids, N, FixedWidth(16), lookup=True) == ref
-    drafter = OracleDrafter(len(ids), ref, V, seed=5)
-    assert tokens(adapter, drafter, ids, N, FixedWidth(8)) == ref
+    found = check_rows(adapter)
+    width = 16 if found.verify is None else 1            # the pipeline's rule
+    for seed, ids in enumerate(PROMPTS):
+        ref = oracle(model, ids, N)
+        assert tokens(adapter, None, ids, N, FixedWidth(width), lookup=True) == ref
+        drafter = OracleDrafter(len(ids), ref, V, seed=5 + seed)
+        assert tokens(adapter, drafter, ids, N, FixedWidth(min(width, 8))) == ref
 
 
 def test_calibration_prices_the_context_of_a_quantized_cache():
@@ -212,9 +323,9 @@ def test_the_api_generates_and_batches_like_the_oracle(kv_pipe):
     refs = [oracle(pipe.target, pipe.encode(p), 24, kv) for p in prompts]
     for b in (1, 4, 16, "auto"):
         assert pipe.generate(prompts[0], max_tokens=24, block_size=b).tokens == refs[0], b
-    assert pipe.engine(4).solo_why is None            # quantized rows batch
-    gens = pipe.generate_batch(prompts, max_tokens=24, block_size=8)
-    assert [g.tokens for g in gens] == refs
+    # batched where the load-time row check found a batch's rows bitwise plain steps, one at a
+    # time where not (this float32 target's BLAS decides; both branches: the test above)
+    followed(pipe, [pipe.encode(p) for p in prompts], refs, 24)
 
 
 # --------------------------------------------------------------------------- batching
