@@ -1,7 +1,6 @@
 """Adaptive block size: the policy's choices, its estimates, and exactness with "auto"."""
 
 import json
-import os
 import random
 import subprocess
 import sys
@@ -888,31 +887,52 @@ def test_plain_decoding_never_timed_is_timed_once_per_context_size():
     assert policy.correction.governor.referenced == {0}
 
 
-THREADS = ("MKL_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")
-CALIBRATE = ("import sys, dflash2_mlx\nfrom dflash2_mlx.policy.calibration import measure_costs\n"
-             "pipe = dflash2_mlx.load(sys.argv[1], sys.argv[2])\n"
-             "m = measure_costs(pipe, 16, context=32, long=(1024,), budget=4.0)\n"
-             "print(m.spread, m.settled)")
+class Clock:
+    """A stand-in for `time` in the calibration: `perf_counter` advances by `step` seconds a
+    reading, the step times `growth` after each reading (1.0: a quiet machine, every job timed
+    alike; above 1: one whose load keeps rising, so no two rounds of a job agree)."""
+
+    def __init__(self, step: float = 1e-3, growth: float = 1.0):
+        self.now, self.step, self.growth = 0.0, step, growth
+
+    def perf_counter(self) -> float:
+        self.now += self.step
+        self.step *= self.growth
+        return self.now
 
 
-def test_a_calibration_taken_beside_two_busy_loops_is_not_settled(llama_dir, dflash2_dir,
-                                                                   tmp_path):
-    """Two processes spinning on the two cores while a calibration runs as the CLI runs it
-    (its BLAS on every core: the tests' workers keep one thread each): its rounds do not
-    agree within `costs.SPREAD`, so it is not kept as settled (`CostModel.settled`)."""
-    env = {k: v for k, v in os.environ.items() if k not in THREADS}
-    env["DFLASH2_CACHE"] = str(tmp_path / "cache")
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
-    try:
-        out = subprocess.run([sys.executable, "-c", CALIBRATE, str(llama_dir), str(dflash2_dir)],
-                             env=env, capture_output=True, text=True, timeout=300)
-    finally:
-        for p in busy:
-            p.kill()
-            p.wait()
-    assert out.returncode == 0, out.stderr
-    spread, settled = out.stdout.split()[-2:]
-    assert settled == "False", spread
+def test_rounds_that_never_agree_are_not_settled_and_agreeing_ones_are():
+    """`_rounds` stops once `reps` rounds agree within `costs.SPREAD`; rounds that each take
+    20% longer than the last never agree: it stops at its budget with their spread. On scripted
+    times, not a loaded machine (a busy machine's timings depend on its cores)."""
+    from dflash2_mlx.policy import calibration
+    from dflash2_mlx.policy.costs import SPREAD
+
+    rising = iter(1.2 ** i for i in range(100))
+    best, spread = calibration._rounds({"job": lambda: next(rising)}, reps=3, budget=0.0,
+                                       desc="test")
+    assert best == {"job": 1.2} and spread == pytest.approx(0.2) and spread > SPREAD
+    steady = iter([5.0, 1.0, 1.05, 1.02, 9.0])           # the warm-up, then three rounds
+    best, spread = calibration._rounds({"job": lambda: next(steady)}, reps=3, budget=60.0,
+                                       desc="test")
+    assert best == {"job": 1.0} and spread == pytest.approx(0.02)
+    assert calibration.round_spread({"a": [1.0, 1.5], "b": [2.0, 2.2], "c": [1.0, 9.0]}) \
+        == pytest.approx(0.5)                             # the median job's gap
+
+
+def test_a_calibration_whose_timings_keep_rising_is_not_settled(pipe, monkeypatch):
+    """A calibration taken while the machine's load rises (every clock reading 3% further
+    than the last): its rounds disagree beyond `costs.SPREAD`, so it is not kept as settled
+    (`CostModel.settled`) and the next load times it again; on a steady clock it settles."""
+    from dflash2_mlx.policy import calibration
+    from dflash2_mlx.policy.calibration import measure_costs
+
+    monkeypatch.setattr(calibration, "time", Clock(growth=1.03))
+    busy = measure_costs(pipe, 8, context=32, long=(256,), budget=4.0)
+    assert busy.spread > 0.10 and not busy.settled
+    monkeypatch.setattr(calibration, "time", Clock())
+    quiet = measure_costs(pipe, 8, context=32, long=(256,), budget=4.0)
+    assert quiet.spread == 0.0
 
 
 def test_an_unsettled_stale_or_other_blas_calibration_is_timed_again(pipe, monkeypatch):
