@@ -15,6 +15,8 @@ from dflash2_mlx.decode.engine import _fill
 from fixtures import tiny
 from test_families import CONFIGS
 
+pytestmark = pytest.mark.rows
+
 
 @pytest.fixture(scope="module", params=["llama", "llama-sliding"])
 def adapter(request):

@@ -24,6 +24,8 @@ from fixtures import (Oracles, assert_burst_returns_to_idle, assert_seeded_batch
 from test_exactness import mlx_lm_greedy
 from test_families import CONFIGS
 
+pytestmark = pytest.mark.rows
+
 FEATURES = (1, 3)
 HYBRID = ["qwen3_5", "qwen3_next"]
 

@@ -15,6 +15,8 @@ from dflash2_mlx.model.sampling import Sampling
 from dflash2_mlx.model.target import TargetAdapter
 from fixtures import drafter_args, random_drafter, target_config
 
+pytestmark = pytest.mark.rows
+
 F = 2 * 64        # two target layers of hidden 64
 SAMPLINGS = [Sampling(), Sampling(0.8), Sampling(1.0, top_p=0.9), Sampling(0.6, top_k=20)]
 KINDS = {

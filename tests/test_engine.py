@@ -22,6 +22,8 @@ from fixtures import (Oracles, assert_burst_returns_to_idle, assert_seeded_batch
                       random_prompt, run, tiny)
 from test_exactness import mlx_lm_greedy
 
+pytestmark = pytest.mark.rows
+
 
 @pytest.fixture(scope="module")
 def pipe(llama_dir, dflash2_dir):

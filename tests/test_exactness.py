@@ -16,6 +16,8 @@ from dflash2_mlx.policy.planner import Planner
 from dflash2_mlx.model.sampling import Sampling
 from fixtures import drafter_args, write_drafter
 
+pytestmark = pytest.mark.rows
+
 PROMPTS = ["def add(a, b):", "Hello! How can I help you today?", "for i in range(10):"]
 MAX_TOKENS = 40
 

@@ -30,7 +30,7 @@ from fixtures import write_target
 
 import metal_harness as mh
 
-pytestmark = pytest.mark.metal
+pytestmark = [pytest.mark.metal, pytest.mark.rows]
 
 
 @pytest.fixture(scope="module")

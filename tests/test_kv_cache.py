@@ -42,6 +42,8 @@ from test_disk_cache import Model, files
 from test_exactness import OracleDrafter
 from test_families import COMMON, CONFIGS, PROMPTS
 
+pytestmark = pytest.mark.rows
+
 KV = KVQuant(4, 64)           # 4-bit: the oracle's output differs from float on every family
 HEAD_DIM = 64                 # divisible by every group size the tests use
 V = COMMON["vocab_size"]

@@ -20,7 +20,7 @@ from dflash2_mlx.model.kernels import (metal_usable, pair_lattice, path_walk, pa
 
 import metal_harness as mh
 
-pytestmark = pytest.mark.metal
+pytestmark = [pytest.mark.metal, pytest.mark.rows]
 
 LENGTHS = [1, 2, 8, 16]
 BATCHES = [1, 3]

@@ -20,7 +20,7 @@ from dflash2_mlx.model.kernels.ops import small_m_qmm_ops, verify_attention_ops
 import metal_harness as mh
 from metal_harness import workdir  # noqa: F401 (the fixture)
 
-pytestmark = pytest.mark.metal
+pytestmark = [pytest.mark.metal, pytest.mark.rows]
 
 DTYPES = [mx.float32, mx.float16, mx.bfloat16]
 SPLIT = 64      # keys per split in most tests: short contexts still cross split edges

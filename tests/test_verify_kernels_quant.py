@@ -21,7 +21,7 @@ from dflash2_mlx.model.kernels.ops import verify_attention_quant_ops
 import metal_harness as mh
 from metal_harness import ULP, assert_rows_invariant, f32, mutate, workdir  # noqa: F401
 
-pytestmark = pytest.mark.metal
+pytestmark = [pytest.mark.metal, pytest.mark.rows]
 
 SPLIT = 64      # keys per split in most tests: short contexts still cross split edges
 
