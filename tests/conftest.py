@@ -36,7 +36,10 @@ if (_USER_CACHE / SMOLLM2).is_file():
 # takes: ~4-5 s there); where a fixture pays (test_distributed's `exactness_run`), every test
 # that needs it is marked. `pytest -m "not slow"` is the quick run (it leaves out the
 # statistical sampling tests: run the whole suite before a merge); `-m "not distributed and not
-# server"` leaves out the tests that start servers or ranks.
+# server"` leaves out the tests that start servers or ranks. `rows` marks the modules that
+# compare a forward of several rows with single rows: .ci/run runs them once more under another
+# MKL code path, so that none leans on how one machine's BLAS rounds (each asserts the contract
+# whatever the row check decides; docs/decisions.md).
 
 
 @pytest.hookimpl(tryfirst=True)      # before -m deselects by marker
