@@ -93,9 +93,9 @@ def _load_drafter(draft: str, draft_dir, adapter: TargetAdapter, p, kernels: str
         log.notice(f"{draft} is stored {stored['bits']}-bit (group size "
                 f"{stored['group_size']}) and is used as stored, not re-quantized to "
                 f"{p.draft_bits}-bit (group size {p.draft_group_size})")
-    if s.block_size is not None and s.block_size > drafter.args.block_size:
+    if s.block_size is not None and s.block_size > drafter.args.max_width:
         raise OmlxSettingsError(f"{s.where('dflash_block_size')} = {s.block_size} exceeds "
-                                f"the drafter's block size {drafter.args.block_size} "
+                                f"the drafter's block size {drafter.args.max_width} "
                                 f"({draft})")
     return drafter
 
@@ -196,4 +196,4 @@ def _settings_block_size(settings: OmlxSettings | None, drafter) -> int | str | 
         return None
     if settings.verify_mode == "adaptive":
         return "auto"
-    return settings.block_size or drafter.args.block_size
+    return settings.block_size or drafter.args.max_width

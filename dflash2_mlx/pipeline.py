@@ -142,7 +142,7 @@ class Pipeline:
 
     def max_width(self, lookup: bool) -> int:
         """The widest block any source can draft: the drafter's block size, the lookup's."""
-        return max(self.drafter.args.block_size if self.drafter is not None else 1,
+        return max(self.drafter.args.max_width if self.drafter is not None else 1,
                    self.lookup_config.max_width if lookup else 1)
 
     def block_size(self, block_size: int | str | None, lookup: bool | None = None) -> int | str:
@@ -171,7 +171,7 @@ class Pipeline:
         if self._policy is None:
             widths = {LOOKUP: self.lookup_config.max_width}
             if self.drafter is not None:
-                widths[DRAFTER] = self.drafter.args.block_size
+                widths[DRAFTER] = self.drafter.args.max_width
             self.choose_kernels()     # first: the calibration times the kernels that will run
             cost = load_or_measure_costs(self, self.max_width(True))
             self._policy = AdaptiveWidth(cost, widths,

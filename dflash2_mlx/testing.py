@@ -18,7 +18,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from dflash2_mlx.model.config import DFLASH, DFLASH2, DrafterArgs
+from dflash2_mlx.model.config import DFLASH, DFLASH2, DSPARK, DrafterArgs
 from dflash2_mlx.model.drafter import Drafter
 from dflash2_mlx.loading.checkpoint import save_drafter
 
@@ -244,13 +244,20 @@ def write_thinking_target(folder: Path, reasoning: str = REASONING, answer: str 
     return folder
 
 
-def drafter_args(*, dflash2: bool = True, block_size: int = 16, layer_ids=(0, 2),
-                 layers: int = 2, **overrides) -> DrafterArgs:
+def drafter_args(*, dflash2: bool = True, dspark: bool = False, block_size: int = 16,
+                 layer_ids=(0, 2), layers: int = 2, **overrides) -> DrafterArgs:
+    """A tiny drafter for the tiny targets: DFlash 2 (default), DFlash (dflash2=False) or, with
+    `dspark`, a DSpark drafter in DeepSpec's layout: its own embedding and head, a Markov head
+    of rank 16 and a confidence head reading it, predicting from the anchor's slot."""
     base = dict(hidden_size=HIDDEN, num_hidden_layers=layers, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=VOCAB,
                 block_size=block_size, target_layer_ids=tuple(layer_ids), mask_token_id=VOCAB - 1,
                 rms_norm_eps=1e-6, rope_theta=1e6, layer_types=("full_attention",) * layers,
                 num_target_layers=TARGET_LAYERS, architecture=DFLASH2 if dflash2 else DFLASH)
+    if dspark:
+        dflash2 = False
+        base.update(architecture=DSPARK, logits_start=0, markov_rank=16, confidence_head=True,
+                    confidence_with_markov=True, own_embed=True, own_head=True)
     if dflash2:
         base.update(conv_kernel_size=2, conv_group_size=16, selector_rank=32, selector_top_k=16)
     base.update(overrides)
@@ -273,6 +280,8 @@ def random_drafter(args: DrafterArgs, seed: int = 0) -> Drafter:
                 base = mx.random.normal(conv.base_kernel.shape) * 0.3
                 conv.base_kernel = base + mx.array([1.0, 0.0])[None, :, None]
                 conv.kernel_projection.weight = conv.kernel_projection.weight * 3
+    if args.markov_rank:      # a bias as large as the logits: a drafter that ignores it differs
+        drafter.markov_head.markov_w2.weight = drafter.markov_head.markov_w2.weight * 8
     return drafter
 
 

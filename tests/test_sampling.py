@@ -20,7 +20,7 @@ from dflash2_mlx.decode.stats import GenerationStats
 from dflash2_mlx.decode.lookup import LookupConfig
 from dflash2_mlx.model.sampling import Sampling, rejection_accept
 from dflash2_mlx.model.target import TargetAdapter
-from fixtures import drafter_args
+from fixtures import drafter_args, random_drafter
 
 V = 16          # tiny vocabulary so the joint of three tokens has few cells
 PROMPT = [3, 7, 1, 12]
@@ -67,8 +67,10 @@ def tiny():
     d2v.update(d2.parameters())
     d2v.draft_vocab = DraftVocab(list(range(0, V, 2)) + [1, 3])   # ids outside never drafted
     d2v.draft_vocab.ids = mx.sort(d2v.draft_vocab.ids)
-    mx.eval(d1.parameters(), d2.parameters())
-    return model, {"dflash": d1, "dflash2": d2, "dflash2-vocab": d2v}
+    ds = random_drafter(drafter_args(dspark=True, markov_rank=8, **{**common, "block_size": 3}),
+                        seed=12)                     # its widest verify: 3 drafts + 1
+    mx.eval(d1.parameters(), d2.parameters(), ds.parameters())
+    return model, {"dflash": d1, "dflash2": d2, "dflash2-vocab": d2v, "dspark": ds}
 
 
 def exact_joint(model, sampling: Sampling, prompt=PROMPT, cache=None) -> dict:
@@ -180,7 +182,7 @@ def speculative_counts(model, drafter, sampling, n, block_size=3, prompt=PROMPT,
 CASES = [("oracle", Sampling(1.0)), ("oracle", Sampling(0.8, top_k=5)),
          ("oracle", Sampling(1.0, top_p=0.8)), ("oracle", Sampling(1.2, top_p=0.9, top_k=6)),
          ("dflash2", Sampling(1.0)), ("dflash", Sampling(1.0)),
-         ("dflash2-vocab", Sampling(1.0))]
+         ("dflash2-vocab", Sampling(1.0)), ("dspark", Sampling(1.0))]
 N = 2000
 
 

@@ -145,7 +145,7 @@ def _systems(pipe, ref, block_sizes, lookup: bool, max_tokens: int) -> dict[str,
     """The systems of a short set, each called with (ids, temperature, seed): mlx-lm, and per
     block size ours alone (up to the drafter's block), the hybrid, the reference."""
     stop_ids = set(pipe.tokenizer.eos_token_ids)
-    block = pipe.drafter.args.block_size
+    block = pipe.drafter.args.max_width
     systems: dict[str, Callable] = {
         "mlx-lm": lambda ids, t, s: _plain(pipe, ids, t, max_tokens, s, stop_ids)}
     for b in block_sizes:
@@ -164,7 +164,7 @@ def _systems(pipe, ref, block_sizes, lookup: bool, max_tokens: int) -> dict[str,
 def _long_systems(pipe, block_sizes, lookup: bool, max_tokens: int) -> dict[str, Callable]:
     """The systems of a long set, each called with (ids, temperature, seed, prefilled state):
     mlx-lm's loop, and ours alone and the hybrid per block size."""
-    block = pipe.drafter.args.block_size
+    block = pipe.drafter.args.max_width
     stop_ids = set(pipe.tokenizer.eos_token_ids)
     systems: dict[str, Callable] = {"mlx-lm": (
         lambda ids, t, s, state: _plain(pipe, ids, t, max_tokens, s, stop_ids, state))}

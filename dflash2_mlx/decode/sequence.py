@@ -141,7 +141,7 @@ def offer(seq: Sequence, drafter: Drafter | None) -> Offer:
     """What `seq` can draft now: the drafter up to its block size, the lookup what its index
     proposes, neither past max_tokens."""
     room = seq.req.max_tokens - len(seq.tokens)
-    available = {DRAFTER: min(drafter.args.block_size, room)} if drafter is not None else {}
+    available = {DRAFTER: min(drafter.args.max_width, room)} if drafter is not None else {}
     lookup, index = seq.lookup, seq.index
     found = index.propose(min(lookup.max_width, room) - 1) if index and room > 1 else None
     match, guess = found or (0, None)

@@ -2,7 +2,7 @@
 
 Targets are mlx-lm model folders (any family mlx-lm knows) or llama-architecture `.gguf` files.
 Drafters are DFlash / DFlash 2 checkpoint folders in the published format (z-lab's
-`config.json` + `model.safetensors` layout).
+`config.json` + `model.safetensors` layout), or DSpark folders in DeepSpec's.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -21,7 +22,8 @@ from ..model.drafter import Drafter, DraftVocab
 from .weights import cast_floats, is_quantized, mismatches, quantized_layers, read_safetensors
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-# Tensors some early drafter checkpoints carried; the drafter uses the target's instead.
+# Tensors some early DFlash checkpoints carried; the drafter uses the target's instead (a
+# DSpark drafter that ships them uses its own).
 IGNORED_PREFIXES = ("embed_tokens.", "lm_head.", "model.embed_tokens.")
 # Published files store the selector codebooks as bare tensors, without ".weight".
 CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
@@ -85,7 +87,8 @@ def load_target(path_or_id: str | Path, dtype=None, keep_quantized: bool = False
 def load_drafter_weights(drafter: Drafter, weights: dict[str, mx.array], source: str) -> None:
     """Load by the published tensor names; every missing, unexpected or mis-shaped tensor is
     reported by name in one error."""
-    weights = {k: v for k, v in weights.items() if not k.startswith(IGNORED_PREFIXES)}
+    if not drafter.args.is_dspark:
+        weights = {k: v for k, v in weights.items() if not k.startswith(IGNORED_PREFIXES)}
     for name in CODEBOOKS:
         if name in weights:
             weights[name + ".weight"] = weights.pop(name)
@@ -127,8 +130,8 @@ def quantize_drafter(drafter: Drafter, bits: int, group_size: int = 64) -> None:
         raise ValueError(f"draft group size must be 32, 64 or 128, got {group_size}")
 
     def pick(path: str, module: nn.Module) -> bool:
-        if not isinstance(module, (nn.Linear, nn.Embedding)):
-            return False
+        if not isinstance(module, (nn.Linear, nn.Embedding)) or path.startswith("confidence_head"):
+            return False                   # one output: quantizing it saves nothing
         return module.weight.shape[-1] % group_size == 0
 
     nn.quantize(drafter, group_size=group_size, bits=bits, class_predicate=pick)
@@ -194,11 +197,15 @@ def load_drafter(path_or_id: str | Path, *, hidden_size: int, vocab_size: int, n
     args = DrafterArgs.from_file(folder)
     args.check_against_target(hidden_size, vocab_size, num_layers, str(folder / "config.json"),
                               target)
+    weights = read_safetensors(folder)
+    if args.is_dspark:       # its own embedding and head where it ships them, else the target's
+        args = replace(args, own_embed="embed_tokens.weight" in weights,
+                       own_head="lm_head.weight" in weights)
     drafter = Drafter(args)
     stored = stored_quantization(folder)
     if stored:   # a checkpoint saved quantized: give the model the same structure first
         quantize_drafter(drafter, int(stored["bits"]), int(stored["group_size"]))
-    load_drafter_weights(drafter, read_safetensors(folder), str(folder))
+    load_drafter_weights(drafter, weights, str(folder))
     drafter.draft_vocab = read_draft_vocab(folder, args)
     if dtype is not None:
         if stored and bits is None and not keep_quantized:

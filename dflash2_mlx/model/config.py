@@ -1,9 +1,15 @@
-"""Drafter configuration: parse DFlash / DFlash 2 `config.json` files and check them.
+"""Drafter configuration: parse DFlash / DFlash 2 / DSpark `config.json` files and check them.
 
-The published format (z-lab's DFlash / DFlash 2 checkpoints on the Hub) keeps the backbone at
-the top level and the drafting keys in `dflash_config`; older checkpoints put some drafting
-keys (e.g. `block_size`) at the top level, so drafting keys are read from `dflash_config`
-first, then from the top level.
+The published DFlash format (z-lab's DFlash / DFlash 2 checkpoints on the Hub) keeps the
+backbone at the top level and the drafting keys in `dflash_config`; older checkpoints put some
+drafting keys (e.g. `block_size`) at the top level, so drafting keys are read from
+`dflash_config` first, then from the top level.
+
+DSpark drafters in DeepSpec's own packaging (an architecture naming DSpark, e.g.
+`Qwen3DSparkModel`; every key at the top level) add a Markov head (`markov_rank`) and a
+confidence head (`enable_confidence_head`, `confidence_head_with_markov`), and predict from
+block slot `logits_start` on (0: the anchor's own row predicts the first draft). Its other
+packagings (vLLM speculators, SpecForge, LiquidAI's) are refused by name for now.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from typing import Any
 
 DFLASH = "DFlashDraftModel"
 DFLASH2 = "DFlash2DraftModel"
+DSPARK = "DSpark"            # our name for the kind; DeepSpec names e.g. "Qwen3DSparkModel"
 LAYER_TYPES = ("full_attention", "sliding_attention")
 _REQUIRED = object()
 
@@ -22,6 +29,9 @@ _REQUIRED = object()
 # DFlash 2 write-up's values).
 DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16,
                     "selector_rank": 256, "selector_top_k": 16}
+# DeepSpec's defaults for a DSpark config that omits a key (as its trainer writes them).
+DSPARK_DEFAULTS = {"markov_rank": 256, "enable_confidence_head": True,
+                   "confidence_head_with_markov": True, "num_key_value_heads": 8}
 
 
 class CheckpointError(ValueError):
@@ -57,6 +67,15 @@ class DrafterArgs:
     selector_rank: int = 0
     selector_top_k: int = 0
     architecture: str = DFLASH
+    # DSpark parts (DFlash: logits_start 1, no heads, the target's embedding and head).
+    logits_start: int = 1           # the block slot of the first prediction (0: the anchor's)
+    markov_rank: int = 0            # 0: no Markov head
+    confidence_head: bool = False
+    confidence_with_markov: bool = False   # the confidence head also reads markov_w1[prev]
+    attention_bias: bool = False
+    rope_traditional: bool = False
+    own_embed: bool = False         # its own `embed_tokens` (else the target's embedding)
+    own_head: bool = False          # its own `lm_head` (else the target's head)
 
     @property
     def has_conv(self) -> bool:
@@ -65,6 +84,20 @@ class DrafterArgs:
     @property
     def has_selector(self) -> bool:
         return self.selector_top_k > 0
+
+    @property
+    def is_dspark(self) -> bool:
+        return self.architecture == DSPARK
+
+    @property
+    def max_drafts(self) -> int:
+        """The most tokens one block drafts: the slots from `logits_start` on."""
+        return self.block_size - self.logits_start
+
+    @property
+    def max_width(self) -> int:
+        """The widest verify one block feeds: the anchor and `max_drafts` drafts."""
+        return self.max_drafts + 1
 
     @property
     def sliding_only(self) -> bool:
@@ -92,6 +125,7 @@ class DrafterArgs:
             return default
 
         rope, rope_theta = _rope(cfg)
+        dspark = arch == DSPARK
         n_layers = int(get("num_hidden_layers"))
         layer_types = tuple(cfg.get("layer_types") or ("full_attention",) * n_layers)
         hidden = int(get("hidden_size"))
@@ -100,12 +134,26 @@ class DrafterArgs:
         for key in DFLASH2_DEFAULTS:
             default = DFLASH2_DEFAULTS[key] if arch == DFLASH2 else 0
             extra[key] = int(get(key, default, drafting=True))
+        if dspark:
+            rank = int(get("markov_rank", DSPARK_DEFAULTS["markov_rank"]))
+            extra.update(
+                logits_start=_logits_start(cfg, source),
+                markov_rank=rank,
+                confidence_head=bool(get("enable_confidence_head",
+                                         DSPARK_DEFAULTS["enable_confidence_head"])),
+                confidence_with_markov=rank > 0 and bool(get(
+                    "confidence_head_with_markov",
+                    DSPARK_DEFAULTS["confidence_head_with_markov"])),
+                attention_bias=bool(get("attention_bias", False)),
+                rope_traditional=get("rope_is_neox_style", True) is False,
+                own_embed=True, own_head=True)     # `load_drafter` says from the tensors
         try:
             args = cls(
                 hidden_size=hidden,
                 num_hidden_layers=n_layers,
                 num_attention_heads=heads,
-                num_key_value_heads=int(get("num_key_value_heads", heads)),
+                num_key_value_heads=int(get("num_key_value_heads", DSPARK_DEFAULTS[
+                    "num_key_value_heads"] if dspark else heads)),
                 head_dim=int(get("head_dim", hidden // heads)),
                 intermediate_size=int(get("intermediate_size")),
                 vocab_size=int(get("vocab_size")),
@@ -153,6 +201,11 @@ class DrafterArgs:
 
         if self.block_size < 2:
             bad("block_size", f"must be >= 2, got {self.block_size}")
+        if not 0 <= self.logits_start < self.block_size:
+            bad("logits_start", f"must be a block slot 0..{self.block_size - 1}, got "
+                f"{self.logits_start}")
+        if self.markov_rank < 0:
+            bad("markov_rank", f"must be >= 0, got {self.markov_rank}")
         if not self.target_layer_ids:
             bad("target_layer_ids", "must list at least one target layer")
         if len(self.layer_types) != self.num_hidden_layers:
@@ -197,8 +250,13 @@ class DrafterArgs:
                                   f"{target}'s vocabulary 0..{vocab_size - 1}")
 
     def to_config(self) -> dict:
-        """The published config.json layout (backbone top level, drafting keys in dflash_config)."""
+        """The published config.json layout: z-lab's for DFlash (backbone top level, drafting
+        keys in dflash_config), DeepSpec's for DSpark (every key top level)."""
+        if self.is_dspark:
+            return self._dspark_config()
         d = asdict(self)
+        for k in DSPARK_FIELDS:
+            d.pop(k)
         drafting = ["block_size", "target_layer_ids", "mask_token_id", "final_logit_softcapping",
                     "input_embedding_scale", "output_multiplier"]
         if self.architecture == DFLASH2 or self.has_conv or self.has_selector:
@@ -213,14 +271,63 @@ class DrafterArgs:
             d.pop("rope_scaling")
         return {"architectures": [arch], "model_type": "qwen3", **d, "dflash_config": dcfg}
 
+    def _dspark_config(self) -> dict:
+        d = asdict(self)
+        for k in ("architecture", "conv_kernel_size", "conv_group_size", "selector_rank",
+                  "selector_top_k", "input_embedding_scale", "output_multiplier", "own_embed",
+                  "own_head", "is_causal", "sliding_window", "confidence_head",
+                  "confidence_with_markov", "rope_traditional"):
+            d.pop(k)
+        d["target_layer_ids"] = list(d["target_layer_ids"])
+        d["layer_types"] = list(d["layer_types"])
+        if d["rope_scaling"] is None:
+            d.pop("rope_scaling")
+        return {"architectures": ["Qwen3DSparkModel"], "model_type": "qwen3", **d,
+                "enable_confidence_head": self.confidence_head,
+                "confidence_head_with_markov": self.confidence_with_markov,
+                "rope_is_neox_style": not self.rope_traditional}
+
+
+DSPARK_FIELDS = ("logits_start", "markov_rank", "confidence_head", "confidence_with_markov",
+                 "attention_bias", "rope_traditional", "own_embed", "own_head")
+
+
+# DSpark packagings not read yet: how each is told apart, and its name in the refusal
+OTHER_PACKAGINGS = (
+    (lambda c, d: "speculators_config" in c or "speculators_model_type" in c,
+     "vLLM speculators"),
+    (lambda c, d: d.get("projector_type") == "dspark", "SpecForge (dflash_config.projector_type)"),
+    (lambda c, d: "target_layer_ids" not in c and "target_layer_ids" in d
+     and any("DSpark" in a for a in c.get("architectures") or []), "LiquidAI (dflash_config)"),
+)
+
 
 def _architecture(cfg: dict, source: str) -> str:
     archs = cfg.get("architectures") or [DFLASH]
-    arch = DFLASH2 if DFLASH2 in archs else DFLASH if DFLASH in archs else None
-    if arch is None:
-        raise CheckpointError(
-            f"{source}: 'architectures' is {archs}; expected {DFLASH} or {DFLASH2}")
-    return arch
+    dcfg = cfg.get("dflash_config") or {}
+    for told, name in OTHER_PACKAGINGS:
+        if told(cfg, dcfg):
+            raise CheckpointError(f"{source}: a DSpark drafter in the {name} packaging, not "
+                                  "supported yet; DeepSpec's own packaging (every key at the "
+                                  "top level, e.g. deepseek-ai/dspark_*) is")
+    if DFLASH2 in archs:
+        return DFLASH2
+    if DFLASH in archs:
+        return DFLASH
+    if any("DSpark" in str(a) for a in archs) or "markov_rank" in cfg:
+        return DSPARK
+    raise CheckpointError(f"{source}: 'architectures' is {archs}; expected {DFLASH}, {DFLASH2} "
+                          "or a DSpark model (e.g. Qwen3DSparkModel)")
+
+
+def _logits_start(cfg: dict, source: str) -> int:
+    """DeepSpec's first-prediction slot: `logits_start`, else `sample_from_anchor` (true: 0,
+    false: 1), else 0 (the anchor's row predicts the first draft)."""
+    if "logits_start" in cfg:
+        return int(cfg["logits_start"])
+    if "sample_from_anchor" in cfg:
+        return 0 if cfg["sample_from_anchor"] else 1
+    return 0
 
 
 def _rope(cfg: dict) -> tuple[dict | None, float]:

@@ -1,10 +1,13 @@
-"""The DFlash / DFlash 2 block drafter: context-injected attention over the target's hidden
-states; DFlash 2 adds a dynamic short convolution and a candidate selector.
+"""The DFlash / DFlash 2 / DSpark block drafter: context-injected attention over the target's
+hidden states; DFlash 2 adds a dynamic short convolution and a candidate selector; DSpark a
+Markov head (a low-rank bigram bias on each position's logits, from the token before it) and a
+confidence head (whether each position's draft will be accepted).
 
-The drafter has no embedding or output head of its own: the caller embeds the block with the
-target's `embed_tokens` and hands in the target's head. Context features of the target go
-through `fc` + `hidden_norm` and are injected as extra keys/values in every layer; they are
-cached (context rows only) and grow by the accepted rows of each cycle.
+A DFlash drafter has no embedding or output head of its own: it embeds the block with the
+target's `embed_tokens` and scores with the target's head; a DSpark drafter may ship either.
+Context features of the target go through `fc` + `hidden_norm` and are injected as extra
+keys/values in every layer; they are cached (context rows only) and grow by the accepted rows
+of each cycle.
 
 One pass drafts for n sequences at once (`Drafter.propose_batch`), each with its own context
 cache, width, sampling and key; `propose` is that pass for one (layout: docs/batching.md).
@@ -107,13 +110,14 @@ class Attention(nn.Module):
         self.scale = d**-0.5
         self.window = args.sliding_window if sliding else None
         self.causal = args.is_causal
-        self.q_proj = nn.Linear(h, self.n_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, self.n_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, self.n_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
+        bias = args.attention_bias
+        self.q_proj = nn.Linear(h, self.n_heads * d, bias=bias)
+        self.k_proj = nn.Linear(h, self.n_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(h, self.n_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * d, h, bias=bias)
         self.q_norm = nn.RMSNorm(d, eps=args.rms_norm_eps)
         self.k_norm = nn.RMSNorm(d, eps=args.rms_norm_eps)
-        self.rope = initialize_rope(d, args.rope_theta, False, args.rope_scaling,
+        self.rope = initialize_rope(d, args.rope_theta, args.rope_traditional, args.rope_scaling,
                                     args.max_position_embeddings)
 
     def _kv(self, x: mx.array):
@@ -294,11 +298,14 @@ class WalkInputs:
 @dataclass
 class Proposal:
     """One drafted block: tokens [B, L-1]; for sampling, the distribution each was drawn from,
-    either dense `q` [B, L-1, V] or sparse `q` [B, L-1, K] over `q_ids` [B, L-1, K]."""
+    either dense `q` [B, L-1, V] or sparse `q` [B, L-1, K] over `q_ids` [B, L-1, K];
+    `confidence` [B, L-1]: a confidence head's probability that each position is accepted
+    given the ones before it (None: the drafter has no such head)."""
 
     tokens: mx.array
     q: mx.array | None = None
     q_ids: mx.array | None = None
+    confidence: mx.array | None = None
 
     def dense_q(self, vocab: int) -> mx.array:
         """q as [B, L-1, V], zero outside the candidates."""
@@ -320,6 +327,30 @@ class DraftVocab:
         self.ids = mx.array(ids, dtype=mx.uint32)
 
 
+class MarkovHead(nn.Module):
+    """DSpark's bigram bias: logits_i += markov_w2(markov_w1[token before position i])."""
+
+    def __init__(self, vocab: int, rank: int):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab, rank)
+        self.markov_w2 = nn.Linear(rank, vocab, bias=False)
+
+    def __call__(self, prev: mx.array) -> mx.array:
+        """prev [...] token ids -> the bias [..., V]."""
+        return self.markov_w2(self.markov_w1(prev))
+
+
+class ConfidenceHead(nn.Module):
+    """DSpark's acceptance predictor: sigmoid(proj([h_i, markov_w1[prev_i]])) per position."""
+
+    def __init__(self, features: int):
+        super().__init__()
+        self.proj = nn.Linear(features, 1)
+
+    def __call__(self, features: mx.array) -> mx.array:
+        return mx.sigmoid(self.proj(features)[..., 0])
+
+
 class Draft(NamedTuple):
     """One sequence's block to draft in a pass: after `anchor` [1, 1], given `feats`
     [1, S, F] (the target features of its rows committed since its last pass, or None), its
@@ -334,16 +365,25 @@ class Draft(NamedTuple):
 
 
 class Drafter(nn.Module):
-    """A DFlash (selector/conv absent) or DFlash 2 drafter."""
+    """A DFlash (selector/conv absent), DFlash 2 or DSpark drafter."""
 
     def __init__(self, args: DrafterArgs):
         super().__init__()
         self.args = args
-        H = args.hidden_size
+        H, V = args.hidden_size, args.vocab_size
+        if args.own_embed:
+            self.embed_tokens = nn.Embedding(V, H)
         self.fc = nn.Linear(len(args.target_layer_ids) * H, H, bias=False)
         self.hidden_norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
         self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
+        if args.own_head:
+            self.lm_head = nn.Linear(H, V, bias=False)
+        if args.markov_rank:
+            self.markov_head = MarkovHead(V, args.markov_rank)
+        if args.confidence_head:
+            self.confidence_head = ConfidenceHead(
+                H + (args.markov_rank if args.confidence_with_markov else 0))
         if args.has_selector:
             self.candidate_selector = CandidateSelector(args)
         self._kernel_path: KernelPath = "ops"
@@ -366,6 +406,11 @@ class Drafter(nn.Module):
 
     def make_cache(self) -> list[ContextCache]:
         return [ContextCache(l.self_attn.window) for l in self.layers]
+
+    @property
+    def has_confidence(self) -> bool:
+        """Whether its proposals carry `confidence` (a DSpark confidence head)."""
+        return self.args.confidence_head
 
     @property
     def context_window(self) -> int | None:
@@ -426,24 +471,99 @@ class Drafter(nn.Module):
         """Every sequence's block in one pass -> a Proposal per draft, each the one it gets
         alone: its own context, width, sampling and key (layout: docs/batching.md).
 
-        The blocks are [n, L = max width] rows, right-padded with mask tokens; rows and
+        DFlash blocks are [n, L = max width] rows, right-padded with mask tokens; rows and
         positions after a sequence's own never reach its earlier ones (causal conv and walk,
-        padding invisible to attention)."""
-        n, L = len(drafts), max(d.width for d in drafts)
-        anchors = drafts[0].anchor if n == 1 else mx.concatenate([d.anchor for d in drafts])
-        mask = mx.full((n, L - 1), self.args.mask_token_id, dtype=anchors.dtype)
-        x = target.embed(mx.concatenate([anchors, mask], axis=1))
-        if self.args.input_embedding_scale != 1.0:
-            x = x * self.args.input_embedding_scale
-        h = self.blocks(x, [d.feats for d in drafts], [d.cache for d in drafts],
-                        [d.width for d in drafts])[:, 1:]                  # [n, L-1, H]
-        vocab = self.draft_vocab.ids if self.draft_vocab is not None else None
-        head = target.head if vocab is None else target.head_rows(vocab)
-        logits = self.logits(h, head)                                      # [n, L-1, V']
-        if self.args.has_selector:
+        padding invisible to attention). A DSpark block is always its full `block_size` rows
+        (it was trained on whole blocks), its drafts read from slot `logits_start` on."""
+        h, logits = self.block_logits(target, drafts)
+        anchors = drafts[0].anchor if len(drafts) == 1 else \
+            mx.concatenate([d.anchor for d in drafts])
+        vocab = self._vocab()
+        args = self.args
+        if args.has_selector:
             return self._walk(h, logits, anchors[:, 0], drafts, vocab)
-        return [self._draw(logits[i : i + 1, : d.width - 1], d, vocab)
+        if args.markov_rank:
+            return self._markov(h, logits, anchors[:, 0], drafts)
+        return [self._draw(logits[i : i + 1, : d.width - 1], d, vocab,
+                           self._confidence(h[i : i + 1, : d.width - 1]))
                 for i, d in enumerate(drafts)]
+
+    def block_logits(self, target: Target, drafts: list[Draft]) -> tuple[mx.array, mx.array]:
+        """The pass itself: every sequence's block rows from slot `logits_start` on, h
+        [n, w-1, H] (w the widest draft), and their logits [n, w-1, V'] (the head, output
+        multiplier and soft cap; no Markov bias)."""
+        args = self.args
+        n, width = len(drafts), max(d.width for d in drafts)
+        L = args.block_size if args.is_dspark else width
+        lengths = [L if args.is_dspark else d.width for d in drafts]
+        anchors = drafts[0].anchor if n == 1 else mx.concatenate([d.anchor for d in drafts])
+        mask = mx.full((n, L - 1), args.mask_token_id, dtype=anchors.dtype)
+        block = mx.concatenate([anchors, mask], axis=1)
+        x = self.embed_tokens(block) if args.own_embed else target.embed(block)
+        if args.input_embedding_scale != 1.0:
+            x = x * args.input_embedding_scale
+        start = args.logits_start
+        h = self.blocks(x, [d.feats for d in drafts], [d.cache for d in drafts],
+                        lengths)[:, start : start + width - 1]              # [n, w-1, H]
+        vocab = self._vocab()
+        head = (self.lm_head if args.own_head else
+                target.head if vocab is None else target.head_rows(vocab))
+        return h, self.logits(h, head)
+
+    def _vocab(self) -> mx.array | None:
+        """The draft vocabulary's ids (`DraftVocab`), for a drafter that scores with the
+        target's head."""
+        own = self.args.own_head or self.draft_vocab is None
+        return None if own else self.draft_vocab.ids
+
+    def _markov(self, h, logits, anchors, drafts: list[Draft]) -> list[Proposal]:
+        """Drafts position by position: each position's logits get the Markov head's bias
+        from the token before it (the anchor, then the token just drafted), and that token is
+        drawn from them; greedy rows in one argmax per position, sampled ones each from its
+        own distribution with its own key (split per position, the same alone or batched).
+        The corrected distributions are the q rejection sampling reads."""
+        P = logits.shape[1]
+        keys = [None if d.sampling.greedy else mx.random.split(d.key, d.width - 1)
+                for d in drafts]
+        prev, tokens, qs = anchors, [], []                   # prev [n]
+        for i in range(P):
+            step = logits[:, i] + self.markov_head(prev)                 # [n, V]
+            picked, q = [], []
+            for b, d in enumerate(drafts):
+                if d.sampling.greedy or i >= d.width - 1:
+                    picked.append(None)
+                    q.append(None)
+                    continue
+                q.append(d.sampling.probs(step[b : b + 1]))              # [1, V]
+                picked.append(mx.random.categorical(mx.log(q[-1]), key=keys[b][i]))
+            greedy = mx.argmax(step, axis=-1)
+            if all(p is None for p in picked):
+                nxt = greedy
+            else:
+                nxt = mx.concatenate([greedy[b : b + 1] if p is None else p.astype(greedy.dtype)
+                                      for b, p in enumerate(picked)])
+            tokens.append(nxt)
+            qs.append(q)
+            prev = nxt
+        tokens = mx.stack(tokens, axis=1)                                # [n, P]
+        before = mx.concatenate([anchors[:, None], tokens[:, :-1]], axis=1)
+        confidence = self._confidence(h, before)
+        out = []
+        for b, d in enumerate(drafts):
+            w = d.width - 1
+            q = None if d.sampling.greedy else mx.stack([qs[i][b][0] for i in range(w)])[None]
+            out.append(Proposal(tokens[b : b + 1, :w], q, None,
+                                None if confidence is None else confidence[b : b + 1, :w]))
+        return out
+
+    def _confidence(self, h: mx.array, before: mx.array | None = None) -> mx.array | None:
+        """The confidence head on rows h [n, P, H], `before` [n, P] the token before each
+        (read where the head takes the Markov embedding) -> [n, P], or None without a head."""
+        if not self.args.confidence_head:
+            return None
+        if self.args.confidence_with_markov:
+            h = mx.concatenate([h, self.markov_head.markov_w1(before).astype(h.dtype)], axis=-1)
+        return self.confidence_head(h)
 
     def _walk(self, h, logits, anchors, drafts: list[Draft], vocab) -> list[Proposal]:
         """The selector walk of every sequence: one walk per temperature among them (the
@@ -465,14 +585,16 @@ class Drafter(nn.Module):
         return out
 
     @staticmethod
-    def _draw(logits: mx.array, d: Draft, vocab: mx.array | None) -> Proposal:
-        """One sequence's drafts from its logits [1, w-1, V'] (no selector)."""
+    def _draw(logits: mx.array, d: Draft, vocab: mx.array | None,
+              confidence: mx.array | None = None) -> Proposal:
+        """One sequence's drafts from its logits [1, w-1, V'] (no selector, no Markov head)."""
         to_ids = (lambda i: i) if vocab is None else (lambda i: vocab[i])
         if d.sampling.greedy:
-            return Proposal(to_ids(mx.argmax(logits, axis=-1)))
+            return Proposal(to_ids(mx.argmax(logits, axis=-1)), confidence=confidence)
         q = d.sampling.probs(logits)
         q_ids = None if vocab is None else mx.broadcast_to(vocab, q.shape)
-        return Proposal(to_ids(mx.random.categorical(mx.log(q), key=d.key)), q, q_ids)
+        return Proposal(to_ids(mx.random.categorical(mx.log(q), key=d.key)), q, q_ids,
+                        confidence)
 
 
 def _uniforms(drafts: list[Draft], L: int) -> mx.array:

@@ -104,7 +104,7 @@ def load_or_measure_costs(pipeline, max_width: int, fresh: bool = False) -> Cost
     An entry not `settled` or `stale` is timed again at each load; the better of the two (the
     narrower spread) serves and is stored. Writers re-read and replace the file atomically."""
     path, key = cache_file(), calibration_key(pipeline)
-    block = pipeline.drafter.args.block_size if pipeline.drafter is not None else 1
+    block = pipeline.drafter.args.max_width if pipeline.drafter is not None else 1
     entry = _read_table(path).get(key)
     cost = CostModel.from_dict(entry, block, max(max_width, block))
     why = stale(entry) if cost is not None else None
@@ -256,7 +256,7 @@ def measure_costs(pipeline, max_width: int, context: int = BASE_CONTEXT,
     _, feats = target.forward(ids, cache)
     mx.eval(feats, [c.state for c in cache])
     anchor = ids[:, -1:]
-    block = drafter.args.block_size if drafter is not None else 1
+    block = drafter.args.max_width if drafter is not None else 1
     dcache = drafter.make_cache() if drafter is not None else None
     if drafter is not None:
         drafter.propose(target, anchor, feats, dcache, 2, Sampling(), mx.random.key(0))
@@ -281,7 +281,7 @@ def measure_slopes(pipeline, cost: CostModel, long: tuple[int, ...] = LONG_CONTE
     its base), up to `SLOPE_TRIES` times while they fit no slope: then `fitted` is False and
     the next load times them again. Its spread: the rounds'."""
     target, context = pipeline.adapter, cost.base
-    block = pipeline.drafter.args.block_size if pipeline.drafter is not None else 1
+    block = pipeline.drafter.args.max_width if pipeline.drafter is not None else 1
     ids = _context_ids(target, context)
     widths = [w for w in SLOPE_WIDTHS if w <= cost.max_width]
     deadline = time.perf_counter() + max(budget, 0.0)

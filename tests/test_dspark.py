@@ -1,0 +1,230 @@
+"""DSpark drafters (DeepSpec's packaging): the config and tensors read as published, and the
+drafts our `Drafter` makes equal an independent implementation's, mlx-dspark 0.20.3 (a test
+dependency, `scripts/setup.sh` installs it without its own dependencies): draft logits,
+Markov-corrected logits, greedy tokens, the sampled draft distribution q and the confidence
+head's outputs, over several blocks and contexts, with the drafter's own embedding and head
+and with the target's. Then the engine: greedy output equal to mlx-lm's with a DSpark drafter,
+with lookup beside it and batched; seeded sampling the same alone and batched (the chi-square
+test of the sampled distribution is tests/test_sampling.py's `dspark` case)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from types import SimpleNamespace
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.rope_utils import initialize_rope
+
+import dflash2_mlx
+from dflash2_mlx.loading.checkpoint import load_drafter
+from dflash2_mlx.model.config import CheckpointError, DrafterArgs
+from dflash2_mlx.model.drafter import Draft
+from dflash2_mlx.model.sampling import Sampling
+from dflash2_mlx.model.target import TargetAdapter
+from fixtures import (HIDDEN, TARGET_LAYERS, VOCAB, assert_seeded_batch_equals_alone,
+                      drafter_args, write_drafter)
+from test_exactness import mlx_lm_greedy
+
+pytestmark = pytest.mark.rows
+
+
+def oracle_module():
+    """mlx-dspark, or a skip saying why. It imports mlx-vlm for one RoPE helper that mlx-lm
+    has too; where mlx-vlm is not installed that helper is lent from mlx-lm."""
+    if "mlx_vlm" not in sys.modules:
+        try:
+            import mlx_vlm  # noqa: F401
+        except ImportError:
+            stub = types.ModuleType("mlx_vlm.models.rope_utils")
+            stub.initialize_rope = initialize_rope
+            sys.modules["mlx_vlm"] = types.ModuleType("mlx_vlm")
+            sys.modules["mlx_vlm.models"] = types.ModuleType("mlx_vlm.models")
+            sys.modules["mlx_vlm.models.rope_utils"] = stub
+    return pytest.importorskip("mlx_dspark.load", reason="mlx-dspark (the DSpark oracle) is not "
+                               "installed: pip install --no-deps mlx-dspark==0.20.3")
+
+
+SHAPES = {   # (own embedding and head, logits_start, Markov rank, confidence reads Markov)
+    "own-heads": dict(own_embed=True, own_head=True, logits_start=0, markov_rank=16),
+    "target-heads": dict(own_embed=False, own_head=False, logits_start=0, markov_rank=16),
+    "slot-1": dict(own_embed=True, own_head=True, logits_start=1, markov_rank=16),
+    "no-markov": dict(own_embed=True, own_head=True, logits_start=0, markov_rank=0,
+                      confidence_with_markov=False),
+}
+
+
+@pytest.fixture(scope="module")
+def target(llama_dir):
+    from mlx_lm.utils import load
+
+    return TargetAdapter(load(str(llama_dir))[0], (0, 2))
+
+
+def write(tmp_path, shape: str, seed: int = 3):
+    args = drafter_args(dspark=True, block_size=7, **SHAPES[shape])
+    folder = write_drafter(tmp_path / shape, args, seed=seed, dtype=mx.float32)
+    if shape == "slot-1":             # DeepSpec says it with `sample_from_anchor: false`
+        cfg = json.loads((folder / "config.json").read_text())
+        del cfg["logits_start"]
+        cfg["sample_from_anchor"] = False
+        (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def ours(folder, target: TargetAdapter):
+    return load_drafter(folder, hidden_size=HIDDEN, vocab_size=VOCAB, num_layers=TARGET_LAYERS)
+
+
+def theirs(folder, target: TargetAdapter):
+    load = oracle_module()
+    drafter, _ = load.load_drafter(str(folder), quantize=False)
+    drafter.bind_embed(target.embed)
+    drafter.bind_lm_head(target.head)
+    return drafter
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_drafts_equal_mlx_dspark(shape, tmp_path, target):
+    """Three blocks, each after new context rows (a prompt of 9 rows, then 3 and 5 accepted
+    rows): the draft logits, the Markov-corrected logits, the greedy drafts, the sampled
+    draft's q (teacher-forced: their q given our tokens) and the confidences equal
+    mlx-dspark's within float32 rounding."""
+    folder = write(tmp_path, shape)
+    mine, ref = ours(folder, target), theirs(folder, target)
+    args = mine.args
+    assert (args.own_embed, args.own_head) == (SHAPES[shape]["own_embed"],) * 2
+    assert args.logits_start == SHAPES[shape]["logits_start"]
+    rng = np.random.default_rng(5)
+    F = len(args.target_layer_ids) * HIDDEN
+    cache, ctx, offset = mine.make_cache(), ref.make_ctx_cache(), 0
+    sample_cache = mine.make_cache()
+    width = args.max_width
+    for rows, anchor in ((9, 17), (3, 201), (5, 64)):
+        feats = mx.array(rng.standard_normal((1, rows, F)).astype(np.float32))
+        ref.update_context(feats, ctx_offset=offset, ctx_caches=ctx)
+        offset += rows
+        a = mx.array([[anchor]], dtype=mx.uint32)
+        # ours: the block's rows, logits, greedy drafts and confidences
+        drafts = [Draft(a, feats, cache, width, Sampling(), mx.random.key(0))]
+        greedy = mine.propose_batch(target, drafts)[0]            # reads the new rows
+        h, logits = mine.block_logits(target, [drafts[0]._replace(feats=None)])
+        # theirs
+        block = ref.embed(mx.array([[anchor] + [args.mask_token_id] * (args.block_size - 1)]))
+        hh = ref.head_slice(ref.backbone(block, offset, ctx), args.max_drafts)
+        base = ref.compute_logits(hh)[0]
+        close = lambda x, y: np.testing.assert_allclose(np.array(x), np.array(y),  # noqa
+                                                        rtol=2e-4, atol=2e-4)
+        close(logits[0], base)
+        tokens = ref.sample_block(base, first_prev_token=anchor)
+        assert greedy.tokens[0].tolist() == tokens.tolist()
+        prev = mx.concatenate([mx.array([anchor]), tokens[:-1]])
+        if args.markov_rank:
+            corrected = base + ref.markov_head.step_bias(prev)
+            close(logits[0] + mine.markov_head(prev), corrected)
+        close(greedy.confidence[0], mx.sigmoid(ref.confidence_logits(hh[0], prev)))
+        # sampled at T = 1.0 (no truncation: both truncate the same way only then)
+        sampled = mine.propose(target, a, feats, sample_cache, width, Sampling(1.0),
+                               mx.random.key(anchor))
+        drawn = sampled.tokens[0]
+        before = mx.concatenate([mx.array([anchor]), drawn[:-1].astype(mx.int32)])
+        step = base + (ref.markov_head.step_bias(before) if args.markov_rank else 0)
+        close(sampled.q[0], mx.softmax(step, axis=-1))
+        close(sampled.confidence[0], mx.sigmoid(ref.confidence_logits(hh[0], before)))
+
+
+def test_a_markov_head_changes_the_drafts(tmp_path, target):
+    """The fixture's Markov bias is large enough to matter: drafts without it differ (so the
+    oracle test above would see a drafter that ignored it)."""
+    mine = ours(write(tmp_path, "own-heads"), target)
+    feats = mx.random.normal((1, 6, len(mine.args.target_layer_ids) * HIDDEN))
+    drafts = [Draft(mx.array([[5]], dtype=mx.uint32), feats, mine.make_cache(),
+                    mine.args.max_width, Sampling(), mx.random.key(0))]
+    _, logits = mine.block_logits(target, drafts)
+    assert mine.propose_batch(target, drafts)[0].tokens[0].tolist() != \
+        mx.argmax(logits[0], axis=-1).tolist()
+
+
+def test_deepspec_config_keys_and_refusals(tmp_path):
+    """DeepSpec's defaults where a key is absent; the other packagings refused by name."""
+    cfg = {"architectures": ["Qwen3DSparkModel"], "model_type": "qwen3", "hidden_size": 64,
+           "vocab_size": 100, "num_hidden_layers": 1, "intermediate_size": 128,
+           "num_attention_heads": 8, "block_size": 7, "mask_token_id": 99,
+           "target_layer_ids": [0, 2]}
+    a = DrafterArgs.from_dict(cfg)
+    assert (a.is_dspark, a.logits_start, a.markov_rank, a.confidence_head,
+            a.confidence_with_markov, a.num_key_value_heads, a.max_width) == \
+        (True, 0, 256, True, True, 8, 8)
+    b = DrafterArgs.from_dict({**cfg, "sample_from_anchor": False, "markov_rank": 0,
+                               "rope_is_neox_style": False, "attention_bias": True})
+    assert (b.logits_start, b.markov_rank, b.confidence_with_markov, b.rope_traditional,
+            b.attention_bias, b.max_width) == (1, 0, False, True, True, 7)
+    for extra, name in (({"speculators_config": {}}, "vLLM speculators"),
+                        ({"dflash_config": {"projector_type": "dspark"}}, "SpecForge"),
+                        ({"architectures": ["Lfm2DSparkDraftModel"], "target_layer_ids": None,
+                          "dflash_config": {"target_layer_ids": [1]}}, "LiquidAI")):
+        c = {k: v for k, v in {**cfg, **extra}.items() if v is not None}
+        with pytest.raises(CheckpointError, match=name):
+            DrafterArgs.from_dict(c, source="x/config.json")
+    with pytest.raises(CheckpointError, match="'logits_start' must be a block slot 0..6"):
+        DrafterArgs.from_dict({**cfg, "logits_start": 7})
+
+
+@pytest.fixture(scope="module")
+def dspark_pipe(llama_dir, tmp_path_factory):
+    folder = write_drafter(tmp_path_factory.mktemp("dspark") / "d",
+                           drafter_args(dspark=True, block_size=7), seed=4)
+    return dflash2_mlx.load(str(llama_dir), str(folder))
+
+
+def test_greedy_equals_mlx_lm_with_a_dspark_drafter(dspark_pipe):
+    """Fixed widths up to the widest (8: 7 drafts from slot 0), `auto`, lookup beside the
+    drafter, and a batch: each equals mlx-lm's greedy output; the drafts came from the drafter
+    and carried confidences."""
+    pipe = dspark_pipe
+    assert pipe.drafter.has_confidence and pipe.drafter.args.max_width == 8
+    prompts = ["def add(a, b):", "Once upon a time", "1, 2, 3, 4, 1, 2, 3,"]
+    stop = pipe.tokenizer.eos_token_ids
+    refs = [mlx_lm_greedy(pipe.target, pipe.encode(p), 24, stop) for p in prompts]
+    for b in (2, 5, 8, "auto"):
+        for lookup in (False, True):
+            g = pipe.generate(prompts[0], max_tokens=24, block_size=b, lookup=lookup)
+            assert g.tokens == refs[0], (b, lookup)
+    g = pipe.generate(prompts[2], max_tokens=24, block_size=8)
+    assert g.tokens == refs[2] and "drafter" in {c.source for c in g.stats.steps}
+    gens = pipe.generate_batch(prompts, max_tokens=24, block_size=8)
+    assert [g.tokens for g in gens] == refs
+
+
+def test_seeded_sampling_is_the_same_alone_and_batched(dspark_pipe):
+    """Each sequence's Markov draws use its own key, split per position: batched, a sequence
+    samples what it samples alone."""
+    engine = assert_seeded_batch_equals_alone(dspark_pipe.adapter, dspark_pipe.drafter, 16)
+    assert engine.solo_why is None
+
+
+def test_quantized_dspark_weights_load_and_stay_exact(llama_dir, tmp_path):
+    """4-bit drafter weights (the confidence head kept in float: one output row), stored and
+    read back; greedy output still mlx-lm's."""
+    folder = write_drafter(tmp_path / "d", drafter_args(dspark=True, block_size=7,
+                                                        markov_rank=64), seed=4)
+    pipe = dflash2_mlx.load(str(llama_dir), str(folder), draft_bits=4)
+    assert type(pipe.drafter.confidence_head.proj).__name__ == "Linear"
+    assert type(pipe.drafter.markov_head.markov_w2).__name__ == "QuantizedLinear"
+    ids = pipe.encode("def add(a, b):")
+    assert pipe.generate(ids, max_tokens=16, block_size=8).tokens == \
+        mlx_lm_greedy(pipe.target, ids, 16, pipe.tokenizer.eos_token_ids)
+
+
+def test_a_drafter_without_a_confidence_head_says_so(tmp_path, target):
+    folder = write_drafter(tmp_path / "d", drafter_args(dflash2=False), seed=1)
+    d = ours(folder, target)
+    assert not d.has_confidence
+    drafts = [Draft(mx.array([[5]], dtype=mx.uint32), None, d.make_cache(), 4, Sampling(),
+                    mx.random.key(0))]
+    d.skip_context(drafts[0].cache, 3)
+    assert d.propose_batch(SimpleNamespace(embed=target.embed, head=target.head),
+                           drafts)[0].confidence is None
