@@ -19,7 +19,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from dflash2_mlx.model.config import DFLASH, DFLASH2, DSPARK, DrafterArgs
-from dflash2_mlx.model.drafter import Drafter
+from dflash2_mlx.model.drafter import Drafter, DraftVocab
 from dflash2_mlx.loading.checkpoint import save_drafter
 
 CORPUS = [
@@ -282,10 +282,63 @@ def random_drafter(args: DrafterArgs, seed: int = 0) -> Drafter:
                 conv.kernel_projection.weight = conv.kernel_projection.weight * 3
     if args.markov_rank:      # a bias as large as the logits: a drafter that ignores it differs
         drafter.markov_head.markov_w2.weight = drafter.markov_head.markov_w2.weight * 8
+    for layer in drafter.layers if args.attention_sinks else ():
+        layer.self_attn.attention_sink_bias = mx.random.normal((args.num_attention_heads,))
     return drafter
 
 
 def write_drafter(folder: Path, args: DrafterArgs | None = None, seed: int = 0,
-                  dtype=mx.bfloat16) -> Path:
-    """A drafter folder in the published layout (BF16 by default)."""
-    return save_drafter(random_drafter(args or drafter_args(), seed), folder, dtype)
+                  dtype=mx.bfloat16, packaging: str = "DeepSpec") -> Path:
+    """A drafter folder in the published layout (BF16 by default); a DSpark drafter in one
+    of its packagings (`DSPARK_PACKAGINGS`). A reduced draft vocabulary (`draft_vocab_size`)
+    gets the even ids and then the first odd ones, as its `d2t` table."""
+    drafter = random_drafter(args or drafter_args(), seed)
+    n = drafter.args.draft_vocab_size
+    if n:
+        drafter.draft_vocab = DraftVocab(sorted((list(range(0, VOCAB, 2)) +
+                                                 list(range(1, VOCAB, 2)))[:n]))
+    folder = save_drafter(drafter, folder, dtype)
+    if packaging != "DeepSpec":
+        path = folder / "config.json"
+        path.write_text(json.dumps(packaged(json.loads(path.read_text()), packaging), indent=2))
+    return folder
+
+
+DSPARK_PACKAGINGS = ("DeepSpec", "speculators", "SpecForge", "LiquidAI")
+BACKBONE = ("hidden_size", "vocab_size", "num_hidden_layers", "intermediate_size",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+            "attention_bias", "rope_theta")
+
+
+def packaged(cfg: dict, packaging: str) -> dict:
+    """A DSpark config.json of DeepSpec's layout in another packaging's, as published."""
+    cfg = dict(cfg)
+    start = cfg.pop("logits_start")
+    if packaging == "speculators":          # the first slot said by the proposal's width
+        layer = {"model_type": "qwen3", **{k: cfg[k] for k in BACKBONE}}
+        if cfg.get("sliding_window"):
+            layer.update(layer_types=["sliding_attention"] * cfg["num_hidden_layers"],
+                         use_sliding_window=True, sliding_window=cfg["sliding_window"])
+        out = {"speculators_model_type": "dspark",
+               "speculators_config": {"algorithm": "dspark", "proposal_methods": [
+                   {"proposal_type": "greedy",
+                    "speculative_tokens": cfg["block_size"] - start}]},
+               "transformer_layer_config": layer,
+               "aux_hidden_state_layer_ids": cfg["target_layer_ids"],
+               "sliding_window_non_causal": not cfg.get("dflash_query_causal", False)}
+        for k in ("block_size", "mask_token_id", "markov_rank", "enable_confidence_head",
+                  "confidence_head_with_markov", "final_logit_softcapping", "draft_vocab_size",
+                  "attention_sink_bias"):
+            if k in cfg:
+                out[k] = cfg[k]
+        return out
+    nested = {k: cfg.pop(k) for k in ("target_layer_ids", "mask_token_id")}
+    if packaging == "SpecForge":            # a Qwen3Config with a tagged dflash_config
+        assert start == 0, "SpecForge heads predict from the anchor's slot"
+        return {**cfg, "architectures": ["DSparkDraftModel"],
+                "dflash_config": {"projector_type": "dspark", **nested}}
+    if packaging == "LiquidAI":             # the taps nested, no tag
+        assert start == 0, "LiquidAI's heads predict from the anchor's slot"
+        return {**cfg, "architectures": ["Lfm2DSparkDraftModel"],
+                "dflash_config": {**nested, "num_target_layers": cfg["num_target_layers"]}}
+    raise ValueError(f"packaging: one of {DSPARK_PACKAGINGS}, got {packaging!r}")

@@ -107,7 +107,7 @@ class Oracles:
 
     def __init__(self, vocab):
         self.vocab, self.next, self.seed = vocab, [], 0
-        self.context_window, self.args = None, SimpleNamespace(block_size=16)
+        self.context_window, self.args = None, SimpleNamespace(block_size=16, max_width=16)
 
     def expect(self, prompt_len, truth):
         """The oracle of the next sequence added."""
@@ -174,7 +174,8 @@ def assert_seeded_batch_equals_alone(adapter, drafter, max_tokens: int) -> Engin
         prompt = [rng.randrange(vocab - 1) for _ in range(5 + 7 * k)]
         refs[k] = [t for new in stream_tokens(
             adapter, drafter, prompt, max_tokens=max_tokens, sampling=sampling,
-            planner=Planner(), policy=policy, stop_ids=set(), lookup=LookupConfig() if lookup else None,
+            planner=Planner(),
+            policy=policy, stop_ids=set(), lookup=LookupConfig() if lookup else None,
             seed=100 + k) for t in new]
         arrivals.setdefault(k % 2, []).append(
             (k, Request(prompt, max_tokens, sampling, policy=policy, lookup=lookup,

@@ -45,7 +45,8 @@ class Model:
     def gen(self, prompt, state=None, n=10, width=4, **sampling):
         seed = sampling.pop("seed", None)
         out = stream_tokens(self.adapter, self.drafter, prompt, max_tokens=n,
-                            sampling=Sampling(**sampling), planner=Planner(), policy=FixedWidth(width),
+                            sampling=Sampling(**sampling), planner=Planner(),
+                                                           policy=FixedWidth(width),
                             lookup=LookupConfig(), stop_ids=set(), seed=seed, state=state)
         return [t for new in out for t in new]
 

@@ -48,12 +48,27 @@ def oracle_module():
                                "installed: pip install --no-deps mlx-dspark==0.20.3")
 
 
-SHAPES = {   # (own embedding and head, logits_start, Markov rank, confidence reads Markov)
-    "own-heads": dict(own_embed=True, own_head=True, logits_start=0, markov_rank=16),
-    "target-heads": dict(own_embed=False, own_head=False, logits_start=0, markov_rank=16),
-    "slot-1": dict(own_embed=True, own_head=True, logits_start=1, markov_rank=16),
-    "no-markov": dict(own_embed=True, own_head=True, logits_start=0, markov_rank=0,
-                      confidence_with_markov=False),
+OWN = dict(own_embed=True, own_head=True)
+CASES = {   # name: (the drafter's shape, its packaging)
+    "own-heads": (dict(OWN, logits_start=0, markov_rank=16), "DeepSpec"),
+    "target-heads": (dict(own_embed=False, own_head=False, logits_start=0, markov_rank=16),
+                     "DeepSpec"),
+    "slot-1": (dict(OWN, logits_start=1, markov_rank=16), "DeepSpec"),
+    "no-markov": (dict(OWN, logits_start=0, markov_rank=0, confidence_with_markov=False),
+                  "DeepSpec"),
+    # NVIDIA's DFlash-lineage head: a causal block, a sliding window that bites (12 < the
+    # 17 context rows), a sink logit per head, the target's head, predictions from slot 1
+    "lineage": (dict(own_embed=True, own_head=False, logits_start=1, markov_rank=16,
+                     is_causal=True, sliding_window=12, attention_sinks=True,
+                     layer_types=("sliding_attention",) * 2), "DeepSpec"),
+    # speculators: a reduced draft vocabulary (d2t) and the first slot from its proposal
+    "speculators": (dict(OWN, logits_start=1, markov_rank=16, draft_vocab_size=200),
+                    "speculators"),
+    "speculators-swa": (dict(OWN, logits_start=0, markov_rank=16, is_causal=True,
+                             sliding_window=12, layer_types=("sliding_attention",) * 2),
+                        "speculators"),
+    "specforge": (dict(OWN, logits_start=0, markov_rank=16), "SpecForge"),
+    "liquidai": (dict(OWN, logits_start=0, markov_rank=16, rope_traditional=True), "LiquidAI"),
 }
 
 
@@ -64,10 +79,12 @@ def target(llama_dir):
     return TargetAdapter(load(str(llama_dir))[0], (0, 2))
 
 
-def write(tmp_path, shape: str, seed: int = 3):
-    args = drafter_args(dspark=True, block_size=7, **SHAPES[shape])
-    folder = write_drafter(tmp_path / shape, args, seed=seed, dtype=mx.float32)
-    if shape == "slot-1":             # DeepSpec says it with `sample_from_anchor: false`
+def write(tmp_path, case: str, seed: int = 3):
+    shape, packaging = CASES[case]
+    args = drafter_args(dspark=True, block_size=7, **shape)
+    folder = write_drafter(tmp_path / case, args, seed=seed, dtype=mx.float32,
+                           packaging=packaging)
+    if case == "slot-1":              # DeepSpec says it with `sample_from_anchor: false`
         cfg = json.loads((folder / "config.json").read_text())
         del cfg["logits_start"]
         cfg["sample_from_anchor"] = False
@@ -87,17 +104,16 @@ def theirs(folder, target: TargetAdapter):
     return drafter
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_drafts_equal_mlx_dspark(shape, tmp_path, target):
+@pytest.mark.parametrize("case", list(CASES))
+def test_drafts_equal_mlx_dspark(case, tmp_path, target):
     """Three blocks, each after new context rows (a prompt of 9 rows, then 3 and 5 accepted
     rows): the draft logits, the Markov-corrected logits, the greedy drafts, the sampled
     draft's q (teacher-forced: their q given our tokens) and the confidences equal
     mlx-dspark's within float32 rounding."""
-    folder = write(tmp_path, shape)
+    folder = write(tmp_path, case)
     mine, ref = ours(folder, target), theirs(folder, target)
-    args = mine.args
-    assert (args.own_embed, args.own_head) == (SHAPES[shape]["own_embed"],) * 2
-    assert args.logits_start == SHAPES[shape]["logits_start"]
+    args, shape = mine.args, CASES[case][0]
+    assert {k: getattr(args, k) for k in shape} == shape    # read back as written
     rng = np.random.default_rng(5)
     F = len(args.target_layer_ids) * HIDDEN
     cache, ctx, offset = mine.make_cache(), ref.make_ctx_cache(), 0
@@ -119,12 +135,14 @@ def test_drafts_equal_mlx_dspark(shape, tmp_path, target):
         close = lambda x, y: np.testing.assert_allclose(np.array(x), np.array(y),  # noqa
                                                         rtol=2e-4, atol=2e-4)
         close(logits[0], base)
-        tokens = ref.sample_block(base, first_prev_token=anchor)
+        tokens = ref.sample_block(base, first_prev_token=anchor).astype(mx.uint32)
         assert greedy.tokens[0].tolist() == tokens.tolist()
         prev = mx.concatenate([mx.array([anchor]), tokens[:-1]])
         if args.markov_rank:
             corrected = base + ref.markov_head.step_bias(prev)
             close(logits[0] + mine.markov_head(prev), corrected)
+        if args.draft_vocab_size:
+            assert set(greedy.tokens[0].tolist()) <= set(mine.draft_vocab.ids.tolist())
         close(greedy.confidence[0], mx.sigmoid(ref.confidence_logits(hh[0], prev)))
         # sampled at T = 1.0 (no truncation: both truncate the same way only then)
         sampled = mine.propose(target, a, feats, sample_cache, width, Sampling(1.0),
@@ -132,7 +150,7 @@ def test_drafts_equal_mlx_dspark(shape, tmp_path, target):
         drawn = sampled.tokens[0]
         before = mx.concatenate([mx.array([anchor]), drawn[:-1].astype(mx.int32)])
         step = base + (ref.markov_head.step_bias(before) if args.markov_rank else 0)
-        close(sampled.q[0], mx.softmax(step, axis=-1))
+        close(sampled.dense_q(VOCAB)[0], ref.widen_to_target(mx.softmax(step, axis=-1)))
         close(sampled.confidence[0], mx.sigmoid(ref.confidence_logits(hh[0], before)))
 
 
@@ -148,29 +166,55 @@ def test_a_markov_head_changes_the_drafts(tmp_path, target):
         mx.argmax(logits[0], axis=-1).tolist()
 
 
-def test_deepspec_config_keys_and_refusals(tmp_path):
-    """DeepSpec's defaults where a key is absent; the other packagings refused by name."""
+def test_config_defaults_translations_and_refusals(tmp_path):
+    """DeepSpec's defaults where a key is absent; the speculators layout's first slot from its
+    proposal width; what cannot be read is refused, naming the file and the key."""
     cfg = {"architectures": ["Qwen3DSparkModel"], "model_type": "qwen3", "hidden_size": 64,
            "vocab_size": 100, "num_hidden_layers": 1, "intermediate_size": 128,
            "num_attention_heads": 8, "block_size": 7, "mask_token_id": 99,
            "target_layer_ids": [0, 2]}
     a = DrafterArgs.from_dict(cfg)
     assert (a.is_dspark, a.logits_start, a.markov_rank, a.confidence_head,
-            a.confidence_with_markov, a.num_key_value_heads, a.max_width) == \
-        (True, 0, 256, True, True, 8, 8)
+            a.confidence_with_markov, a.num_key_value_heads, a.max_width, a.is_causal) == \
+        (True, 0, 256, True, True, 8, 8, False)
     b = DrafterArgs.from_dict({**cfg, "sample_from_anchor": False, "markov_rank": 0,
-                               "rope_is_neox_style": False, "attention_bias": True})
+                               "rope_is_neox_style": False, "attention_bias": True,
+                               "draft_vocab_size": 100})
     assert (b.logits_start, b.markov_rank, b.confidence_with_markov, b.rope_traditional,
-            b.attention_bias, b.max_width) == (1, 0, False, True, True, 7)
-    for extra, name in (({"speculators_config": {}}, "vLLM speculators"),
-                        ({"dflash_config": {"projector_type": "dspark"}}, "SpecForge"),
-                        ({"architectures": ["Lfm2DSparkDraftModel"], "target_layer_ids": None,
-                          "dflash_config": {"target_layer_ids": [1]}}, "LiquidAI")):
-        c = {k: v for k, v in {**cfg, **extra}.items() if v is not None}
-        with pytest.raises(CheckpointError, match=name):
-            DrafterArgs.from_dict(c, source="x/config.json")
-    with pytest.raises(CheckpointError, match="'logits_start' must be a block slot 0..6"):
-        DrafterArgs.from_dict({**cfg, "logits_start": 7})
+            b.attention_bias, b.max_width, b.draft_vocab_size) == (1, 0, False, True, True, 7,
+                                                                    None)
+    spec = {"speculators_model_type": "dspark", "block_size": 8, "mask_token_id": 99,
+            "aux_hidden_state_layer_ids": [1, 3],
+            "transformer_layer_config": {k: cfg[k] for k in (
+                "hidden_size", "vocab_size", "num_hidden_layers", "intermediate_size",
+                "num_attention_heads")},
+            "speculators_config": {"proposal_methods": [{"speculative_tokens": 8}]}}
+    c = DrafterArgs.from_dict(spec)
+    assert (c.logits_start, c.target_layer_ids, c.num_key_value_heads, c.max_width) == \
+        (0, (1, 3), 8, 9)
+    spec["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = 7
+    assert DrafterArgs.from_dict(spec).logits_start == 1
+    for bad, match in (({**spec, "speculators_model_type": "eagle3"}, "algorithm 'eagle3'"),
+                       ({k: v for k, v in spec.items() if k != "aux_hidden_state_layer_ids"},
+                        "missing key 'aux_hidden_state_layer_ids'"),
+                       ({**cfg, "logits_start": 7}, "'logits_start' must be a block slot 0..6"),
+                       ({**cfg, "draft_vocab_size": 120}, "'draft_vocab_size' must be below")):
+        with pytest.raises(CheckpointError, match=f"x/config.json: .*{match}"):
+            DrafterArgs.from_dict(bad, source="x/config.json")
+
+
+def test_a_reduced_vocabulary_needs_its_table(tmp_path, target):
+    """`draft_vocab_size` without `d2t` in the weights, or a table that maps outside the
+    vocabulary: refused at load, naming the folder."""
+    folder = write(tmp_path, "speculators")
+    weights = mx.load(str(folder / "model.safetensors"))
+    d2t = weights.pop("d2t")
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    with pytest.raises(CheckpointError, match="weights hold no 'd2t' table"):
+        ours(folder, target)
+    mx.save_safetensors(str(folder / "model.safetensors"), {**weights, "d2t": d2t + 400})
+    with pytest.raises(CheckpointError, match=f"{folder}: 'd2t' must map 200 draft ids"):
+        ours(folder, target)
 
 
 @pytest.fixture(scope="module")

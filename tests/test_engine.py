@@ -311,7 +311,8 @@ def test_one_drafter_pass_per_step_is_exact(pipe, sampling):
         prompt = [rng.randrange(vocab - 1) for _ in range(3 + 6 * k)]
         refs[k] = [t for new in stream_tokens(
             pipe.adapter, pipe.drafter, prompt, max_tokens=24, sampling=sampling,
-            planner=Planner(), policy=policy, stop_ids=set(), lookup=LookupConfig() if lookup else None,
+            planner=Planner(),
+            policy=policy, stop_ids=set(), lookup=LookupConfig() if lookup else None,
             seed=200 + k) for t in new]
         arrivals.setdefault(k // 2, []).append(
             (k, Request(prompt, 24, sampling, policy=policy, lookup=lookup, seed=200 + k)))

@@ -115,7 +115,7 @@ class OracleDrafter:
         self.corrupt_p, self.rng = corrupt_p, random.Random(seed)
         self.seen = 0                    # target rows whose features reached the drafter
         self.context_window = None
-        self.args = SimpleNamespace(block_size=16)
+        self.args = SimpleNamespace(block_size=16, max_width=16)
 
     def make_cache(self):
         return []
@@ -148,7 +148,8 @@ def test_partial_and_full_acceptance_stay_exact(pipelines, family):
             oracle = OracleDrafter(len(ids), ref, pipe.adapter.vocab_size, seed=seed * 31 + b)
             stats = GenerationStats()
             out = [t for step in stream_tokens(pipe.adapter, oracle, ids, max_tokens=60,
-                                               sampling=Sampling(), planner=Planner(), policy=FixedWidth(b),
+                                               sampling=Sampling(), planner=Planner(),
+                                                                    policy=FixedWidth(b),
                                                stop_ids=set(), stats=stats) for t in step]
             assert out == ref, f"{family} b={b}"
             assert max(stats.accepted) == b - 1, "no fully accepted block"

@@ -100,7 +100,8 @@ def test_greedy_equals_mlx_lm_with_partial_acceptance(target, b):
         oracle = OracleDrafter(len(ids), ref, V, seed=seed + b)
         stats = GenerationStats()
         out = [t for s in stream_tokens(adapter, oracle, ids, max_tokens=40,
-                                        sampling=Sampling(), planner=Planner(), policy=FixedWidth(b), stop_ids=set(),
+                                        sampling=Sampling(), planner=Planner(),
+                                                             policy=FixedWidth(b), stop_ids=set(),
                                         stats=stats) for t in s]
         assert out == ref, (name, b)
         assert max(stats.accepted) == b - 1 and min(stats.accepted) < b - 1
@@ -113,7 +114,8 @@ def test_real_drafter_greedy_equals_mlx_lm(target):
     ids = PROMPTS[1]
     ref = mlx_lm_greedy(model, ids, 30)
     out = [t for s in stream_tokens(adapter, drafter, ids, max_tokens=30, sampling=Sampling(),
-                                    planner=Planner(), policy=FixedWidth(8), stop_ids=set()) for t in s]
+                                    planner=Planner(),
+                                    policy=FixedWidth(8), stop_ids=set()) for t in s]
     assert out == ref, name
 
 

@@ -1,5 +1,6 @@
-"""The verify kernels' probe (`model.kernel_probe`, `policy.kernel_choice`): its rule on fake timings, its record
-stored with the calibration, the stock path off Metal, and what `doctor` shows."""
+"""The verify kernels' probe (`model.kernel_probe`, `policy.kernel_choice`): its rule on fake
+timings, its record stored with the calibration, the stock path off Metal, and what `doctor`
+shows."""
 
 from __future__ import annotations
 

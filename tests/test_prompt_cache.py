@@ -131,7 +131,8 @@ def test_hybrid_target_reuses_exact_prefixes_and_recomputes_branches(caplog):
 
     def gen(prompt, state=None):
         out = stream_tokens(adapter, None, prompt, max_tokens=10, sampling=Sampling(),
-                            planner=Planner(), policy=FixedWidth(4), lookup=LookupConfig(), stop_ids=set(),
+                            planner=Planner(),
+                            policy=FixedWidth(4), lookup=LookupConfig(), stop_ids=set(),
                             state=state)
         return [t for new in out for t in new]
 

@@ -94,7 +94,7 @@ class NoisyOracle:
     deterministic, so each prefix's forward runs once."""
 
     context_window = None
-    args = SimpleNamespace(block_size=16)
+    args = SimpleNamespace(block_size=16, max_width=16)
 
     def __init__(self, model, sampling, memo: dict | None = None):
         self.model, self.sampling = model, sampling
@@ -161,7 +161,8 @@ def speculative_counts(model, drafter, sampling, n, block_size=3, prompt=PROMPT,
         # resets the sequence it follows there)
         state.dcache = drafter.make_cache() if drafter is not None else None
         with closing(stream_tokens(adapter, drafter, prompt, max_tokens=4, sampling=sampling,
-                                   planner=Planner(), policy=FixedWidth(block_size), stop_ids=set(), seed=seed,
+                                   planner=Planner(),
+                                   policy=FixedWidth(block_size), stop_ids=set(), seed=seed,
                                    stats=stats, lookup=lookup, prefill_step_size=step_size,
                                    state=state)) as steps:
             for step in steps:
@@ -322,7 +323,8 @@ def test_sampling_is_reproducible_with_seed(tiny):
     adapter = TargetAdapter(model, drafters["dflash2"].args.target_layer_ids)
     run = lambda seed: [t for s in stream_tokens(adapter, drafters["dflash2"], PROMPT,
                                                  max_tokens=20, sampling=Sampling(1.0),
-                                                 planner=Planner(), policy=FixedWidth(4), stop_ids=set(), seed=seed)
+                                                 planner=Planner(),
+                                                 policy=FixedWidth(4), stop_ids=set(), seed=seed)
                         for t in s]
     assert run(5) == run(5)
     assert any(run(5) != run(s) for s in (6, 7, 8))
@@ -333,7 +335,7 @@ class PerSequenceOracles:
     drafter cache (made when it is added) holds its own oracle."""
 
     context_window = None
-    args = SimpleNamespace(block_size=16)
+    args = SimpleNamespace(block_size=16, max_width=16)
 
     def __init__(self, model, sampling):
         self.model, self.sampling, self.memo = model, sampling, {}

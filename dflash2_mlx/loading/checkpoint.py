@@ -121,6 +121,26 @@ def read_draft_vocab(folder: Path, args: DrafterArgs) -> DraftVocab | None:
     return DraftVocab(ids)
 
 
+def draft_to_target(weights: dict, args: DrafterArgs, source: str) -> DraftVocab | None:
+    """A reduced-vocabulary DSpark head's id map, taken out of `weights`: the `d2t` tensor holds
+    offsets (target id = draft id + d2t[draft id]); `t2d`, the inverse mask, is not needed."""
+    d2t = weights.pop("d2t", None)
+    weights.pop("t2d", None)
+    size = args.draft_vocab_size
+    if (d2t is None) != (size is None):
+        raise CheckpointError(f"{source}: " + (
+            f"'draft_vocab_size' is {size} but the weights hold no 'd2t' table" if d2t is None
+            else "the weights hold a 'd2t' table but the config has no 'draft_vocab_size'"))
+    if d2t is None:
+        return None
+    ids = mx.arange(d2t.size) + d2t.reshape(-1).astype(mx.int32)
+    if d2t.size != size or mx.any((ids < 0) | (ids >= args.vocab_size)).item() or \
+            len(set(ids.tolist())) != size:
+        raise CheckpointError(f"{source}: 'd2t' must map {size} draft ids to distinct target ids "
+                              f"in 0..{args.vocab_size - 1}")
+    return DraftVocab(ids.tolist())
+
+
 def quantize_drafter(drafter: Drafter, bits: int, group_size: int = 64) -> None:
     """Quantize the linear layers and the selector codebooks; norms and the convolution base
     kernels (plain arrays, not layers) stay in full precision."""
@@ -155,6 +175,10 @@ def save_drafter(drafter: Drafter, folder: str | Path, dtype=mx.bfloat16) -> Pat
             value = value.astype(dtype)
         tensors[name] = value
     config = drafter.args.to_config()
+    d2t = drafter.args.draft_vocab_size and drafter.draft_vocab is not None
+    if d2t:                  # a DSpark head's draft vocabulary, as its `d2t` offsets
+        ids = drafter.draft_vocab.ids.astype(mx.int32)
+        tensors["d2t"] = ids - mx.arange(ids.size, dtype=mx.int32)
     quantized = quantized_layers(drafter)
     if quantized:
         config["quantization"] = {"group_size": quantized[0].group_size,
@@ -163,7 +187,7 @@ def save_drafter(drafter: Drafter, folder: str | Path, dtype=mx.bfloat16) -> Pat
         mx.save_safetensors(str(Path(tmp) / "model.safetensors"), tensors)
         (Path(tmp) / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         names = ["model.safetensors", "config.json"]
-        if drafter.draft_vocab is not None:
+        if drafter.draft_vocab is not None and not d2t:
             (Path(tmp) / DRAFT_VOCAB).write_text(json.dumps(drafter.draft_vocab.ids.tolist()))
             names.append(DRAFT_VOCAB)
         for name in names:
@@ -198,6 +222,7 @@ def load_drafter(path_or_id: str | Path, *, hidden_size: int, vocab_size: int, n
     args.check_against_target(hidden_size, vocab_size, num_layers, str(folder / "config.json"),
                               target)
     weights = read_safetensors(folder)
+    d2t = draft_to_target(weights, args, str(folder))
     if args.is_dspark:       # its own embedding and head where it ships them, else the target's
         args = replace(args, own_embed="embed_tokens.weight" in weights,
                        own_head="lm_head.weight" in weights)
@@ -206,7 +231,7 @@ def load_drafter(path_or_id: str | Path, *, hidden_size: int, vocab_size: int, n
     if stored:   # a checkpoint saved quantized: give the model the same structure first
         quantize_drafter(drafter, int(stored["bits"]), int(stored["group_size"]))
     load_drafter_weights(drafter, weights, str(folder))
-    drafter.draft_vocab = read_draft_vocab(folder, args)
+    drafter.draft_vocab = d2t or read_draft_vocab(folder, args)
     if dtype is not None:
         if stored and bits is None and not keep_quantized:
             from mlx_lm.utils import dequantize_model

@@ -5,11 +5,15 @@ backbone at the top level and the drafting keys in `dflash_config`; older checkp
 drafting keys (e.g. `block_size`) at the top level, so drafting keys are read from
 `dflash_config` first, then from the top level.
 
-DSpark drafters in DeepSpec's own packaging (an architecture naming DSpark, e.g.
-`Qwen3DSparkModel`; every key at the top level) add a Markov head (`markov_rank`) and a
-confidence head (`enable_confidence_head`, `confidence_head_with_markov`), and predict from
-block slot `logits_start` on (0: the anchor's own row predicts the first draft). Its other
-packagings (vLLM speculators, SpecForge, LiquidAI's) are refused by name for now.
+DSpark drafters add a Markov head (`markov_rank`) and a confidence head
+(`enable_confidence_head`, `confidence_head_with_markov`), and predict from block slot
+`logits_start` on (0: the anchor's own row predicts the first draft). DeepSpec's own packaging
+(an architecture naming DSpark, e.g. `Qwen3DSparkModel`) keeps every key at the top level; the
+others are read into that schema first (`deepspec_schema`): vLLM speculators (the backbone under
+`transformer_layer_config`, taps in `aux_hidden_state_layer_ids`, the first slot from
+`speculative_tokens`), SpecForge (`dflash_config.projector_type: "dspark"`) and LiquidAI's (a
+nested `dflash_config` without that tag). DFlash-lineage heads (NVIDIA's) say a causal block
+(`dflash_query_causal`), a sliding window and attention sinks (`attention_sink_bias`).
 """
 
 from __future__ import annotations
@@ -76,6 +80,8 @@ class DrafterArgs:
     rope_traditional: bool = False
     own_embed: bool = False         # its own `embed_tokens` (else the target's embedding)
     own_head: bool = False          # its own `lm_head` (else the target's head)
+    attention_sinks: bool = False   # a learned sink logit per head (`attention_sink_bias`)
+    draft_vocab_size: int | None = None   # its head's rows, mapped by the `d2t` tensor
 
     @property
     def has_conv(self) -> bool:
@@ -112,7 +118,8 @@ class DrafterArgs:
         dcfg = cfg.get("dflash_config") or {}
         if not isinstance(dcfg, dict):
             raise CheckpointError(f"{source}: 'dflash_config' must be an object")
-        arch = _architecture(cfg, source)
+        cfg, packaging = deepspec_schema(cfg, source)
+        arch = DSPARK if packaging else _architecture(cfg, source)
 
         def get(key, default=_REQUIRED, drafting=False):
             if drafting and key in dcfg:
@@ -126,8 +133,14 @@ class DrafterArgs:
 
         rope, rope_theta = _rope(cfg)
         dspark = arch == DSPARK
+        if dspark and packaging != "SpecForge":
+            rope = None     # elsewhere a rope scaling is the target config's, copied along
         n_layers = int(get("num_hidden_layers"))
         layer_types = tuple(cfg.get("layer_types") or ("full_attention",) * n_layers)
+        window, causal = cfg.get("sliding_window"), bool(cfg.get("is_causal") or False)
+        if dspark:
+            window, causal = _lineage(cfg, dcfg)
+            layer_types = (("sliding_attention" if window else "full_attention"),) * n_layers
         hidden = int(get("hidden_size"))
         heads = int(get("num_attention_heads"))
         extra = {}
@@ -146,6 +159,8 @@ class DrafterArgs:
                     DSPARK_DEFAULTS["confidence_head_with_markov"])),
                 attention_bias=bool(get("attention_bias", False)),
                 rope_traditional=get("rope_is_neox_style", True) is False,
+                attention_sinks=bool(get("attention_sink_bias", False)),
+                draft_vocab_size=_draft_vocab(cfg),
                 own_embed=True, own_head=True)     # `load_drafter` says from the tensors
         try:
             args = cls(
@@ -166,8 +181,8 @@ class DrafterArgs:
                 rope_theta=float(rope_theta),
                 rope_scaling=rope,
                 layer_types=layer_types,
-                sliding_window=cfg.get("sliding_window"),
-                is_causal=bool(cfg.get("is_causal") or False),
+                sliding_window=window,
+                is_causal=causal,
                 final_logit_softcapping=get("final_logit_softcapping", None, drafting=True),
                 input_embedding_scale=float(get("input_embedding_scale", 1.0, drafting=True)),
                 output_multiplier=float(get("output_multiplier", 1.0, drafting=True) or 1.0),
@@ -206,6 +221,9 @@ class DrafterArgs:
                 f"{self.logits_start}")
         if self.markov_rank < 0:
             bad("markov_rank", f"must be >= 0, got {self.markov_rank}")
+        if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size < self.vocab_size:
+            bad("draft_vocab_size", f"must be below vocab_size ({self.vocab_size}), got "
+                f"{self.draft_vocab_size}")
         if not self.target_layer_ids:
             bad("target_layer_ids", "must list at least one target layer")
         if len(self.layer_types) != self.num_hidden_layers:
@@ -276,40 +294,116 @@ class DrafterArgs:
         for k in ("architecture", "conv_kernel_size", "conv_group_size", "selector_rank",
                   "selector_top_k", "input_embedding_scale", "output_multiplier", "own_embed",
                   "own_head", "is_causal", "sliding_window", "confidence_head",
-                  "confidence_with_markov", "rope_traditional"):
+                  "confidence_with_markov", "rope_traditional", "attention_sinks",
+                  "draft_vocab_size", "layer_types"):
             d.pop(k)
+        lineage = {"dflash_query_causal": True} if self.is_causal else {}
+        if self.sliding_window:
+            lineage["sliding_window"] = self.sliding_window
+        if self.attention_sinks:
+            lineage["attention_sink_bias"] = True
+        if self.draft_vocab_size:
+            lineage["draft_vocab_size"] = self.draft_vocab_size
         d["target_layer_ids"] = list(d["target_layer_ids"])
-        d["layer_types"] = list(d["layer_types"])
         if d["rope_scaling"] is None:
             d.pop("rope_scaling")
         return {"architectures": ["Qwen3DSparkModel"], "model_type": "qwen3", **d,
                 "enable_confidence_head": self.confidence_head,
                 "confidence_head_with_markov": self.confidence_with_markov,
-                "rope_is_neox_style": not self.rope_traditional}
+                "rope_is_neox_style": not self.rope_traditional, **lineage}
 
 
 DSPARK_FIELDS = ("logits_start", "markov_rank", "confidence_head", "confidence_with_markov",
-                 "attention_bias", "rope_traditional", "own_embed", "own_head")
+                 "attention_bias", "rope_traditional", "own_embed", "own_head",
+                 "attention_sinks", "draft_vocab_size")
 
 
-# DSpark packagings not read yet: how each is told apart, and its name in the refusal
-OTHER_PACKAGINGS = (
-    (lambda c, d: "speculators_config" in c or "speculators_model_type" in c,
-     "vLLM speculators"),
-    (lambda c, d: d.get("projector_type") == "dspark", "SpecForge (dflash_config.projector_type)"),
-    (lambda c, d: "target_layer_ids" not in c and "target_layer_ids" in d
-     and any("DSpark" in a for a in c.get("architectures") or []), "LiquidAI (dflash_config)"),
-)
+def deepspec_schema(cfg: dict, source: str) -> tuple[dict, str]:
+    """A DSpark config in any of its packagings, in DeepSpec's schema (every key top level)
+    -> (config, packaging: "speculators", "SpecForge", "LiquidAI" or "" as it came)."""
+    dcfg = cfg.get("dflash_config") or {}
+    archs = " ".join(str(a) for a in cfg.get("architectures") or [])
+    if "speculators_config" in cfg or "speculators_model_type" in cfg:
+        return _speculators(cfg, source), "speculators"
+    if dcfg.get("projector_type") == "dspark":
+        out = {**cfg, **{k: dcfg[k] for k in ("target_layer_ids", "mask_token_id")
+                         if k not in cfg and dcfg.get(k) is not None}}
+        out.setdefault("logits_start", 0)
+        return out, "SpecForge"
+    if "DSpark" in archs and "target_layer_ids" not in cfg and "target_layer_ids" in dcfg:
+        out = {**cfg, **{k: dcfg[k] for k in ("target_layer_ids", "mask_token_id",
+                                               "num_target_layers")
+                         if k not in cfg and dcfg.get(k) is not None}}
+        out.setdefault("logits_start", 0)
+        return out, "LiquidAI"
+    return cfg, ""
+
+
+def _speculators(cfg: dict, source: str) -> dict:
+    """vLLM speculators' DSpark layout read into DeepSpec's: the backbone from
+    `transformer_layer_config`, the taps from `aux_hidden_state_layer_ids`, a causal sliding
+    window where the backbone declares one, the first slot from the proposal's
+    `speculative_tokens` (block - tokens), else `sample_from_anchor`, else 1."""
+    spec = cfg.get("speculators_config") or {}
+    algorithm = cfg.get("speculators_model_type") or spec.get("algorithm")
+    if algorithm != "dspark":
+        raise CheckpointError(f"{source}: a vLLM speculators checkpoint of algorithm "
+                              f"{algorithm!r}; only 'dspark' drafters load here")
+    layer = cfg.get("transformer_layer_config")
+    taps = cfg.get("aux_hidden_state_layer_ids")
+    if not isinstance(layer, dict) or not taps:
+        missing = "transformer_layer_config" if not isinstance(layer, dict) else \
+            "aux_hidden_state_layer_ids"
+        raise CheckpointError(f"{source}: missing key '{missing}' (a speculators DSpark config "
+                              "names its backbone and taps there)")
+    out = {k: layer[k] for k in ("hidden_size", "vocab_size", "num_hidden_layers",
+                                 "intermediate_size", "num_attention_heads",
+                                 "num_key_value_heads", "head_dim", "rms_norm_eps",
+                                 "attention_bias", "rope_parameters", "rope_theta")
+           if k in layer}
+    out.setdefault("num_key_value_heads", layer.get("num_attention_heads"))
+    out.update(model_type=layer.get("model_type", "qwen3"), target_layer_ids=list(taps))
+    for k in ("block_size", "mask_token_id", "markov_rank", "enable_confidence_head",
+              "confidence_head_with_markov", "final_logit_softcapping", "draft_vocab_size",
+              "attention_sink_bias"):
+        if k in cfg:
+            out[k] = cfg[k]
+    kinds = layer.get("layer_types") or []
+    if "sliding_attention" in kinds and layer.get("use_sliding_window") and \
+            layer.get("sliding_window"):
+        out["sliding_window"] = int(layer["sliding_window"])
+        out["dflash_query_causal"] = not cfg.get("sliding_window_non_causal", False)
+    methods = spec.get("proposal_methods") or []
+    tokens = methods[0].get("speculative_tokens") if methods else None
+    block = out.get("block_size")
+    if tokens and block and 0 <= block - tokens < block:
+        out["logits_start"] = block - tokens
+    elif isinstance(cfg.get("sample_from_anchor"), bool):
+        out["logits_start"] = 0 if cfg["sample_from_anchor"] else 1
+    else:
+        out["logits_start"] = 1
+    return out
+
+
+def _lineage(cfg: dict, dcfg: dict) -> tuple[int | None, bool]:
+    """A DFlash-lineage DSpark head's (sliding window, causal block): read only where the head
+    says it is one (a causal block, sinks or a `dflash_config`)."""
+    causal = bool(cfg.get("dflash_query_causal") or dcfg.get("causal"))
+    if not (causal or cfg.get("attention_sink_bias") or dcfg):
+        return None, False
+    window = (cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None) or \
+        (dcfg.get("swa_window_size") if dcfg.get("use_swa") else None)
+    return (int(window) if window else None), causal
+
+
+def _draft_vocab(cfg: dict) -> int | None:
+    """A reduced draft vocabulary's size (None where it is the whole vocabulary)."""
+    size = cfg.get("draft_vocab_size")
+    return None if size is None or int(size) == int(cfg.get("vocab_size", -1)) else int(size)
 
 
 def _architecture(cfg: dict, source: str) -> str:
     archs = cfg.get("architectures") or [DFLASH]
-    dcfg = cfg.get("dflash_config") or {}
-    for told, name in OTHER_PACKAGINGS:
-        if told(cfg, dcfg):
-            raise CheckpointError(f"{source}: a DSpark drafter in the {name} packaging, not "
-                                  "supported yet; DeepSpec's own packaging (every key at the "
-                                  "top level, e.g. deepseek-ai/dspark_*) is")
     if DFLASH2 in archs:
         return DFLASH2
     if DFLASH in archs:

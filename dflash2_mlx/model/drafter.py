@@ -117,6 +117,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=bias)
         self.q_norm = nn.RMSNorm(d, eps=args.rms_norm_eps)
         self.k_norm = nn.RMSNorm(d, eps=args.rms_norm_eps)
+        if args.attention_sinks:        # a learned logit per head: attention mass sent nowhere
+            self.attention_sink_bias = mx.zeros((self.n_heads,))
         self.rope = initialize_rope(d, args.rope_theta, args.rope_traditional, args.rope_scaling,
                                     args.max_position_embeddings)
 
@@ -150,7 +152,7 @@ class Attention(nn.Module):
                                         v[i : i + 1, :, :l])
             outs.append(mx.fast.scaled_dot_product_attention(
                 self.rope(q[i : i + 1], offset=pos), keys, values, scale=self.scale,
-                mask=self._mask(c, L, l)))
+                mask=self._mask(c, L, l), sinks=getattr(self, "attention_sink_bias", None)))
         out = outs[0] if n == 1 else mx.concatenate(outs)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(n, L, -1))
 
@@ -328,12 +330,13 @@ class DraftVocab:
 
 
 class MarkovHead(nn.Module):
-    """DSpark's bigram bias: logits_i += markov_w2(markov_w1[token before position i])."""
+    """DSpark's bigram bias: logits_i += markov_w2(markov_w1[token before position i]); the
+    token a target id, the bias over the head's `out` rows (a draft vocabulary's, if reduced)."""
 
-    def __init__(self, vocab: int, rank: int):
+    def __init__(self, vocab: int, rank: int, out: int):
         super().__init__()
         self.markov_w1 = nn.Embedding(vocab, rank)
-        self.markov_w2 = nn.Linear(rank, vocab, bias=False)
+        self.markov_w2 = nn.Linear(rank, out, bias=False)
 
     def __call__(self, prev: mx.array) -> mx.array:
         """prev [...] token ids -> the bias [..., V]."""
@@ -371,6 +374,7 @@ class Drafter(nn.Module):
         super().__init__()
         self.args = args
         H, V = args.hidden_size, args.vocab_size
+        out = args.draft_vocab_size or V        # a reduced draft vocabulary: its head's rows
         if args.own_embed:
             self.embed_tokens = nn.Embedding(V, H)
         self.fc = nn.Linear(len(args.target_layer_ids) * H, H, bias=False)
@@ -378,9 +382,9 @@ class Drafter(nn.Module):
         self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
         if args.own_head:
-            self.lm_head = nn.Linear(H, V, bias=False)
+            self.lm_head = nn.Linear(H, out, bias=False)
         if args.markov_rank:
-            self.markov_head = MarkovHead(V, args.markov_rank)
+            self.markov_head = MarkovHead(V, args.markov_rank, out)
         if args.confidence_head:
             self.confidence_head = ConfidenceHead(
                 H + (args.markov_rank if args.confidence_with_markov else 0))
@@ -483,7 +487,7 @@ class Drafter(nn.Module):
         if args.has_selector:
             return self._walk(h, logits, anchors[:, 0], drafts, vocab)
         if args.markov_rank:
-            return self._markov(h, logits, anchors[:, 0], drafts)
+            return self._markov(h, logits, anchors[:, 0], drafts, vocab)
         return [self._draw(logits[i : i + 1, : d.width - 1], d, vocab,
                            self._confidence(h[i : i + 1, : d.width - 1]))
                 for i, d in enumerate(drafts)]
@@ -508,51 +512,54 @@ class Drafter(nn.Module):
         vocab = self._vocab()
         head = (self.lm_head if args.own_head else
                 target.head if vocab is None else target.head_rows(vocab))
-        return h, self.logits(h, head)
+        return h, self.logits(h, head)                                 # [n, w-1, V']
 
     def _vocab(self) -> mx.array | None:
-        """The draft vocabulary's ids (`DraftVocab`), for a drafter that scores with the
-        target's head."""
-        own = self.args.own_head or self.draft_vocab is None
-        return None if own else self.draft_vocab.ids
+        """The target ids of the head's rows where it scores a draft vocabulary only
+        (`DraftVocab`: a trained `draft_vocab.json`, or a DSpark head's `d2t`)."""
+        return None if self.draft_vocab is None else self.draft_vocab.ids
 
-    def _markov(self, h, logits, anchors, drafts: list[Draft]) -> list[Proposal]:
+    def _markov(self, h, logits, anchors, drafts: list[Draft], vocab) -> list[Proposal]:
         """Drafts position by position: each position's logits get the Markov head's bias
         from the token before it (the anchor, then the token just drafted), and that token is
         drawn from them; greedy rows in one argmax per position, sampled ones each from its
         own distribution with its own key (split per position, the same alone or batched).
-        The corrected distributions are the q rejection sampling reads."""
+        The corrected distributions are the q rejection sampling reads. `vocab` maps the
+        columns of a draft vocabulary to target ids, before a token is fed back."""
+        to_ids = (lambda i: i) if vocab is None else (lambda i: vocab[i])
         P = logits.shape[1]
         keys = [None if d.sampling.greedy else mx.random.split(d.key, d.width - 1)
                 for d in drafts]
-        prev, tokens, qs = anchors, [], []                   # prev [n]
+        prev, tokens, qs = anchors, [], []                   # prev [n]: target ids
         for i in range(P):
-            step = logits[:, i] + self.markov_head(prev)                 # [n, V]
+            step = logits[:, i] + self.markov_head(prev)                 # [n, V']
             picked, q = [], []
             for b, d in enumerate(drafts):
                 if d.sampling.greedy or i >= d.width - 1:
                     picked.append(None)
                     q.append(None)
                     continue
-                q.append(d.sampling.probs(step[b : b + 1]))              # [1, V]
+                q.append(d.sampling.probs(step[b : b + 1]))              # [1, V']
                 picked.append(mx.random.categorical(mx.log(q[-1]), key=keys[b][i]))
             greedy = mx.argmax(step, axis=-1)
             if all(p is None for p in picked):
-                nxt = greedy
+                column = greedy
             else:
-                nxt = mx.concatenate([greedy[b : b + 1] if p is None else p.astype(greedy.dtype)
-                                      for b, p in enumerate(picked)])
+                column = mx.concatenate([greedy[b : b + 1] if p is None else
+                                         p.astype(greedy.dtype) for b, p in enumerate(picked)])
+            nxt = to_ids(column)
             tokens.append(nxt)
             qs.append(q)
             prev = nxt
         tokens = mx.stack(tokens, axis=1)                                # [n, P]
-        before = mx.concatenate([anchors[:, None], tokens[:, :-1]], axis=1)
+        before = mx.concatenate([anchors[:, None].astype(tokens.dtype), tokens[:, :-1]], axis=1)
         confidence = self._confidence(h, before)
         out = []
         for b, d in enumerate(drafts):
             w = d.width - 1
             q = None if d.sampling.greedy else mx.stack([qs[i][b][0] for i in range(w)])[None]
-            out.append(Proposal(tokens[b : b + 1, :w], q, None,
+            q_ids = None if q is None or vocab is None else mx.broadcast_to(vocab, q.shape)
+            out.append(Proposal(tokens[b : b + 1, :w], q, q_ids,
                                 None if confidence is None else confidence[b : b + 1, :w]))
         return out
 

@@ -6,9 +6,10 @@ same; the pieces `TextStream` cuts out become output items (`reasoning` with
 `reasoning_text`, `message` with `output_text`, `function_call`), streamed as the API's typed
 events. Stateless: nothing is stored, so `previous_response_id`, `store: true` and stored
 items are refused, as is every field this server does not know. Built-in tools it cannot run
-(web search, ...) are left out of the prompt and named in the `x-dflash2-ignored-tools` header; namespace tools are flattened into function
-tools and their calls answered with the `namespace` field, as Codex routes them; custom
-(freeform) tools become functions of one string, `input`. docs/server.md lists every field.
+(web search, ...) are left out of the prompt and named in the `x-dflash2-ignored-tools` header;
+namespace tools are flattened into function tools and their calls answered with the `namespace`
+field, as Codex routes them; custom (freeform) tools become functions of one string, `input`.
+docs/server.md lists every field.
 
 `responses_input`: the request and its conversion; `responses_output`: the output items and the
 Response object; here: the route and its event stream.
