@@ -69,6 +69,10 @@ CASES = {   # name: (the drafter's shape, its packaging)
                         "speculators"),
     "specforge": (dict(OWN, logits_start=0, markov_rank=16), "SpecForge"),
     "liquidai": (dict(OWN, logits_start=0, markov_rank=16, rope_traditional=True), "LiquidAI"),
+    # a qwen3_5-flavoured backbone: gated q_proj, norms stored as offsets from one, half the
+    # head's dimensions roped
+    "qwen3_5": (dict(OWN, logits_start=0, markov_rank=16, gated_q=True, norm_offset=True,
+                     rope_dims=8), "DeepSpec"),
 }
 
 

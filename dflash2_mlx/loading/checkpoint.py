@@ -121,6 +121,10 @@ def read_draft_vocab(folder: Path, args: DrafterArgs) -> DraftVocab | None:
     return DraftVocab(ids)
 
 
+def norms(drafter: Drafter) -> list[nn.RMSNorm]:
+    return [m for _, m in drafter.named_modules() if isinstance(m, nn.RMSNorm)]
+
+
 def draft_to_target(weights: dict, args: DrafterArgs, source: str) -> DraftVocab | None:
     """A reduced-vocabulary DSpark head's id map, taken out of `weights`: the `d2t` tensor holds
     offsets (target id = draft id + d2t[draft id]); `t2d`, the inverse mask, is not needed."""
@@ -167,10 +171,14 @@ def save_drafter(drafter: Drafter, folder: str | Path, dtype=mx.bfloat16) -> Pat
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {}
+    offsets = {f"{path}.weight" for path, m in drafter.named_modules()
+               if isinstance(m, nn.RMSNorm)} if drafter.args.norm_offset else set()
     for name, value in tree_flatten(drafter.parameters()):
         base = name.removesuffix(".weight")
         if base in CODEBOOKS:
             name = base
+        if name in offsets:
+            value = value - 1.0
         if mx.issubdtype(value.dtype, mx.floating) and not is_quantized(drafter):
             value = value.astype(dtype)
         tensors[name] = value
@@ -231,6 +239,9 @@ def load_drafter(path_or_id: str | Path, *, hidden_size: int, vocab_size: int, n
     if stored:   # a checkpoint saved quantized: give the model the same structure first
         quantize_drafter(drafter, int(stored["bits"]), int(stored["group_size"]))
     load_drafter_weights(drafter, weights, str(folder))
+    if args.norm_offset:                 # stored as offsets from one: the norms' own weights
+        for norm in norms(drafter):
+            norm.weight = norm.weight + 1.0
     drafter.draft_vocab = d2t or read_draft_vocab(folder, args)
     if dtype is not None:
         if stored and bits is None and not keep_quantized:

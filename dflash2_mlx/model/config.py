@@ -82,6 +82,11 @@ class DrafterArgs:
     own_head: bool = False          # its own `lm_head` (else the target's head)
     attention_sinks: bool = False   # a learned sink logit per head (`attention_sink_bias`)
     draft_vocab_size: int | None = None   # its head's rows, mapped by the `d2t` tensor
+    # a qwen3_5-flavoured backbone: q_proj also emits a gate on the attention's output, norm
+    # weights are stored as offsets from one, rope turns the first `rope_dims` of a head only
+    gated_q: bool = False
+    norm_offset: bool = False
+    rope_dims: int | None = None
 
     @property
     def has_conv(self) -> bool:
@@ -161,6 +166,7 @@ class DrafterArgs:
                 rope_traditional=get("rope_is_neox_style", True) is False,
                 attention_sinks=bool(get("attention_sink_bias", False)),
                 draft_vocab_size=_draft_vocab(cfg),
+                **_qwen3_5_flavour(cfg, int(get("head_dim", hidden // heads))),
                 own_embed=True, own_head=True)     # `load_drafter` says from the tensors
         try:
             args = cls(
@@ -295,7 +301,7 @@ class DrafterArgs:
                   "selector_top_k", "input_embedding_scale", "output_multiplier", "own_embed",
                   "own_head", "is_causal", "sliding_window", "confidence_head",
                   "confidence_with_markov", "rope_traditional", "attention_sinks",
-                  "draft_vocab_size", "layer_types"):
+                  "draft_vocab_size", "layer_types", "gated_q", "norm_offset", "rope_dims"):
             d.pop(k)
         lineage = {"dflash_query_causal": True} if self.is_causal else {}
         if self.sliding_window:
@@ -304,10 +310,16 @@ class DrafterArgs:
             lineage["attention_sink_bias"] = True
         if self.draft_vocab_size:
             lineage["draft_vocab_size"] = self.draft_vocab_size
+        if self.gated_q:
+            lineage["enable_qwen35_gated_q_proj"] = True
+        if self.rope_dims:
+            d["rope_parameters"] = {"rope_theta": self.rope_theta,
+                                    "partial_rotary_factor": self.rope_dims / self.head_dim}
         d["target_layer_ids"] = list(d["target_layer_ids"])
         if d["rope_scaling"] is None:
             d.pop("rope_scaling")
-        return {"architectures": ["Qwen3DSparkModel"], "model_type": "qwen3", **d,
+        return {"architectures": ["Qwen3DSparkModel"],
+                "model_type": "qwen3_5" if self.norm_offset else "qwen3", **d,
                 "enable_confidence_head": self.confidence_head,
                 "confidence_head_with_markov": self.confidence_with_markov,
                 "rope_is_neox_style": not self.rope_traditional, **lineage}
@@ -315,7 +327,7 @@ class DrafterArgs:
 
 DSPARK_FIELDS = ("logits_start", "markov_rank", "confidence_head", "confidence_with_markov",
                  "attention_bias", "rope_traditional", "own_embed", "own_head",
-                 "attention_sinks", "draft_vocab_size")
+                 "attention_sinks", "draft_vocab_size", "gated_q", "norm_offset", "rope_dims")
 
 
 def deepspec_schema(cfg: dict, source: str) -> tuple[dict, str]:
@@ -394,6 +406,18 @@ def _lineage(cfg: dict, dcfg: dict) -> tuple[int | None, bool]:
     window = (cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None) or \
         (dcfg.get("swa_window_size") if dcfg.get("use_swa") else None)
     return (int(window) if window else None), causal
+
+
+def _qwen3_5_flavour(cfg: dict, head_dim: int) -> dict:
+    """A qwen3_5-flavoured DSpark backbone's parts. A partial rotary factor counts only there:
+    elsewhere it is the target config's, copied along (DeepSpec writes the drafter's config as
+    a copy of the target's), and the drafter's rope turns whole heads."""
+    gated = bool(cfg.get("enable_qwen35_gated_q_proj", False))
+    offset = cfg.get("model_type") == "qwen3_5"
+    factor = float((cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
+    dims = int(head_dim * factor) if gated or offset else head_dim
+    return {"gated_q": gated, "norm_offset": offset,
+            "rope_dims": dims if dims != head_dim else None}
 
 
 def _draft_vocab(cfg: dict) -> int | None:

@@ -111,7 +111,8 @@ class Attention(nn.Module):
         self.window = args.sliding_window if sliding else None
         self.causal = args.is_causal
         bias = args.attention_bias
-        self.q_proj = nn.Linear(h, self.n_heads * d, bias=bias)
+        self.gated = args.gated_q            # q_proj emits [q | gate] per head
+        self.q_proj = nn.Linear(h, self.n_heads * d * (2 if self.gated else 1), bias=bias)
         self.k_proj = nn.Linear(h, self.n_kv_heads * d, bias=bias)
         self.v_proj = nn.Linear(h, self.n_kv_heads * d, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=bias)
@@ -119,8 +120,8 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(d, eps=args.rms_norm_eps)
         if args.attention_sinks:        # a learned logit per head: attention mass sent nowhere
             self.attention_sink_bias = mx.zeros((self.n_heads,))
-        self.rope = initialize_rope(d, args.rope_theta, args.rope_traditional, args.rope_scaling,
-                                    args.max_position_embeddings)
+        self.rope = initialize_rope(args.rope_dims or d, args.rope_theta, args.rope_traditional,
+                                    args.rope_scaling, args.max_position_embeddings)
 
     def _kv(self, x: mx.array):
         """x [B, S, H] -> keys [B, n_kv, S, D] (normed, not yet roped), values."""
@@ -143,7 +144,10 @@ class Attention(nn.Module):
             for c, (a, b) in zip(caches, ctx.spans):
                 if b > a:
                     c.append(self.rope(k[..., a:b, :], offset=c.offset), v[..., a:b, :])
-        q = self.q_norm(self.q_proj(x).reshape(n, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        q = self.q_proj(x).reshape(n, L, self.n_heads, -1)
+        if self.gated:
+            q, gate = mx.split(q, 2, axis=-1)                # the gate is not normed
+        q = self.q_norm(q).transpose(0, 2, 1, 3)
         k, v = self._kv(x)
         outs = []
         for i, (c, l) in enumerate(zip(caches, lengths)):
@@ -154,7 +158,10 @@ class Attention(nn.Module):
                 self.rope(q[i : i + 1], offset=pos), keys, values, scale=self.scale,
                 mask=self._mask(c, L, l), sinks=getattr(self, "attention_sink_bias", None)))
         out = outs[0] if n == 1 else mx.concatenate(outs)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(n, L, -1))
+        out = out.transpose(0, 2, 1, 3).reshape(n, L, -1)
+        if self.gated:
+            out = out * mx.sigmoid(gate.reshape(n, L, -1))
+        return self.o_proj(out)
 
     def _mask(self, cache: ContextCache, L: int, block: int) -> mx.array | None:
         """[L queries, context + `block` keys]: what each block row sees."""
