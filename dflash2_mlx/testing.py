@@ -284,6 +284,8 @@ def random_drafter(args: DrafterArgs, seed: int = 0) -> Drafter:
         drafter.markov_head.markov_w2.weight = drafter.markov_head.markov_w2.weight * 8
     for layer in drafter.layers if args.attention_sinks else ():
         layer.self_attn.attention_sink_bias = mx.random.normal((args.num_attention_heads,))
+    for i, layer in enumerate(drafter.layers if args.backbone == "gemma4" else ()):
+        layer.layer_scalar = mx.array([0.5 + 0.25 * i])
     return drafter
 
 

@@ -73,6 +73,12 @@ CASES = {   # name: (the drafter's shape, its packaging)
     # head's dimensions roped
     "qwen3_5": (dict(OWN, logits_start=0, markov_rank=16, gated_q=True, norm_offset=True,
                      rope_dims=8), "DeepSpec"),
+    # Gemma 4's layer: values are the normed keys over one KV head, sandwich norms scaled per
+    # layer, a GELU MLP, a proportional rope over a quarter of each head, logits capped at 30
+    "gemma4": (dict(OWN, logits_start=0, markov_rank=16, backbone="gemma4", k_eq_v=True,
+                    head_dim=32, num_key_value_heads=1, final_logit_softcapping=30.0,
+                    rope_scaling={"rope_type": "proportional", "partial_rotary_factor": 0.25}),
+               "DeepSpec"),
 }
 
 

@@ -87,6 +87,11 @@ class DrafterArgs:
     gated_q: bool = False
     norm_offset: bool = False
     rope_dims: int | None = None
+    # "gemma4": Gemma 4's layer (sandwich norms scaled by `layer_scalar`, a GELU MLP, an
+    # unscaled v norm, attention scale 1, its embedding times sqrt(hidden)); k_eq_v: its
+    # values are the normed keys (no v_proj)
+    backbone: str = "qwen3"
+    k_eq_v: bool = False
 
     @property
     def has_conv(self) -> bool:
@@ -140,6 +145,10 @@ class DrafterArgs:
         dspark = arch == DSPARK
         if dspark and packaging != "SpecForge":
             rope = None     # elsewhere a rope scaling is the target config's, copied along
+        gemma = dspark and "gemma4" in str(cfg.get("model_type", ""))
+        if gemma:
+            cfg = _gemma4(cfg)
+            rope, rope_theta = cfg["rope_scaling"], cfg["rope_theta"]
         n_layers = int(get("num_hidden_layers"))
         layer_types = tuple(cfg.get("layer_types") or ("full_attention",) * n_layers)
         window, causal = cfg.get("sliding_window"), bool(cfg.get("is_causal") or False)
@@ -166,7 +175,8 @@ class DrafterArgs:
                 rope_traditional=get("rope_is_neox_style", True) is False,
                 attention_sinks=bool(get("attention_sink_bias", False)),
                 draft_vocab_size=_draft_vocab(cfg),
-                **_qwen3_5_flavour(cfg, int(get("head_dim", hidden // heads))),
+                **(dict(backbone="gemma4", k_eq_v=cfg["attention_k_eq_v"]) if gemma else
+                   _qwen3_5_flavour(cfg, int(get("head_dim", hidden // heads)))),
                 own_embed=True, own_head=True)     # `load_drafter` says from the tensors
         try:
             args = cls(
@@ -301,7 +311,8 @@ class DrafterArgs:
                   "selector_top_k", "input_embedding_scale", "output_multiplier", "own_embed",
                   "own_head", "is_causal", "sliding_window", "confidence_head",
                   "confidence_with_markov", "rope_traditional", "attention_sinks",
-                  "draft_vocab_size", "layer_types", "gated_q", "norm_offset", "rope_dims"):
+                  "draft_vocab_size", "layer_types", "gated_q", "norm_offset", "rope_dims",
+                  "backbone", "k_eq_v"):
             d.pop(k)
         lineage = {"dflash_query_causal": True} if self.is_causal else {}
         if self.sliding_window:
@@ -318,6 +329,16 @@ class DrafterArgs:
         d["target_layer_ids"] = list(d["target_layer_ids"])
         if d["rope_scaling"] is None:
             d.pop("rope_scaling")
+        if self.backbone == "gemma4":
+            d.pop("rope_scaling", None)
+            d.update(global_head_dim=d.pop("head_dim"), attention_k_eq_v=self.k_eq_v,
+                     rope_parameters={"full_attention": {"rope_theta": d.pop("rope_theta"),
+                                                         **self.rope_scaling}})
+            d["num_global_key_value_heads" if self.k_eq_v else "num_key_value_heads"] = \
+                d.pop("num_key_value_heads")
+            return {"architectures": ["Gemma4DSparkModel"], "model_type": "gemma4_text", **d,
+                    "enable_confidence_head": self.confidence_head,
+                    "confidence_head_with_markov": self.confidence_with_markov, **lineage}
         return {"architectures": ["Qwen3DSparkModel"],
                 "model_type": "qwen3_5" if self.norm_offset else "qwen3", **d,
                 "enable_confidence_head": self.confidence_head,
@@ -327,7 +348,8 @@ class DrafterArgs:
 
 DSPARK_FIELDS = ("logits_start", "markov_rank", "confidence_head", "confidence_with_markov",
                  "attention_bias", "rope_traditional", "own_embed", "own_head",
-                 "attention_sinks", "draft_vocab_size", "gated_q", "norm_offset", "rope_dims")
+                 "attention_sinks", "draft_vocab_size", "gated_q", "norm_offset", "rope_dims",
+                 "backbone", "k_eq_v")
 
 
 def deepspec_schema(cfg: dict, source: str) -> tuple[dict, str]:
@@ -406,6 +428,22 @@ def _lineage(cfg: dict, dcfg: dict) -> tuple[int | None, bool]:
     window = (cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None) or \
         (dcfg.get("swa_window_size") if dcfg.get("use_swa") else None)
     return (int(window) if window else None), causal
+
+
+def _gemma4(cfg: dict) -> dict:
+    """A Gemma-4 DSpark backbone's config with its attention's own fields in the common keys:
+    the head dim is `global_head_dim`, values the keys (`attention_k_eq_v`) over
+    `num_global_key_value_heads`, the rope `rope_parameters.full_attention`'s (proportional,
+    a quarter of each head), the logits soft-capped at 30 unless it says otherwise."""
+    rope = (cfg.get("rope_parameters") or {}).get("full_attention") or {}
+    k_eq_v = bool(cfg.get("attention_k_eq_v", True))
+    return {**cfg, "head_dim": int(cfg.get("global_head_dim", 512)), "attention_k_eq_v": k_eq_v,
+            "num_key_value_heads": int(cfg.get("num_global_key_value_heads", 1)) if k_eq_v
+            else int(cfg.get("num_key_value_heads", 8)),
+            "rope_theta": float(rope.get("rope_theta", 1e6)),
+            "rope_scaling": {"rope_type": rope.get("rope_type", "proportional"),
+                             "partial_rotary_factor": rope.get("partial_rotary_factor", 0.25)},
+            "final_logit_softcapping": cfg.get("final_logit_softcapping", 30.0)}
 
 
 def _qwen3_5_flavour(cfg: dict, head_dim: int) -> dict:

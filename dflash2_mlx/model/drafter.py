@@ -107,14 +107,16 @@ class Attention(nn.Module):
         super().__init__()
         h, d = args.hidden_size, args.head_dim
         self.n_heads, self.n_kv_heads = args.num_attention_heads, args.num_key_value_heads
-        self.scale = d**-0.5
+        self.gemma, self.k_eq_v = args.backbone == "gemma4", args.k_eq_v
+        self.scale = 1.0 if self.gemma else d**-0.5
         self.window = args.sliding_window if sliding else None
         self.causal = args.is_causal
         bias = args.attention_bias
         self.gated = args.gated_q            # q_proj emits [q | gate] per head
         self.q_proj = nn.Linear(h, self.n_heads * d * (2 if self.gated else 1), bias=bias)
         self.k_proj = nn.Linear(h, self.n_kv_heads * d, bias=bias)
-        self.v_proj = nn.Linear(h, self.n_kv_heads * d, bias=bias)
+        if not self.k_eq_v:
+            self.v_proj = nn.Linear(h, self.n_kv_heads * d, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=bias)
         self.q_norm = nn.RMSNorm(d, eps=args.rms_norm_eps)
         self.k_norm = nn.RMSNorm(d, eps=args.rms_norm_eps)
@@ -126,9 +128,12 @@ class Attention(nn.Module):
     def _kv(self, x: mx.array):
         """x [B, S, H] -> keys [B, n_kv, S, D] (normed, not yet roped), values."""
         B, S, _ = x.shape
-        k = self.k_norm(self.k_proj(x).reshape(B, S, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(B, S, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        return k, v
+        raw = self.k_proj(x).reshape(B, S, self.n_kv_heads, -1)
+        k = self.k_norm(raw).transpose(0, 2, 1, 3)
+        v = raw if self.k_eq_v else self.v_proj(x).reshape(B, S, self.n_kv_heads, -1)
+        if self.gemma:                                  # Gemma's unscaled v norm
+            v = mx.fast.rms_norm(v, None, self.q_norm.eps)
+        return k, v.transpose(0, 2, 1, 3)
 
     def __call__(self, x: mx.array, ctx: Context, caches: list[ContextCache],
                  lengths: list[int]) -> mx.array:
@@ -180,13 +185,16 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int):
+    def __init__(self, hidden: int, intermediate: int, gelu: bool = False):
         super().__init__()
+        self.gelu = gelu                               # Gemma's tanh-GELU gate, else SwiGLU
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def __call__(self, x):
+        if self.gelu:
+            return self.down_proj(nn.gelu_approx(self.gate_proj(x)) * self.up_proj(x))
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
@@ -214,9 +222,14 @@ class DecoderLayer(nn.Module):
         super().__init__()
         h = args.hidden_size
         self.self_attn = Attention(args, args.layer_types[index] == "sliding_attention")
-        self.mlp = MLP(h, args.intermediate_size)
+        self.gemma = args.backbone == "gemma4"
+        self.mlp = MLP(h, args.intermediate_size, gelu=self.gemma)
         self.input_layernorm = nn.RMSNorm(h, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(h, eps=args.rms_norm_eps)
+        if self.gemma:                     # sandwich norms around both sublayers, scaled
+            self.pre_feedforward_layernorm = nn.RMSNorm(h, eps=args.rms_norm_eps)
+            self.post_feedforward_layernorm = nn.RMSNorm(h, eps=args.rms_norm_eps)
+            self.layer_scalar = mx.ones((1,))
         if args.has_conv:
             self.attention_conv = DynamicConv(h, args.conv_kernel_size, args.conv_group_size)
             self.mlp_conv = DynamicConv(h, args.conv_kernel_size, args.conv_group_size)
@@ -224,6 +237,10 @@ class DecoderLayer(nn.Module):
 
     def __call__(self, x, ctx: Context, caches: list[ContextCache], lengths: list[int]):
         attn = lambda y: self.self_attn(y, ctx, caches, lengths)
+        if self.gemma:
+            x = x + self.post_attention_layernorm(attn(self.input_layernorm(x)))
+            x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            return x * self.layer_scalar
         if not self.has_conv:
             x = x + attn(self.input_layernorm(x))
             return x + self.mlp(self.post_attention_layernorm(x))
@@ -511,6 +528,8 @@ class Drafter(nn.Module):
         mask = mx.full((n, L - 1), args.mask_token_id, dtype=anchors.dtype)
         block = mx.concatenate([anchors, mask], axis=1)
         x = self.embed_tokens(block) if args.own_embed else target.embed(block)
+        if args.own_embed and args.backbone == "gemma4":
+            x = x * args.hidden_size**0.5
         if args.input_embedding_scale != 1.0:
             x = x * args.input_embedding_scale
         start = args.logits_start
