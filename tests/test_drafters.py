@@ -25,21 +25,53 @@ def published_config(row: drafters.Published) -> dict:
     return {"model_type": row.model_types[0], **shape, "num_attention_heads": 32}
 
 
-@pytest.mark.parametrize("row", TABLE, ids=[row.target for row in TABLE])
-def test_each_row_is_found_from_its_targets_config(row, tmp_path):
+TARGETS = sorted({row.target for row in TABLE})
+
+
+def preferred(target: str) -> drafters.Published:
+    """The drafter of `target` the table's rule picks: DFlash 2, else DSpark, else DFlash."""
+    rows = [row for row in TABLE if row.target == target]
+    for kind in (drafters.DFLASH2, drafters.DSPARK, drafters.DFLASH):
+        if any(row.kind == kind for row in rows):
+            return next(row for row in rows if row.kind == kind)
+    raise AssertionError(f"{target}: a row of no known kind")
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_each_target_finds_its_preferred_drafter_from_its_config(target, tmp_path):
+    row = preferred(target)
     config = published_config(row)
     base = row.target.split("/")[1]
     for name in (row.target, f"mlx-community/{base}-4bit", f"/models/{base}-MLX-8bit"):
         choice = find(config, name)
         assert (choice.drafter, choice.row) == (row.drafter, row), name
-        assert f"published for {row.target}, whose shape it has" in choice.why
-    renamed = find(config, "me/my-finetune")                    # by shape, under another name
-    assert renamed.drafter == row.drafter and "under another name" in renamed.why
+        assert f"{row.kind}, published for {row.target}, whose shape it has" in choice.why
+    renamed = find(config, "me/my-finetune")      # by shape, under another name: the first
+    first = next(r for r in TABLE if r.fits(Shape.of(config)))     # target of that shape
+    assert renamed.drafter == preferred(first.target).drafter
+    assert "under another name" in renamed.why
     folder = tmp_path / base
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(config))
     assert choose(str(folder)).drafter == row.drafter           # a local folder's config.json
-    assert row.block_size in (8, 10, 16) and row.card.startswith("https://")
+
+
+def test_every_row_says_its_kind_block_and_card():
+    assert {row.kind for row in TABLE} == {drafters.DFLASH, drafters.DFLASH2, drafters.DSPARK}
+    for row in TABLE:
+        assert row.block_size in (7, 8, 10, 15, 16) and row.card.startswith("https://"), row
+    assert len({(row.target, row.drafter) for row in TABLE}) == len(TABLE)
+
+
+def test_one_targets_drafters_in_the_rules_order():
+    """Qwen3.8-27B: DFlash 2 over DSpark (measured); Qwen3-8B: DSpark over DFlash."""
+    assert find(published_config(preferred("Qwen/Qwen3.8-27B")), "Qwen3.8-27B-4bit").drafter \
+        == "incoai/Qwen3.8-27B-DFlash2"
+    assert find(published_config(preferred("Qwen/Qwen3-8B")), "Qwen/Qwen3-8B").drafter \
+        == "deepseek-ai/dspark_qwen3_8b_block7"
+    qwen35 = published_config(preferred("Qwen/Qwen3.5-27B"))        # one shape, three targets
+    assert find(qwen35, "Qwen3.6-27B-8bit").drafter == "satgeze/Qwen3.6-27B-DSpark"
+    assert find(qwen35, "Qwen3.5-27B-8bit").drafter == "z-lab/Qwen3.5-27B-DFlash"
 
 
 @pytest.mark.parametrize("change", [

@@ -213,6 +213,25 @@ def test_config_defaults_translations_and_refusals(tmp_path):
             DrafterArgs.from_dict(bad, source="x/config.json")
 
 
+def test_heads_a_checkpoint_does_not_ship_are_not_expected(tmp_path, target):
+    """DeepSeek's DFlash drafters (`dflash_*_block7`) are DSpark models trained without the
+    heads: a config that does not say so (DeepSpec's defaults turn both on) still loads, from
+    what the tensors hold, and drafts without them."""
+    args = drafter_args(dspark=True, block_size=7, markov_rank=0, confidence_head=False,
+                        confidence_with_markov=False)
+    folder = write_drafter(tmp_path / "d", args, dtype=mx.float32)
+    cfg = json.loads((folder / "config.json").read_text())
+    for key in ("markov_rank", "enable_confidence_head", "confidence_head_with_markov"):
+        cfg.pop(key)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    d = ours(folder, target)
+    assert (d.args.markov_rank, d.has_confidence) == (0, False)
+    draft = Draft(mx.array([[5]], dtype=mx.uint32), mx.random.normal((1, 4, 2 * HIDDEN)),
+                  d.make_cache(), 8, Sampling(), mx.random.key(0))
+    p = d.propose_batch(target, [draft])[0]
+    assert p.tokens.shape == (1, 7) and p.confidence is None
+
+
 def test_a_reduced_vocabulary_needs_its_table(tmp_path, target):
     """`draft_vocab_size` without `d2t` in the weights, or a table that maps outside the
     vocabulary: refused at load, naming the folder."""

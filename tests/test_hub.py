@@ -194,7 +194,8 @@ def test_hub_errors_are_one_line_naming_the_id_and_the_fix(hub, llama_dir, tmp_p
 
 def test_doctor_model_reads_only_config_json_from_the_hub(tmp_path):
     """`doctor --model ID` answers from the target's config.json alone: the weights stay on
-    the Hub. A Qwen3-8B-shaped config under an mlx-community name finds z-lab's drafter."""
+    the Hub. A Qwen3-8B-shaped config under an mlx-community name finds DeepSeek's DSpark
+    drafter (preferred over z-lab's DFlash one) and says its kind."""
     repo = tmp_path / "repo"
     repo.mkdir()
     (repo / "config.json").write_text(json.dumps({
@@ -207,8 +208,8 @@ def test_doctor_model_reads_only_config_json_from_the_hub(tmp_path):
     assert proc.returncode == 0, proc.stderr
     rows = {line[:14].strip(): line[14:] for line in proc.stdout.splitlines()}
     assert rows["shape"] == "qwen3, hidden size 4096, vocabulary 151936, 36 layers"
-    assert rows["drafter"].startswith("z-lab/Qwen3-8B-DFlash-b16 (block size 16): published "
-                                      "for Qwen/Qwen3-8B")
-    assert "huggingface.co/z-lab/Qwen3-8B-DFlash-b16" in rows["drafter card"]
+    assert rows["drafter"].startswith("deepseek-ai/dspark_qwen3_8b_block7 (block size 7): "
+                                      "DSpark, published for Qwen/Qwen3-8B")
+    assert "github.com/deepseek-ai/DeepSpec" in rows["drafter card"]
     files = {path.rsplit("/", 1)[1] for _, path, _ in hub.requests if "/resolve/" in path}
     assert files == {"config.json"}, hub.requests

@@ -231,9 +231,15 @@ def load_drafter(path_or_id: str | Path, *, hidden_size: int, vocab_size: int, n
                               target)
     weights = read_safetensors(folder)
     d2t = draft_to_target(weights, args, str(folder))
-    if args.is_dspark:       # its own embedding and head where it ships them, else the target's
+    if args.is_dspark:       # the tensors say which parts it has: its own embedding and head
+        markov = "markov_head.markov_w1.weight" in weights   # (else the target's), the heads
+        proj = weights.get("confidence_head.proj.weight")    # [1, H (+ Markov rank)]
         args = replace(args, own_embed="embed_tokens.weight" in weights,
-                       own_head="lm_head.weight" in weights)
+                       own_head="lm_head.weight" in weights,
+                       markov_rank=args.markov_rank if markov else 0,
+                       confidence_head=proj is not None,
+                       confidence_with_markov=markov and proj is not None
+                       and proj.shape[-1] > args.hidden_size)
     drafter = Drafter(args)
     stored = stored_quantization(folder)
     if stored:   # a checkpoint saved quantized: give the model the same structure first

@@ -1,10 +1,12 @@
-"""The published drafter of a target: a table of the DFlash / DFlash 2 drafters their publishers
-list, matched on the target's own config.json (family, hidden size, vocabulary, layer count),
-so a quantized or renamed copy of a target finds its drafter and a look-alike name does not.
+"""The published drafter of a target: a table of the DFlash, DFlash 2 and DSpark drafters their
+publishers list, matched on the target's own config.json (family, hidden size, vocabulary,
+layer count), so a quantized or renamed copy of a target finds its drafter and a look-alike name
+does not.
 
 Each row comes from the publisher's model card or README (`card`); the target's fields from the
-target's published config.json. Several rows may fit one shape (a family's versions share
-shapes): the row whose target name the model's id contains wins, else the first.
+target's published config.json. Several targets may share a shape (a family's versions do): the
+target the model's id names wins, else the first in the table. One target may have several
+drafters: the kind `PREFERENCE` puts first wins (`--draft` picks another).
 """
 
 from __future__ import annotations
@@ -15,6 +17,13 @@ from pathlib import Path
 
 NONE = "none"              # --draft none / draft="none": no drafter, and no look-up
 ZLAB = "https://github.com/z-lab/dflash#supported-models"
+DEEPSPEC = "https://github.com/deepseek-ai/DeepSpec#released-checkpoints"
+DFLASH, DFLASH2, DSPARK = "DFlash", "DFlash 2", "DSpark"
+# Among one target's drafters: DFlash 2 over DSpark (Qwen3.8-27B on an M-series Mac, 3.79x vs
+# 3.74x at 8 bits, 2.72x vs 2.63x at 4), DSpark over DFlash (every M-series head-to-head):
+# mlx-dspark 0.20.3's measurements (docs/decisions.md). No publisher reports acceptance for
+# both kinds on one target.
+PREFERENCE = (DFLASH2, DSPARK, DFLASH)
 
 
 @dataclass(frozen=True)
@@ -30,6 +39,7 @@ class Published:
     block_size: int
     card: str                       # where the row comes from
     note: str = ""
+    kind: str = DFLASH
 
     def fits(self, shape: "Shape") -> bool:
         return (shape.model_type in self.model_types and shape.hidden_size == self.hidden_size
@@ -43,26 +53,65 @@ class Published:
         return name == base or name.startswith((base + "-", base + "_", base + "."))
 
 
-# Rows: z-lab's README table (`ZLAB`) and the drafters' model cards. Block sizes: the "-b16"
-# names; Qwen3.5's from the README's own serving examples (15 speculative tokens = block 16 for
-# Qwen3.5-27B, 16 draft tokens for Qwen3.5-35B-A3B); LLaMA3.1's from its card (9 speculative
-# tokens = block 10). Target fields: the targets' published config.json (Qwen3.5's under
-# `text_config`). Which published drafters are not here, and why: docs/cli.md.
+# Rows: z-lab's README table (`ZLAB`), DeepSpec's released checkpoints (`DEEPSPEC`) and the
+# drafters' model cards. Block sizes: the "-b16" names; Qwen3.5's from the README's own serving
+# examples (15 speculative tokens = block 16 for Qwen3.5-27B, 16 draft tokens for
+# Qwen3.5-35B-A3B); LLaMA3.1's from its card (9 speculative tokens = block 10); the DSpark
+# drafters' from their config.json (`block_size`; a DSpark block predicts from its first slot
+# on, so its widest verify is one more). Target fields: the targets' published config.json
+# (Qwen3.5's and Qwen3.6's under `text_config`). The published drafters not here, and why:
+# docs/cli.md.
+QWEN3 = ("qwen3",)
 TABLE: tuple[Published, ...] = (
-    Published("Qwen/Qwen3-4B", ("qwen3",), 2560, 151936, 36, "z-lab/Qwen3-4B-DFlash-b16", 16,
+    Published("Qwen/Qwen3-4B", QWEN3, 2560, 151936, 36, "z-lab/Qwen3-4B-DFlash-b16", 16,
               "https://huggingface.co/z-lab/Qwen3-4B-DFlash-b16",
               "trained without thinking traces: best with thinking off"),
-    Published("Qwen/Qwen3-8B", ("qwen3",), 4096, 151936, 36, "z-lab/Qwen3-8B-DFlash-b16", 16,
+    Published("Qwen/Qwen3-4B", QWEN3, 2560, 151936, 36, "deepseek-ai/dspark_qwen3_4b_block7", 7,
+              DEEPSPEC, kind=DSPARK),
+    Published("Qwen/Qwen3-4B", QWEN3, 2560, 151936, 36, "deepseek-ai/dflash_qwen3_4b_block7", 7,
+              DEEPSPEC, "DeepSpec's packaging, without the DSpark heads"),
+    Published("Qwen/Qwen3-8B", QWEN3, 4096, 151936, 36, "z-lab/Qwen3-8B-DFlash-b16", 16,
               "https://huggingface.co/z-lab/Qwen3-8B-DFlash-b16",
               "trained without thinking traces: best with thinking off"),
+    Published("Qwen/Qwen3-8B", QWEN3, 4096, 151936, 36, "deepseek-ai/dspark_qwen3_8b_block7", 7,
+              DEEPSPEC, kind=DSPARK),
+    Published("Qwen/Qwen3-8B", QWEN3, 4096, 151936, 36, "deepseek-ai/dflash_qwen3_8b_block7", 7,
+              DEEPSPEC, "DeepSpec's packaging, without the DSpark heads"),
+    Published("Qwen/Qwen3-14B", QWEN3, 5120, 151936, 40, "deepseek-ai/dspark_qwen3_14b_block7",
+              7, DEEPSPEC, kind=DSPARK),
+    Published("Qwen/Qwen3-14B", QWEN3, 5120, 151936, 40, "deepseek-ai/dflash_qwen3_14b_block7",
+              7, DEEPSPEC, "DeepSpec's packaging, without the DSpark heads"),
     Published("meta-llama/Llama-3.1-8B-Instruct", ("llama",), 4096, 128256, 32,
               "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat", 10,
               "https://huggingface.co/z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat"),
+    Published("openbmb/MiniCPM5-2B", ("llama",), 2048, 130560, 42, "openbmb/MiniCPM5-2B-DSpark",
+              7, "https://huggingface.co/openbmb/MiniCPM5-2B-DSpark",
+              "the target's embedding and head", kind=DSPARK),
     Published("Qwen/Qwen3.5-27B", ("qwen3_5",), 5120, 248320, 64, "z-lab/Qwen3.5-27B-DFlash", 16,
               "https://huggingface.co/z-lab/Qwen3.5-27B-DFlash"),
+    Published("Qwen/Qwen3.6-27B", ("qwen3_5",), 5120, 248320, 64, "satgeze/Qwen3.6-27B-DSpark",
+              15, "https://huggingface.co/satgeze/Qwen3.6-27B-DSpark", kind=DSPARK),
+    Published("Qwen/Qwen3.8-27B", ("qwen3_5",), 5120, 248320, 64, "incoai/Qwen3.8-27B-DFlash2",
+              8, "https://huggingface.co/incoai/Qwen3.8-27B-DFlash2",
+              "z-lab/Qwen3.8-27B-DFlash2 mirrors it", kind=DFLASH2),
+    Published("Qwen/Qwen3.8-27B", ("qwen3_5",), 5120, 248320, 64,
+              "RedHatAI/Qwen3.8-27B-speculator.dspark", 8,
+              "https://huggingface.co/RedHatAI/Qwen3.8-27B-speculator.dspark",
+              "vLLM speculators' packaging: a causal sliding-window block, the target's "
+              "embedding and head", kind=DSPARK),
+    Published("Qwen/Qwen3.8-27B", ("qwen3_5",), 5120, 248320, 64, "RadixArk/Qwen3.8-27B-DSpark",
+              7, "https://huggingface.co/RadixArk/Qwen3.8-27B-DSpark",
+              "SpecForge's packaging, YaRN rope", kind=DSPARK),
     Published("Qwen/Qwen3.5-35B-A3B", ("qwen3_5_moe",), 2048, 248320, 40,
               "z-lab/Qwen3.5-35B-A3B-DFlash", 16,
               "https://huggingface.co/z-lab/Qwen3.5-35B-A3B-DFlash"),
+    Published("Qwen/Qwen3.6-35B-A3B", ("qwen3_5_moe",), 2048, 248320, 40,
+              "incoai/Qwen3.6-35B-A3B-DFlash2", 8,
+              "https://huggingface.co/incoai/Qwen3.6-35B-A3B-DFlash2", kind=DFLASH2),
+    Published("Qwen/Qwen3.6-35B-A3B", ("qwen3_5_moe",), 2048, 248320, 40,
+              "RedHatAI/Qwen3.6-35B-A3B-speculator.dspark", 8,
+              "https://huggingface.co/RedHatAI/Qwen3.6-35B-A3B-speculator.dspark",
+              "vLLM speculators' packaging", kind=DSPARK),
 )
 
 
@@ -116,9 +165,11 @@ def find(config: dict, model: str = "", table: tuple[Published, ...] = TABLE) ->
     if not rows:
         return Choice(None, f"no published drafter in the table serves its shape ({shape})")
     named = [row for row in rows if row.named_by(model)]
-    row = (named or rows)[0]
-    how = (f"published for {row.target}, whose shape it has ({shape})" if named else
-           f"published for {row.target}; the target has its shape ({shape}) under another name")
+    target = (named or rows)[0].target
+    row = min((r for r in rows if r.target == target), key=lambda r: PREFERENCE.index(r.kind))
+    how = (f"{row.kind}, published for {row.target}, whose shape it has ({shape})" if named else
+           f"{row.kind}, published for {row.target}; the target has its shape ({shape}) under "
+           "another name")
     return Choice(row.drafter, how, row)
 
 
