@@ -18,7 +18,7 @@ from dflash2_mlx.decode.engine import stream_tokens
 from dflash2_mlx.policy.planner import Planner
 from dflash2_mlx.model.sampling import Sampling
 from dflash2_mlx.model.target import TargetAdapter
-from fixtures import drafter_args
+from fixtures import drafter_args, random_drafter
 from test_exactness import OracleDrafter
 
 V, H = 384, 64
@@ -101,22 +101,29 @@ def test_greedy_equals_mlx_lm_with_partial_acceptance(target, b):
         stats = GenerationStats()
         out = [t for s in stream_tokens(adapter, oracle, ids, max_tokens=40,
                                         sampling=Sampling(), planner=Planner(),
-                                                             policy=FixedWidth(b), stop_ids=set(),
+                                        policy=FixedWidth(b), stop_ids=set(),
                                         stats=stats) for t in s]
         assert out == ref, (name, b)
         assert max(stats.accepted) == b - 1 and min(stats.accepted) < b - 1
 
 
-def test_real_drafter_greedy_equals_mlx_lm(target):
+@pytest.mark.parametrize("kind", ["dflash2", "dspark"])
+def test_real_drafter_greedy_equals_mlx_lm(target, kind):
+    """A DFlash 2 and a DSpark drafter (its own embedding and head, Markov and confidence
+    heads, drafts from the anchor's slot: widest verify 8), alone and with lookup."""
     name, model = target
-    drafter = Drafter(drafter_args(block_size=8, layer_ids=(1, 3)))
+    args = drafter_args(block_size=7 if kind == "dspark" else 8, layer_ids=(1, 3),
+                        dspark=kind == "dspark")
+    drafter = random_drafter(args, seed=3)
     adapter = TargetAdapter(model, drafter.args.target_layer_ids)
     ids = PROMPTS[1]
     ref = mlx_lm_greedy(model, ids, 30)
-    out = [t for s in stream_tokens(adapter, drafter, ids, max_tokens=30, sampling=Sampling(),
-                                    planner=Planner(),
-                                    policy=FixedWidth(8), stop_ids=set()) for t in s]
-    assert out == ref, name
+    for lookup in (None, LookupConfig()):
+        out = [t for s in stream_tokens(adapter, drafter, ids, max_tokens=30,
+                                        sampling=Sampling(), planner=Planner(),
+                                        policy=FixedWidth(8), stop_ids=set(), lookup=lookup)
+               for t in s]
+        assert out == ref, (name, kind, lookup)
 
 
 @pytest.mark.parametrize("with_drafter", [True, False])
