@@ -134,7 +134,8 @@ def _flat(module):
 def test_the_kernel_path_reaches_every_kernel_call():
     """The path is set once on the drafter and held by the modules that call the kernels
     (it used to be threaded through four layers of calls)."""
-    from dflash2_mlx.model.drafter import CandidateSelector, DynamicConv
+    from dflash2_mlx.model.drafter import DynamicConv
+    from dflash2_mlx.model.selector import CandidateSelector
     from dflash2_mlx.model.kernels import metal_usable
 
     drafter = random_drafter(drafter_args(dflash2=True), seed=0)

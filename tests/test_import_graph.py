@@ -103,19 +103,23 @@ def test_the_package_has_no_import_cycles():
     assert cycles(graph) == [], "import cycles between the package's modules"
 
 
+def write_package(pkg: Path, files: dict[str, str]) -> Path:
+    """A package of these files (path -> text) at `pkg`, its folders made."""
+    for name, text in files.items():
+        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / name).write_text(text)
+    return pkg
+
+
 def test_the_graph_sees_every_kind_of_import(tmp_path):
-    pkg = tmp_path / "pkg"
-    (pkg / "sub").mkdir(parents=True)
-    files = {
+    pkg = write_package(tmp_path / "pkg", {
         "__init__.py": "from .a import f\n",
         "a.py": "import os\nfrom . import b\n\ndef f():\n    from .sub.c import g\n",
         "b.py": "from pkg.sub import d\n",
         "sub/__init__.py": "",
         "sub/c.py": "import pkg.b\nfrom .. import a\n",
         "sub/d.py": "from ..a import f\n",
-    }
-    for name, text in files.items():
-        (pkg / name).write_text(text)
+    })
     graph = import_graph(pkg)
     assert graph["pkg"] == {"pkg.a"}
     assert graph["pkg.a"] == {"pkg.b", "pkg.sub.c"}             # the last one in a function
@@ -192,11 +196,8 @@ def test_every_import_runs_down_the_layers():
 def test_an_upward_or_sideways_import_is_named_with_its_file_and_line(tmp_path):
     """The check fails where it should: a lower layer importing a higher one, at module level or
     in a function, and one sibling importing another; a module in no layer."""
-    pkg = tmp_path / "pkg"
-    for folder in ("low", "mid", "side", "top"):
-        (pkg / folder).mkdir(parents=True)
-        (pkg / folder / "__init__.py").write_text("")
-    files = {
+    pkg = write_package(tmp_path / "pkg", {
+        **{f"{folder}/__init__.py": "" for folder in ("low", "mid", "side", "top")},
         "__init__.py": "",
         "base.py": "import os\n",
         "low/a.py": "from .. import base\n\ndef f():\n    from ..top import t\n",
@@ -204,9 +205,7 @@ def test_an_upward_or_sideways_import_is_named_with_its_file_and_line(tmp_path):
         "side/s.py": "from pkg.low.a import f\n",
         "top/t.py": "from ..mid import m\nfrom pkg import base\n",
         "stray.py": "",
-    }
-    for name, text in files.items():
-        (pkg / name).write_text(text)
+    })
     table = [["pkg.base"], ["pkg.low"], ["pkg.mid", "pkg.side"], ["pkg.top"]]
     assert upward_imports(pkg, table, root=tmp_path) == [
         "pkg/low/a.py:4: pkg.low (layer 2) imports up to pkg.top (layer 4)",
