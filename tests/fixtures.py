@@ -89,14 +89,14 @@ class Server:
 
 def tiny(name: str):
     """A random-weight target of test_families' configs, as a TargetAdapter."""
-    from test_families import CONFIGS       # here: test_families imports this module
+    from test_families import CONFIGS, EMBED_SCALE    # here: test_families imports this module
 
     cfg = CONFIGS[name]
     model_class, args_class = _get_classes(cfg)
     mx.random.seed(7)
     model = model_class(args_class.from_dict(cfg))
     embed = TargetAdapter(model).embed_tokens
-    embed.weight = embed.weight * (1 if name == "gemma3_text" else 4)
+    embed.weight = embed.weight * EMBED_SCALE.get(name, 4)
     mx.eval(model.parameters())
     return TargetAdapter(model)
 

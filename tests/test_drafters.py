@@ -18,9 +18,9 @@ def published_config(row: drafters.Published) -> dict:
     `text_config` (a multimodal checkpoint), the others flat."""
     shape = {"hidden_size": row.hidden_size, "vocab_size": row.vocab_size,
              "num_hidden_layers": row.num_layers}
-    if row.model_types[0].startswith("qwen3_5"):
-        return {"model_type": row.model_types[0],
-                "architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": {"model_type": row.model_types[0] + "_text", **shape},
+    if row.model_types[0].startswith(("qwen3_5", "gemma4")):      # multimodal checkpoints
+        return {"model_type": row.model_types[0], "architectures": ["ForConditionalGeneration"],
+                "text_config": {"model_type": row.model_types[0] + "_text", **shape},
                 "vision_config": {"depth": 27}}
     return {"model_type": row.model_types[0], **shape, "num_attention_heads": 32}
 
@@ -59,7 +59,7 @@ def test_each_target_finds_its_preferred_drafter_from_its_config(target, tmp_pat
 def test_every_row_says_its_kind_block_and_card():
     assert {row.kind for row in TABLE} == {drafters.DFLASH, drafters.DFLASH2, drafters.DSPARK}
     for row in TABLE:
-        assert row.block_size in (7, 8, 10, 15, 16) and row.card.startswith("https://"), row
+        assert row.block_size in (7, 8, 9, 10, 15, 16) and row.card.startswith("https://"), row
     assert len({(row.target, row.drafter) for row in TABLE}) == len(TABLE)
 
 

@@ -27,6 +27,12 @@ COMMON = dict(hidden_size=H, num_hidden_layers=4, intermediate_size=128, num_att
               max_position_embeddings=4096, tie_word_embeddings=False)
 LINEAR = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
               linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=2)
+GEMMA4 = dict(COMMON, global_head_dim=16, vocab_size_per_layer_input=V, sliding_window=6,
+              layer_types=["sliding_attention", "full_attention"] * 2,
+              final_logit_softcapping=30.0)
+LFM2 = dict(vocab_size=V, hidden_size=H, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=4096, norm_eps=1e-5, conv_bias=False,
+            conv_L_cache=3, rope_theta=1e4, layer_types=["conv", "full_attention"] * 2)
 CONFIGS = {
     "qwen3_5": dict(model_type="qwen3_5", **COMMON, **LINEAR,
                     rope_parameters={"type": "default", "rope_theta": 1e4,
@@ -40,7 +46,37 @@ CONFIGS = {
     "llama-sliding": dict(model_type="llama", **COMMON,
                           layer_types=["sliding_attention", "full_attention"] * 2,
                           sliding_window=6),
+    # the targets of the published DSpark drafters (docs/cli.md's table and its left-out list)
+    "qwen3_5_moe": dict(model_type="qwen3_5_moe", **COMMON, **LINEAR, num_experts=4,
+                        num_experts_per_tok=2, decoder_sparse_step=1,
+                        shared_expert_intermediate_size=64, moe_intermediate_size=32,
+                        norm_topk_prob=True,
+                        rope_parameters={"type": "default", "rope_theta": 1e4,
+                                         "partial_rotary_factor": 0.5}),
+    # Gemma 4: sliding and full layers, the last two reusing the first two's keys and values,
+    # per-layer inputs, a soft-capped head; and the 26B's MoE block with values = keys
+    "gemma4_text": dict(model_type="gemma4_text", **GEMMA4, num_kv_shared_layers=2,
+                        hidden_size_per_layer_input=16),
+    "gemma4_text-moe": dict(model_type="gemma4_text", **GEMMA4, num_kv_shared_layers=0,
+                            hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4,
+                            top_k_experts=2, moe_intermediate_size=32, attention_k_eq_v=True,
+                            num_global_key_value_heads=1),
+    # LFM2: short-convolution layers (their state rolled back like a recurrent one) and attention
+    "lfm2": dict(model_type="lfm2", **LFM2, block_dim=H, block_ff_dim=128, block_multiple_of=16,
+                 block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=True),
+    "lfm2_moe": dict(model_type="lfm2_moe", **LFM2, intermediate_size=128,
+                     moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                     norm_topk_prob=True, use_expert_bias=True, num_dense_layers=1),
+    # MiniCPM: scaled embedding, residuals and logits
+    "minicpm": dict(COMMON, model_type="minicpm", dim_model_base=16, scale_depth=1.4,
+                    scale_emb=12.0, rope_theta=1e4),
+    # Nanbeige: the layer stack run twice, each pass with its own caches
+    "nanbeige": dict(model_type="nanbeige", **COMMON, rope_theta=1e4, num_loops=2),
 }
+# The embedding's scale in the fixture: one whose greedy output varies (tied heads repeat a
+# token at 4)
+EMBED_SCALE = {"gemma3_text": 1, "gemma4_text": 8, "gemma4_text-moe": 1, "lfm2": 0.1,
+               "lfm2_moe": 0.1, "minicpm": 1, "nanbeige": 1}
 PROMPTS = [[5, 17, 99, 3, 250, 7, 42, 11], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 200] * 2]
 
 
@@ -52,7 +88,7 @@ def target(request):
     model = model_class(args_class.from_dict(cfg))
     # Larger embeddings and untied head: the random model's greedy output varies.
     embed = TargetAdapter(model).embed_tokens
-    embed.weight = embed.weight * (1 if request.param == "gemma3_text" else 4)
+    embed.weight = embed.weight * EMBED_SCALE.get(request.param, 4)
     mx.eval(model.parameters())
     return request.param, model
 

@@ -112,6 +112,21 @@ TABLE: tuple[Published, ...] = (
               "RedHatAI/Qwen3.6-35B-A3B-speculator.dspark", 8,
               "https://huggingface.co/RedHatAI/Qwen3.6-35B-A3B-speculator.dspark",
               "vLLM speculators' packaging", kind=DSPARK),
+    Published("google/gemma-4-26B-A4B-it", ("gemma4",), 2816, 262144, 30,
+              "makora-ai/gemma4-26b-a4b-dspark", 7,
+              "https://huggingface.co/makora-ai/gemma4-26b-a4b-dspark",
+              "vLLM speculators' packaging, a draft vocabulary of 32000", kind=DSPARK),
+    Published("LiquidAI/LFM2.5-1.2B-Instruct", ("lfm2",), 2048, 65536, 16,
+              "LiquidAI/LFM2.5-1.2B-Instruct-DSpark", 9,
+              "https://huggingface.co/LiquidAI/LFM2.5-1.2B-Instruct-DSpark",
+              "LiquidAI's packaging, the target's embedding and head", kind=DSPARK),
+    Published("LiquidAI/LFM2.5-2.6B", ("lfm2",), 2048, 128000, 30, "LiquidAI/LFM2.5-2.6B-DSpark",
+              9, "https://huggingface.co/LiquidAI/LFM2.5-2.6B-DSpark",
+              "LiquidAI's packaging, the target's embedding and head", kind=DSPARK),
+    Published("LiquidAI/LFM2.5-8B-A1B", ("lfm2_moe",), 2048, 128000, 24,
+              "LiquidAI/LFM2.5-8B-A1B-DSpark", 9,
+              "https://huggingface.co/LiquidAI/LFM2.5-8B-A1B-DSpark",
+              "LiquidAI's packaging, the target's embedding and head", kind=DSPARK),
 )
 
 
