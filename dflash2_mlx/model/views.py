@@ -49,7 +49,9 @@ def find_stack_path(model: nn.Module) -> tuple[str, ...]:
                 break
         if isinstance(module, nn.Module) and isinstance(module.get("layers"), list):
             return path
-    raise ValueError(f"cannot find the decoder layers of {type(model).__name__}: looked for "
+    family = type(model).__module__.rsplit(".", 1)[-1]
+    raise ValueError(f"this target family ('{family}') is not supported: cannot find the decoder "
+                     f"layers of its {type(model).__name__}: looked for "
                      f"{', '.join('.'.join(('model',) + p) for p in STACK_PATHS)}.layers")
 
 
