@@ -142,49 +142,24 @@ class DrafterArgs:
             return default
 
         rope, rope_theta = _rope(cfg)
-        dspark = arch == DSPARK
-        if dspark and packaging != "SpecForge":
-            rope = None     # elsewhere a rope scaling is the target config's, copied along
-        gemma = dspark and "gemma4" in str(cfg.get("model_type", ""))
-        if gemma:
-            cfg = _gemma4(cfg)
-            rope, rope_theta = cfg["rope_scaling"], cfg["rope_theta"]
         n_layers = int(get("num_hidden_layers"))
-        layer_types = tuple(cfg.get("layer_types") or ("full_attention",) * n_layers)
-        window, causal = cfg.get("sliding_window"), bool(cfg.get("is_causal") or False)
-        if dspark:
-            window, causal = _lineage(cfg, dcfg)
-            layer_types = (("sliding_attention" if window else "full_attention"),) * n_layers
         hidden = int(get("hidden_size"))
         heads = int(get("num_attention_heads"))
-        extra = {}
-        for key in DFLASH2_DEFAULTS:
-            default = DFLASH2_DEFAULTS[key] if arch == DFLASH2 else 0
-            extra[key] = int(get(key, default, drafting=True))
-        if dspark:
-            rank = int(get("markov_rank", DSPARK_DEFAULTS["markov_rank"]))
-            extra.update(
-                logits_start=_logits_start(cfg, source),
-                markov_rank=rank,
-                confidence_head=bool(get("enable_confidence_head",
-                                         DSPARK_DEFAULTS["enable_confidence_head"])),
-                confidence_with_markov=rank > 0 and bool(get(
-                    "confidence_head_with_markov",
-                    DSPARK_DEFAULTS["confidence_head_with_markov"])),
-                attention_bias=bool(get("attention_bias", False)),
-                rope_traditional=get("rope_is_neox_style", True) is False,
-                attention_sinks=bool(get("attention_sink_bias", False)),
-                draft_vocab_size=_draft_vocab(cfg),
-                **(dict(backbone="gemma4", k_eq_v=cfg["attention_k_eq_v"]) if gemma else
-                   _qwen3_5_flavour(cfg, int(get("head_dim", hidden // heads)))),
-                own_embed=True, own_head=True)     # `load_drafter` says from the tensors
+        fields = dict(
+            rope_scaling=rope, rope_theta=rope_theta, is_causal=bool(cfg.get("is_causal")),
+            layer_types=tuple(cfg.get("layer_types") or ("full_attention",) * n_layers),
+            sliding_window=cfg.get("sliding_window"),
+            num_key_value_heads=get("num_key_value_heads", heads),
+            **{k: int(get(k, DFLASH2_DEFAULTS[k] if arch == DFLASH2 else 0, drafting=True))
+               for k in DFLASH2_DEFAULTS})
+        if arch == DSPARK:
+            cfg, dspark = _dspark_fields(cfg, dcfg, packaging, n_layers, hidden // heads)
+            fields.update(dspark)
         try:
-            args = cls(
+            fields.update(
                 hidden_size=hidden,
                 num_hidden_layers=n_layers,
                 num_attention_heads=heads,
-                num_key_value_heads=int(get("num_key_value_heads", DSPARK_DEFAULTS[
-                    "num_key_value_heads"] if dspark else heads)),
                 head_dim=int(get("head_dim", hidden // heads)),
                 intermediate_size=int(get("intermediate_size")),
                 vocab_size=int(get("vocab_size")),
@@ -194,17 +169,13 @@ class DrafterArgs:
                 rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
                 max_position_embeddings=int(get("max_position_embeddings", 40960)),
                 num_target_layers=get("num_target_layers", None),
-                rope_theta=float(rope_theta),
-                rope_scaling=rope,
-                layer_types=layer_types,
-                sliding_window=window,
-                is_causal=causal,
                 final_logit_softcapping=get("final_logit_softcapping", None, drafting=True),
                 input_embedding_scale=float(get("input_embedding_scale", 1.0, drafting=True)),
                 output_multiplier=float(get("output_multiplier", 1.0, drafting=True) or 1.0),
-                architecture=arch,
-                **extra,
-            )
+                architecture=arch)
+            fields.update(rope_theta=float(fields["rope_theta"]),
+                          num_key_value_heads=int(fields["num_key_value_heads"]))
+            args = cls(**fields)
         except (TypeError, ValueError) as e:
             if isinstance(e, CheckpointError):
                 raise
@@ -430,6 +401,39 @@ def _lineage(cfg: dict, dcfg: dict) -> tuple[int | None, bool]:
     return (int(window) if window else None), causal
 
 
+def _dspark_fields(cfg: dict, dcfg: dict, packaging: str, n_layers: int,
+                   head_dim: int) -> tuple[dict, dict]:
+    """(the config as the common keys read it, the fields a DSpark config sets): its heads,
+    first slot, lineage (causal block, window, sinks), draft vocabulary and backbone, with
+    DeepSpec's defaults; its own embedding and head until `load_drafter` sees the tensors."""
+    rope, theta = _rope(cfg)
+    if packaging != "SpecForge":
+        rope = None         # elsewhere a rope scaling is the target config's, copied along
+    gemma = "gemma4" in str(cfg.get("model_type", ""))
+    if gemma:
+        cfg = _gemma4(cfg)
+        rope, theta = cfg["rope_scaling"], cfg["rope_theta"]
+    window, causal = _lineage(cfg, dcfg)
+    rank = int(cfg.get("markov_rank", DSPARK_DEFAULTS["markov_rank"]))
+    with_markov = cfg.get("confidence_head_with_markov",
+                          DSPARK_DEFAULTS["confidence_head_with_markov"])
+    return cfg, dict(
+        rope_scaling=rope, rope_theta=theta, sliding_window=window, is_causal=causal,
+        layer_types=(("sliding_attention" if window else "full_attention"),) * n_layers,
+        num_key_value_heads=cfg.get("num_key_value_heads",
+                                    DSPARK_DEFAULTS["num_key_value_heads"]),
+        logits_start=_logits_start(cfg), markov_rank=rank,
+        confidence_head=bool(cfg.get("enable_confidence_head",
+                                     DSPARK_DEFAULTS["enable_confidence_head"])),
+        confidence_with_markov=rank > 0 and bool(with_markov),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        rope_traditional=cfg.get("rope_is_neox_style", True) is False,
+        attention_sinks=bool(cfg.get("attention_sink_bias", False)),
+        draft_vocab_size=_draft_vocab(cfg), own_embed=True, own_head=True,
+        **(dict(backbone="gemma4", k_eq_v=cfg["attention_k_eq_v"]) if gemma else
+           _qwen3_5_flavour(cfg, int(cfg.get("head_dim", head_dim)))))
+
+
 def _gemma4(cfg: dict) -> dict:
     """A Gemma-4 DSpark backbone's config with its attention's own fields in the common keys:
     the head dim is `global_head_dim`, values the keys (`attention_k_eq_v`) over
@@ -476,7 +480,7 @@ def _architecture(cfg: dict, source: str) -> str:
                           "or a DSpark model (e.g. Qwen3DSparkModel)")
 
 
-def _logits_start(cfg: dict, source: str) -> int:
+def _logits_start(cfg: dict) -> int:
     """DeepSpec's first-prediction slot: `logits_start`, else `sample_from_anchor` (true: 0,
     false: 1), else 0 (the anchor's row predicts the first draft)."""
     if "logits_start" in cfg:
