@@ -8,6 +8,8 @@ that must end when a step fails to allocate; /health's figures; a prefill step's
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
+import os
 import gc
 import time
 
@@ -195,12 +197,28 @@ def _fits(pipe, n: int, tokens: int) -> int:
     return max(b.weights, active) + (two + three) // 2
 
 
-def test_requests_beyond_the_budget_wait_and_all_finish_exact(pipe):
+def test_requests_beyond_the_budget_wait_and_all_finish_exact(llama_dir, dflash2_dir):
     """Four requests under a budget that holds two of them: never more than two run, the
-    others wait in order (/health counts them), and every text is the text alone."""
+    others wait in order (/health counts them), and every text is the text alone. In a process
+    of its own (`budget_case`): the budget sits half a sequence's reservation above the arrays
+    the process holds, and in a full run other tests' arrays in a shared worker came and went
+    meanwhile (twice a third request got in)."""
+    process = multiprocessing.get_context("spawn").Process(
+        target=budget_case, args=(str(llama_dir), str(dflash2_dir), os.environ["DFLASH2_CACHE"]))
+    process.start()
+    process.join(300)
+    assert process.exitcode == 0, "the budget case failed in its own process (see its output)"
+
+
+def budget_case(llama_dir: str, dflash2_dir: str, cache: str) -> None:
+    """The test above's body, in a fresh process: its assertions raise there."""
+    os.environ["DFLASH2_CACHE"] = cache
+    dflash2_mlx.use_fast_blas()
     from test_server import in_process
     from test_server_batch import _chat
 
+    pipe = dflash2_mlx.load(llama_dir, dflash2_dir)
+    pipe.default_block_size = BLOCK
     want = [pipe.generate(p, max_tokens=MAX_TOKENS).text for p in PROMPTS]
     tokens = max(len(pipe.encode(p)) for p in PROMPTS) + MAX_TOKENS
     seen = {"running": 0, "waiting_for_memory": 0, "cache": 0}
