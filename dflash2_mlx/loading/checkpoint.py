@@ -121,8 +121,10 @@ def read_draft_vocab(folder: Path, args: DrafterArgs) -> DraftVocab | None:
     return DraftVocab(ids)
 
 
-def norms(drafter: Drafter) -> list[nn.RMSNorm]:
-    return [m for _, m in drafter.named_modules() if isinstance(m, nn.RMSNorm)]
+def norms(drafter: Drafter) -> dict[str, nn.RMSNorm]:
+    """The drafter's RMS norms by path (a qwen3_5-flavoured checkpoint stores their weights as
+    offsets from one)."""
+    return {path: m for path, m in drafter.named_modules() if isinstance(m, nn.RMSNorm)}
 
 
 def draft_to_target(weights: dict, args: DrafterArgs, source: str) -> DraftVocab | None:
@@ -171,8 +173,7 @@ def save_drafter(drafter: Drafter, folder: str | Path, dtype=mx.bfloat16) -> Pat
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {}
-    offsets = {f"{path}.weight" for path, m in drafter.named_modules()
-               if isinstance(m, nn.RMSNorm)} if drafter.args.norm_offset else set()
+    offsets = {f"{path}.weight" for path in norms(drafter)} if drafter.args.norm_offset else set()
     for name, value in tree_flatten(drafter.parameters()):
         base = name.removesuffix(".weight")
         if base in CODEBOOKS:
@@ -246,7 +247,7 @@ def load_drafter(path_or_id: str | Path, *, hidden_size: int, vocab_size: int, n
         quantize_drafter(drafter, int(stored["bits"]), int(stored["group_size"]))
     load_drafter_weights(drafter, weights, str(folder))
     if args.norm_offset:                 # stored as offsets from one: the norms' own weights
-        for norm in norms(drafter):
+        for norm in norms(drafter).values():
             norm.weight = norm.weight + 1.0
     drafter.draft_vocab = d2t or read_draft_vocab(folder, args)
     if dtype is not None:

@@ -154,6 +154,7 @@ class Attention(nn.Module):
             q, gate = mx.split(q, 2, axis=-1)                # the gate is not normed
         q = self.q_norm(q).transpose(0, 2, 1, 3)
         k, v = self._kv(x)
+        sinks = getattr(self, "attention_sink_bias", None)
         outs = []
         for i, (c, l) in enumerate(zip(caches, lengths)):
             pos = c.offset                  # block row 0 (the anchor) sits right after the context
@@ -161,7 +162,7 @@ class Attention(nn.Module):
                                         v[i : i + 1, :, :l])
             outs.append(mx.fast.scaled_dot_product_attention(
                 self.rope(q[i : i + 1], offset=pos), keys, values, scale=self.scale,
-                mask=self._mask(c, L, l), sinks=getattr(self, "attention_sink_bias", None)))
+                mask=self._mask(c, L, l), sinks=sinks))
         out = outs[0] if n == 1 else mx.concatenate(outs)
         out = out.transpose(0, 2, 1, 3).reshape(n, L, -1)
         if self.gated:
@@ -440,8 +441,7 @@ class Drafter(nn.Module):
         padding invisible to attention). A DSpark block is always its full `block_size` rows
         (it was trained on whole blocks), its drafts read from slot `logits_start` on."""
         h, logits = self.block_logits(target, drafts)
-        anchors = drafts[0].anchor if len(drafts) == 1 else \
-            mx.concatenate([d.anchor for d in drafts])
+        anchors = _anchors(drafts)
         vocab = self._vocab()
         args = self.args
         if args.has_selector:
@@ -460,7 +460,7 @@ class Drafter(nn.Module):
         n, width = len(drafts), max(d.width for d in drafts)
         L = args.block_size if args.is_dspark else width
         lengths = [L if args.is_dspark else d.width for d in drafts]
-        anchors = drafts[0].anchor if n == 1 else mx.concatenate([d.anchor for d in drafts])
+        anchors = _anchors(drafts)
         mask = mx.full((n, L - 1), args.mask_token_id, dtype=anchors.dtype)
         block = mx.concatenate([anchors, mask], axis=1)
         x = self.embed_tokens(block) if args.own_embed else target.embed(block)
@@ -564,6 +564,11 @@ class Drafter(nn.Module):
         q_ids = None if vocab is None else mx.broadcast_to(vocab, q.shape)
         return Proposal(to_ids(mx.random.categorical(mx.log(q), key=d.key)), q, q_ids,
                         confidence)
+
+
+def _anchors(drafts: list[Draft]) -> mx.array:
+    """The pass's anchors [n, 1]."""
+    return drafts[0].anchor if len(drafts) == 1 else mx.concatenate([d.anchor for d in drafts])
 
 
 def _uniforms(drafts: list[Draft], L: int) -> mx.array:
