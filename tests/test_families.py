@@ -72,6 +72,20 @@ CONFIGS = {
                     scale_emb=12.0, rope_theta=1e4),
     # Nanbeige: the layer stack run twice, each pass with its own caches
     "nanbeige": dict(model_type="nanbeige", **COMMON, rope_theta=1e4, num_loops=2),
+    # Nemotron-H: Mamba-2 (M), attention (*), MoE (E) and MLP (-) blocks; only M and * have a
+    # cache, so cache j is not layer j's (the last Mamba block's state is cache 2 of layer 4)
+    "nemotron_h": dict(model_type="nemotron_h", vocab_size=V, hidden_size=H,
+                       intermediate_size=128, max_position_embeddings=4096,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       attention_bias=False, mamba_num_heads=8, mamba_head_dim=16,
+                       mamba_proj_bias=False, ssm_state_size=16, conv_kernel=4, n_groups=2,
+                       mlp_bias=False, layer_norm_epsilon=1e-5, use_bias=False,
+                       use_conv_bias=True, moe_intermediate_size=32,
+                       moe_shared_expert_intermediate_size=32, n_group=1, n_routed_experts=4,
+                       n_shared_experts=1, topk_group=1, num_experts_per_tok=2,
+                       norm_topk_prob=True, routed_scaling_factor=1.0,
+                       time_step_limit=(0.0, float("inf")),
+                       hybrid_override_pattern=["M", "E", "*", "-", "M"]),
 }
 # The embedding's scale in the fixture: one whose greedy output varies (tied heads repeat a
 # token at 4)
@@ -122,8 +136,11 @@ def test_rollback_equals_fresh_run_on_kept_rows(target):
         nxt = mx.array([[7, 8, 9]])
         assert mx.allclose(adapter.forward(nxt, cache)[0], adapter.forward(nxt, fresh)[0],
                            atol=1e-4), (name, kept)
-    if name.startswith("qwen3"):
+    if name.startswith(("qwen3", "lfm2", "nemotron_h")):
         assert adapter.recurrent, "hybrid target without recurrent layers?"
+    # which layer each cache belongs to: the replay of a recurrent cache runs its own layer
+    owners = {"gemma4_text": (0, 1), "nanbeige": (0, 1, 2, 3) * 2, "nemotron_h": (0, 2, 4)}
+    assert adapter.owners == owners.get(name, tuple(range(4))), name
 
 
 @pytest.mark.parametrize("b", [2, 5, 8])
@@ -201,3 +218,74 @@ def test_gemma_block_embedding_uses_the_targets_scale():
     llama = _get_classes(CONFIGS["llama-sliding"])
     plain = TargetAdapter(llama[0](llama[1].from_dict(CONFIGS["llama-sliding"])))
     assert mx.array_equal(plain.embed(ids), plain.embed_tokens(ids))
+
+
+def test_sequences_batched_equal_mlx_lm_alone(target):
+    """Four sequences of different lengths joining the engine at different steps (prompts
+    in chunks), drafting at widths 3, 5 and 8 with partial acceptance and lookup beside: each
+    equals mlx-lm's greedy output alone. A family whose caches cannot hold a batch says why at
+    load and decodes one sequence at a time, still exact."""
+    from fixtures import Oracles, run
+    from dflash2_mlx.decode.engine import Engine, Request
+
+    name, model = target
+    adapter = TargetAdapter(model, (1, 3))
+    oracles = Oracles(V)
+    arrivals, refs, truths = {}, {}, {}
+    specs = [(FixedWidth(3), False), (FixedWidth(8), True), (FixedWidth(5), False),
+             (FixedWidth(8), False)]
+    for k, (policy, lookup) in enumerate(specs):
+        prompt = (PROMPTS[k % 2] * 2)[:6 + 5 * k]
+        refs[k] = (mlx_lm_greedy(model, prompt, 24), "length")
+        truths[k] = (len(prompt), mlx_lm_greedy(model, prompt, 40))
+        arrivals.setdefault([0, 0, 2, 3][k], []).append(
+            (k, Request(prompt, 24, policy=policy, lookup=lookup)))
+    engine = Engine(adapter, oracles, planner=Planner(), prefill_step_size=8)
+    out = run(engine, arrivals, budget=10, before_add=lambda k: oracles.expect(*truths[k]))
+    for k, ref in refs.items():
+        assert out[k] == ref, (name, k)
+    steps = [c for s in engine.stats.values() for c in s.steps]
+    assert any(c.source == "drafter" and 0 < c.accepted < c.width - 1 for c in steps), name
+    widest = max(n for n, _, _ in engine.history)
+    assert (widest == 1) == bool(adapter.batch_refusal()), (name, widest, adapter.batch_refusal())
+
+
+def head_dim_32(name: str) -> dict:
+    """CONFIGS[name] with head_dim 32 (a quantization group): set where the family reads it
+    (not hidden_size / heads), else from half the heads."""
+    cfg = CONFIGS[name]
+    if name in ("lfm2", "lfm2_moe", "minicpm"):
+        return {**cfg, "num_attention_heads": 2}
+    return {**cfg, "head_dim": 32, **({"global_head_dim": 32} if "global_head_dim" in cfg
+                                      else {})}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_kv_bits_where_the_family_takes_a_quantized_cache(name):
+    """`--kv-bits` on every family: exact where mlx-lm's forward runs on its quantized cache;
+    refused at load, naming kv_bits, where it does not (Gemma 4's KV-shared layers)."""
+    from dflash2_mlx.model.views import KVQuant
+    from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
+
+    cfg = head_dim_32(name)
+    model_class, args_class = _get_classes(cfg)
+    mx.random.seed(7)
+    model = model_class(args_class.from_dict(cfg))
+    embed = TargetAdapter(model).embed_tokens
+    embed.weight = embed.weight * EMBED_SCALE.get(name, 4)
+    kv = KVQuant(8, 32)
+    if cfg.get("num_kv_shared_layers"):
+        with pytest.raises(ValueError, match="kv_bits 8: mlx-lm's 'gemma4_text' model does not"):
+            TargetAdapter(model, (1, 3), kv=kv)
+        return
+    adapter = TargetAdapter(model, (1, 3), kv=kv)
+    quantized = [QuantizedKVCache(32, 8) if type(c).__name__ == "KVCache" else c
+                 for c in make_prompt_cache(model)]
+    ids = PROMPTS[1]
+    ref = [t for t, _ in generate_step(mx.array(ids), model, max_tokens=24,
+                                       prompt_cache=quantized)]
+    assert len(set(ref)) > 2, name
+    out = [t for s in stream_tokens(adapter, OracleDrafter(len(ids), ref, V, seed=1), ids,
+                                    max_tokens=24, sampling=Sampling(), planner=Planner(),
+                                    policy=FixedWidth(5), stop_ids=set()) for t in s]
+    assert out == ref, name

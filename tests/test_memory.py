@@ -16,7 +16,7 @@ import time
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import KVCache, QuantizedKVCache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 from mlx_lm.utils import _get_classes
 
 import dflash2_mlx
@@ -26,7 +26,7 @@ from dflash2_mlx.decode.state import _flat
 from dflash2_mlx.server.budget import MemoryBudget, model_config
 
 from fixtures import BLOCK
-from test_families import COMMON, CONFIGS
+from test_families import COMMON, CONFIGS, head_dim_32
 
 QWEN3_8B = {"model_type": "qwen3", "hidden_size": 4096, "num_hidden_layers": 36,
             "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
@@ -36,17 +36,20 @@ QWEN3_8B = {"model_type": "qwen3", "hidden_size": 4096, "num_hidden_layers": 36,
 
 # --------------------------------------------------------------------------- bytes per token
 
-@pytest.mark.parametrize("family", ["llama", "llama-sliding", "gemma3_text", "qwen3_next"])
+@pytest.mark.parametrize("family", ["llama", "llama-sliding", "gemma3_text", "qwen3_next", "qwen3_5_moe", "gemma4_text", "gemma4_text-moe", "lfm2", "lfm2_moe", "minicpm", "nanbeige", "nemotron_h"])
 def test_bytes_per_token_from_config_match_the_caches(family):
     """512 tokens (a whole number of mlx-lm's 256-token steps) in mlx-lm's own caches, float
     and quantized from token 0 on the full-attention layers: the bytes they hold equal the
     formula's, to the byte."""
-    cfg = {**(CONFIGS.get(family) or dict(model_type="llama", **COMMON)), "head_dim": 32}
+    cfg = (head_dim_32(family) if family in CONFIGS
+           else dict(model_type="llama", **{**COMMON, "head_dim": 32}))
     model_class, args_class = _get_classes(cfg)
     model = model_class(args_class.from_dict(cfg))
     config = model_config(model)
-    for bits in (None, 8, 4):
-        cache = model.make_cache()
+    # Gemma 4's KV-shared layers do not take mlx-lm's quantized cache (refused at load:
+    # test_families)
+    for bits in (None,) if cfg.get("num_kv_shared_layers") else (None, 8, 4):
+        cache = make_prompt_cache(model)
         if bits:
             cache = [QuantizedKVCache(32, bits) if type(c) is KVCache else c for c in cache]
         model(mx.arange(511)[None] % 300, cache=cache)
@@ -77,6 +80,17 @@ def test_layer_kinds_per_family():
     wrapped = {"model_type": "qwen3_5", "text_config": {
         **CONFIGS["qwen3_5"], "layer_types": ["linear_attention", "full_attention"] * 2}}
     assert memory.layer_kinds(wrapped) == [memory.RECURRENT, memory.FULL] * 2
+    F, S, R, N = memory.FULL, memory.SLIDING, memory.RECURRENT, memory.NONE
+    assert memory.layer_kinds(CONFIGS["nemotron_h"]) == [R, N, F, N, R]
+    assert memory.layer_kinds(CONFIGS["gemma4_text"]) == [S, F, N, N]
+    assert memory.layer_kinds(CONFIGS["lfm2"]) == [R, F] * 2
+    assert memory.layer_kinds(CONFIGS["nanbeige"]) == [F] * 8
+    # Gemma 4's config.json may leave out mlx-lm's defaults: 20 shared layers, head_dim 512
+    gemma4 = {**CONFIGS["gemma4_text"], "num_hidden_layers": 30,
+              "layer_types": ["sliding_attention", "full_attention"] * 15}
+    del gemma4["num_kv_shared_layers"], gemma4["global_head_dim"]
+    assert memory.layer_kinds(gemma4) == [S, F] * 5 + [N] * 20
+    assert memory.kv_cost(gemma4, itemsize=2).per_token == 5 * 2 * 2 * 512 * 2
     cost = memory.kv_cost(CONFIGS["llama-sliding"], itemsize=4)
     assert cost.bytes(10_000) - cost.bytes(9_000) == 1000 * cost.per_token   # windows are full
     with pytest.raises(ValueError, match="num_hidden_layers"):

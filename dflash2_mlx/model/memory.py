@@ -29,40 +29,56 @@ STEP = 256                   # mlx-lm's caches grow in steps of 256 tokens
 COMPACT_MIN, COMPACT_SHARE = 64, 16
 MARGIN = 0.10                # of the device's memory, kept out of the default budget
 MIN_MARGIN = 512 * 2**20     # bytes
-FULL, SLIDING, RECURRENT = "full_attention", "sliding_attention", "recurrent"
-_RECURRENT_TYPES = ("linear_attention", "mamba", "recurrent", "ssm")
+FULL, SLIDING, RECURRENT, NONE = "full_attention", "sliding_attention", "recurrent", "none"
+_RECURRENT_TYPES = ("linear_attention", "mamba", "recurrent", "ssm", "conv")
 
 
 # ---------------------------------------------------------------- bytes per token, from config
 
 def text_config(config: dict) -> dict:
-    """The language model's fields: a VLM wrapper's `text_config` over the top level."""
+    """The language model's fields: a VLM wrapper's `text_config` over the top level, with
+    the defaults of mlx-lm's ModelArgs that change a cache's size where config.json may leave
+    them out (Gemma 4's full-attention head_dim and its layers that share another's cache)."""
     inner = config.get("text_config")
-    return {**config, **inner} if isinstance(inner, dict) else dict(config)
+    c = {**config, **inner} if isinstance(inner, dict) else dict(config)
+    if str(c.get("model_type", "")).startswith("gemma4"):
+        c = {"global_head_dim": 512, "num_kv_shared_layers": 20, **c}
+    return c
 
 
 def layer_kinds(config: dict) -> list[str]:
-    """Each layer's cache kind (FULL, SLIDING or RECURRENT), as mlx-lm's `make_cache` decides
-    it: `layer_types` (llama, mistral, gpt-oss, qwen3.5, ...), else gemma3's
+    """Each layer's cache kind (FULL, SLIDING, RECURRENT or NONE), in the order of mlx-lm's
+    cache list, as its `make_cache` decides it: `hybrid_override_pattern` (nemotron_h: Mamba-2
+    blocks recurrent, attention full, MoE and MLP blocks none), `layer_types` (llama, mistral,
+    gpt-oss, qwen3.5, lfm2's short convolutions recurrent, ...), else gemma3's
     `sliding_window_pattern`, else qwen3-next's `full_attention_interval` (the others
-    GatedDeltaNet), else every layer full attention."""
+    GatedDeltaNet), else every layer full attention. Gemma 4's last `num_kv_shared_layers`
+    reuse earlier layers' caches (none); Nanbeige runs its stack `num_loops` times, each pass
+    with caches of its own."""
     c = text_config(config)
+    types, pattern = c.get("layer_types"), c.get("hybrid_override_pattern")
+    if pattern:
+        return [RECURRENT if b == "M" else FULL if b == "*" else NONE for b in pattern]
     n = _int(c, "num_hidden_layers")
-    types = c.get("layer_types")
     if types:
         if len(types) != n:
             raise ValueError(f"config.json: layer_types has {len(types)} entries for "
                              f"num_hidden_layers {n}")
-        return [SLIDING if "sliding" in t or "chunked" in t
-                else RECURRENT if any(r in t for r in _RECURRENT_TYPES) else FULL
-                for t in types]
-    if c.get("sliding_window_pattern") and c.get("sliding_window"):
+        kinds = [SLIDING if "sliding" in t or "chunked" in t
+                 else RECURRENT if any(r in t for r in _RECURRENT_TYPES) else FULL
+                 for t in types]
+    elif c.get("sliding_window_pattern") and c.get("sliding_window"):
         p = int(c["sliding_window_pattern"])
-        return [FULL if i % p == p - 1 else SLIDING for i in range(n)]
-    if c.get("full_attention_interval") and c.get("linear_num_value_heads"):
+        kinds = [FULL if i % p == p - 1 else SLIDING for i in range(n)]
+    elif c.get("full_attention_interval") and c.get("linear_num_value_heads"):
         k = int(c["full_attention_interval"])
-        return [FULL if (i + 1) % k == 0 else RECURRENT for i in range(n)]
-    return [FULL] * n
+        kinds = [FULL if (i + 1) % k == 0 else RECURRENT for i in range(n)]
+    else:
+        kinds = [FULL] * n
+    shared = int(c.get("num_kv_shared_layers") or 0)
+    if 0 < shared < len(kinds):
+        kinds = kinds[:-shared] + [NONE] * shared
+    return kinds * int(c.get("num_loops") or 1)
 
 
 def kv_bytes_per_token(n_kv_heads: int, head_dim: int, kv_bits: int | None = None,
@@ -123,7 +139,12 @@ def kv_cost(config: dict, kv_bits: int | None = None,
     heads = _int(c, "num_attention_heads")
     n_kv = int(c.get("num_key_value_heads") or heads)
     head_dim = int(c.get("head_dim") or _int(c, "hidden_size") // heads)
-    full = kinds.count(FULL) * kv_bytes_per_token(n_kv, head_dim, kv_bits, kv_group_size,
+    full_kv, full_dim = n_kv, head_dim
+    if c.get("global_head_dim"):                # Gemma 4's full-attention layers
+        full_dim = int(c["global_head_dim"])
+        if c.get("attention_k_eq_v") and c.get("num_global_key_value_heads"):
+            full_kv = int(c["num_global_key_value_heads"])
+    full = kinds.count(FULL) * kv_bytes_per_token(full_kv, full_dim, kv_bits, kv_group_size,
                                                   itemsize)
     sliding = kinds.count(SLIDING) * kv_bytes_per_token(n_kv, head_dim, None, itemsize=itemsize)
     terms = [(full, None)] if full else []
@@ -134,8 +155,17 @@ def kv_cost(config: dict, kv_bits: int | None = None,
 
 
 def _recurrent_state_bytes(c: dict, itemsize: int) -> int:
-    """A GatedDeltaNet layer's state (mlx-lm qwen3_next / qwen3_5): the convolution's last
-    kernel-1 inputs in the model's dtype, the recurrent state [Hv, Dv, Dk] in float32."""
+    """One recurrent layer's state: LFM2's short convolution (its last L_cache-1 inputs);
+    a Mamba-2 block (nemotron_h: the convolution's last kernel-1 inputs, the SSM state
+    [H, Dh, Ds]); a GatedDeltaNet layer (qwen3_next / qwen3_5: the convolution's last kernel-1
+    inputs in the model's dtype, the recurrent state [Hv, Dv, Dk] in float32)."""
+    if c.get("conv_L_cache"):
+        return (int(c["conv_L_cache"]) - 1) * _int(c, "hidden_size") * itemsize
+    if c.get("mamba_num_heads"):
+        h, dh = int(c["mamba_num_heads"]), int(c["mamba_head_dim"])
+        ds, groups = int(c["ssm_state_size"]), int(c.get("n_groups") or 1)
+        conv = (int(c.get("conv_kernel") or 4) - 1) * (h * dh + 2 * groups * ds) * itemsize
+        return conv + h * dh * ds * itemsize
     hk, dk = int(c.get("linear_num_key_heads", 0)), int(c.get("linear_key_head_dim", 0))
     hv, dv = int(c.get("linear_num_value_heads", 0)), int(c.get("linear_value_head_dim", 0))
     kernel = int(c.get("linear_conv_kernel_dim", 4))

@@ -27,8 +27,11 @@ from mlx_lm.models.cache import (ArraysCache, KVCache, QuantizedKVCache, Rotatin
                                  make_prompt_cache)
 
 # Where decoder stacks live in mlx-lm models: Model.model (llama, qwen2/3, mistral, ...),
-# Model.language_model.model (multimodal wrappers such as qwen3_5, gemma3).
-STACK_PATHS = (("model",), ("language_model", "model"), ("language_model",), ())
+# Model.language_model.model (multimodal wrappers such as qwen3_5, gemma3), Model.backbone
+# (nemotron_h).
+STACK_PATHS = (("model",), ("language_model", "model"), ("language_model",), ("backbone",), ())
+# What the stacks call their token embedding (nemotron_h: `embeddings`).
+EMBED_NAMES = ("embed_tokens", "embeddings")
 
 # Stack attributes that name the layer whose cache a mask is made from (llama, qwen3_5,
 # qwen3_next), and which layers each must point at; recomputed for a view of a layer range.
@@ -129,9 +132,12 @@ class _ShapeProbe(QuantizedKVCache):
 
 
 def check_kv(model: nn.Module, kv: KVQuant) -> None:
-    """ValueError when `kv.group_size` does not divide the head_dim of the full-attention
-    layers (mx.quantize would fail at the first token). One lazy token through the model up
-    to the first such layer: its shapes are known without evaluating any weight."""
+    """ValueError when the model cannot run on a quantized KV cache: `kv.group_size` does not
+    divide the head_dim of its full-attention layers (mx.quantize would fail at the first
+    token), or its forward does not take mlx-lm's quantized cache at all (Gemma 4's layers that
+    reuse another layer's keys and values). One lazy token up to the first quantized layer, then
+    one through the whole model: shapes and types are checked as the graph is built, before any
+    weight is read."""
     cache = [(_ShapeProbe(kv.group_size, kv.bits) if type(c) is QuantizedKVCache else c)
              for c in model_cache(model, kv)]
     if not any(type(c) is _ShapeProbe for c in cache):
@@ -147,6 +153,13 @@ def check_kv(model: nn.Module, kv: KVQuant) -> None:
                 "attention layers (the group size must divide it): "
                 + (f"use kv_group_size {' or '.join(fits)}" if fits else
                    "no group size fits; use a float KV cache (no kv_bits)")) from None
+    try:
+        model(mx.zeros((1, 1), mx.uint32), cache=model_cache(model, kv))
+    except (TypeError, ValueError, AttributeError) as e:
+        family = type(model).__module__.rsplit(".", 1)[-1]
+        raise ValueError(f"kv_bits {kv.bits}: mlx-lm's '{family}' model does not run on a "
+                         f"quantized KV cache ({type(e).__name__}: {str(e).splitlines()[0]}); "
+                         "use a float KV cache (no kv_bits)") from None
 
 
 class TargetModel:
@@ -161,8 +174,10 @@ class TargetModel:
         for name in self.path:
             self.stack = self.stack[name]
         self.layers = self.stack["layers"]
-        self.recurrent = tuple(i for i, c in enumerate(model_cache(model))
-                               if not c.is_trimmable())
+        self.embed_name = next((n for n in EMBED_NAMES if n in self.stack), EMBED_NAMES[0])
+        cache = model_cache(model)
+        self.owners = cache_owners(self, cache)
+        self.recurrent = tuple(j for j, c in enumerate(cache) if not c.is_trimmable())
         self._embed_view = self.view([StandIn(self.layers[0], stop)] + list(self.layers[1:]))
         self._row_heads: dict = {}
 
@@ -173,7 +188,7 @@ class TargetModel:
 
     @property
     def embed_tokens(self) -> nn.Module:
-        return self.stack["embed_tokens"]
+        return self.stack[self.embed_name]
 
     @property
     def hidden_size(self) -> int:
@@ -203,7 +218,7 @@ class TargetModel:
         stack = chain[-1]
         stack["layers"] = layers
         if embed is not None:
-            stack["embed_tokens"] = embed
+            stack[self.embed_name] = embed
         if reindex:
             for attr, wanted in INDEX_ATTRS.items():
                 if attr in vars(stack):
@@ -324,25 +339,29 @@ def run_to_stand_in(view: nn.Module, ids: mx.array, cache) -> mx.array:
 
 class LayerRange:
     """Layers [lo, hi) of a target, run through taps that record the outputs of the feature
-    layers among them (`outputs`, by global index) and the inputs of the recurrent ones (what
-    a rollback replays). Their cache is a list of the range's layers' caches, cache[i - lo]."""
+    layers among them (`outputs`, by layer index) and the inputs of the layers that own
+    recurrent caches (what a rollback replays). Their cache is the list of the caches those
+    layers own (`TargetModel.owners`), in the model's order: `caches` names them by index in
+    the whole model's list (one per layer, cache[i - lo], for most families)."""
 
     def __init__(self, target: TargetModel, lo: int, hi: int, features=()):
         self.target, self.lo, self.hi = target, lo, hi
         self.features = tuple(sorted(i for i in set(features) if lo <= i < hi))
-        self.recurrent = tuple(i for i in target.recurrent if lo <= i < hi)
+        self.caches = tuple(j for j, i in enumerate(target.owners) if lo <= i < hi)
+        self.recurrent = tuple(j for j in target.recurrent if j in self.caches)
+        self.replayed = {target.owners[j] for j in self.recurrent}     # layer indices
         self.outputs: dict[int, mx.array] = {}
         self.inputs: dict[int, mx.array] = {}     # replaced by each snapshot (its own)
 
     def _record(self, i: int, x: mx.array, out: mx.array) -> None:
         if i in self.features:
             self.outputs[i] = out
-        if i in self.recurrent:
+        if i in self.replayed:
             self.inputs[i] = x
 
     def view(self, end: StandIn | None = None, embed=None) -> nn.Module:
         """A view running this range (taps where something is recorded), then `end`."""
-        tapped = set(self.features) | set(self.recurrent)
+        tapped = set(self.features) | self.replayed
         layers = [LayerTap(self.target.layers[i], i, self._record) if i in tapped
                   else self.target.layers[i] for i in range(self.lo, self.hi)]
         whole = (self.lo, self.hi) == (0, self.target.num_layers)
@@ -350,12 +369,18 @@ class LayerRange:
                                 reindex=not whole)
 
     def make_cache(self) -> list:
-        return model_cache(self.target.model, self.target.kv)[self.lo:self.hi]
+        cache = model_cache(self.target.model, self.target.kv)
+        return [cache[j] for j in self.caches]
+
+    def replay(self, j: int, x: mx.array, cache) -> None:
+        """Feed the rows `x` (inputs of the layer owning whole-model cache j) through that
+        layer into `cache`. Its output is never evaluated: only the recurrent part runs."""
+        self.target.layers[self.target.owners[j]](x, mask=None, cache=cache)
 
     def unrollable(self, cache: list) -> list[str]:
         """Type names of the caches in `cache` that can neither be trimmed nor replayed."""
-        return sorted({type(c).__name__ for j, c in enumerate(cache)
-                       if not c.is_trimmable() and not (self.lo + j in self.recurrent
+        return sorted({type(c).__name__ for j, c in zip(self.caches, cache)
+                       if not c.is_trimmable() and not (j in self.recurrent
                                                         and isinstance(c, ArraysCache))})
 
     def snapshot(self, cache: list) -> "Snapshot":
@@ -364,8 +389,8 @@ class LayerRange:
     def trim(self, cache: list, n: int) -> None:
         """Drop the last n rows without a snapshot: attention caches only."""
         if n and self.recurrent:
-            raise RuntimeError(f"layer {self.recurrent[0]} (recurrent) cannot go back {n} rows "
-                               "without a snapshot")
+            raise RuntimeError(f"layer {self.target.owners[self.recurrent[0]]} (recurrent) "
+                               f"cannot go back {n} rows without a snapshot")
         for c in cache:
             c.trim(n)
 
@@ -373,27 +398,29 @@ class LayerRange:
 class Snapshot:
     """A layer range's cache as it was before a forward: attention caches need only the row
     count; recurrent layers keep their state (array references: cheap) and, from the taps, the
-    inputs the forward after this snapshot fed them."""
+    inputs the forward after this snapshot fed them. Keyed by whole-model cache index."""
 
     def __init__(self, layers: LayerRange, cache: list):
         self.layers, self.cache = layers, cache
-        self.state = {i: [list(s) if isinstance(s, list) else s
-                          for s in cache[i - layers.lo].state] for i in layers.recurrent}
+        self.at = dict(zip(layers.caches, cache))          # whole-model index -> cache
+        self.state = {j: [list(s) if isinstance(s, list) else s for s in self.at[j].state]
+                      for j in layers.recurrent}
         self.inputs = layers.inputs = {}
+
+    def _inputs(self, j: int) -> mx.array:
+        return self.inputs[self.layers.target.owners[j]]
 
     def rollback(self, kept: int, total: int) -> None:
         """Make every layer's cache what it would be had the forward fed only `kept` of its
         `total` rows."""
         if kept == total:
             return
-        for j, c in enumerate(self.cache):
-            i = self.layers.lo + j
-            if i in self.state:
-                c.state = self.state[i]
+        for j, c in self.at.items():
+            if j in self.state:
+                # the state from before, then the installed layer over the kept rows
+                c.state = self.state[j]
                 if kept:
-                    # The installed layer over the kept rows updates the state exactly; its
-                    # output is never evaluated, so only the recurrent part is computed.
-                    self.layers.target.layers[i](self.inputs[i][:, :kept], mask=None, cache=c)
+                    self.layers.replay(j, self._inputs(j)[:, :kept], c)
             else:
                 c.trim(total - kept)
 
@@ -408,15 +435,53 @@ class Snapshot:
         if not len(short):
             return
         groups = [(k, short[keep[short] == k]) for k in sorted(set(keep[short].tolist()))]
-        for i, (before, *_) in self.state.items():
-            c = self.cache[i - self.layers.lo]
+        for j, (before, *_) in self.state.items():
+            c = self.at[j]
             for k, rows in groups:
                 idx = mx.array(rows.astype(np.int32))
                 sub = ArraysCache(len(before))
                 sub.cache = [s[idx] for s in before]
                 if k:      # as in `rollback`: only the recurrent part is ever evaluated
-                    self.layers.target.layers[i](self.inputs[i][idx, :k], mask=None, cache=sub)
+                    self.layers.replay(j, self._inputs(j)[idx, :k], sub)
                 # a scatter into the forward's new arrays (each entry was replaced by the
                 # forward, so no other cache or snapshot holds them)
                 for s, new in zip(c.cache, sub.cache):
                     s[idx] = new
+
+
+# --------------------------------------------------------------------------- cache owners
+
+
+class _CacheProbe:
+    """Stands in for layer `index` in `cache_owners`: notes the cache it is handed, then runs
+    the layer."""
+
+    def __init__(self, layer: nn.Module, index: int, seen: dict):
+        self.layer, self.index, self.seen = layer, index, seen
+
+    def __call__(self, x, *args, **kwargs):
+        c = kwargs.get("cache", args[1] if len(args) > 1 else None)
+        self.seen.setdefault(id(c), self.index)
+        return self.layer(x, *args, **kwargs)
+
+    def __getattr__(self, name):   # as LayerTap's
+        return getattr(self.layer, name)
+
+
+def cache_owners(target: TargetModel, cache: list) -> tuple[int, ...]:
+    """Whole-model cache index -> the decoder layer it is handed to. One cache per layer (most
+    families): the identity. Otherwise (nemotron_h: caches for its Mamba and attention blocks
+    only; gemma4: none for the layers that reuse another's keys and values; nanbeige: one per
+    layer per loop) found from one lazy token through a view whose layers note the cache they
+    are given; nothing is evaluated."""
+    if len(cache) == target.num_layers:
+        return tuple(range(len(cache)))
+    seen: dict = {}
+    view = target.view([_CacheProbe(l, i, seen) for i, l in enumerate(target.layers)])
+    view(mx.zeros((1, 1), mx.uint32), cache=cache)
+    owners = tuple(seen.get(id(c), -1) for c in cache)
+    if -1 in owners:
+        family = type(target.model).__module__.rsplit(".", 1)[-1]
+        raise ValueError(f"this target family ('{family}') is not supported: cache "
+                         f"{owners.index(-1)} of its make_cache() reaches no decoder layer")
+    return owners
