@@ -83,7 +83,7 @@ def _load_drafter(draft: str, draft_dir, adapter: TargetAdapter, p, kernels: str
             f"{stored['bits']}-bit as stored" if stored else "unquantized")
     _log.info(f"loading drafter {draft} ({bits}, {p.draft_dtype or 'as stored'}) ...")
     drafter = load_drafter(draft_dir, hidden_size=adapter.hidden_size,
-                           vocab_size=adapter.vocab_size, num_layers=adapter.num_layers,
+                           vocab_size=adapter.vocab_size, num_layers=adapter.tappable,
                            dtype=runtime.parse_dtype(p.draft_dtype), bits=p.draft_bits,
                            group_size=p.draft_group_size, target=f"target model '{model}'")
     drafter.kernels = kernels

@@ -289,3 +289,49 @@ def test_kv_bits_where_the_family_takes_a_quantized_cache(name):
                                     max_tokens=24, sampling=Sampling(), planner=Planner(),
                                     policy=FixedWidth(5), stop_ids=set()) for t in s]
     assert out == ref, name
+
+
+def test_a_looped_stack_is_tapped_at_its_unrolled_steps():
+    """Nanbeige runs its layers twice: a drafter's layer id u counts unrolled steps (loop *
+    layers + layer), and its feature is the hidden state entering step u + 1, as Nanbeige's
+    reference (and mlx-dspark) capture it: mid-loop a layer's output, at a loop's end the
+    state after that loop's final norm. The last step has none: ids reach 2 * 4 - 2."""
+    from mlx_lm.models.base import create_attention_mask
+
+    cfg = CONFIGS["nanbeige"]
+    model_class, args_class = _get_classes(cfg)
+    mx.random.seed(7)
+    model = model_class(args_class.from_dict(cfg))
+    taps = (1, 3, 4, 6)
+    adapter = TargetAdapter(model, taps)
+    assert adapter.loops == 2 and adapter.tappable == 7
+    ids = mx.array([PROMPTS[0]])
+    cache = adapter.make_cache()
+    logits, feats = adapter.forward(ids, cache)
+    # the reference loop, written out
+    inner, ref_cache = model.model, adapter.make_cache()
+    h = inner.embed_tokens(ids)
+    mask = create_attention_mask(h, ref_cache[0])
+    entering = []
+    for loop in range(2):
+        for j, layer in enumerate(inner.layers):
+            entering.append(h)
+            h = layer(h, mask, ref_cache[loop * 4 + j])
+        h = inner.norm(h)
+    expected = mx.concatenate([entering[u + 1] for u in taps], axis=-1)
+    assert mx.array_equal(feats, expected)
+    assert mx.array_equal(logits, model(ids))
+    # twice more: the per-forward step count starts again each time
+    for block in ([[9, 80, 81]], [[5]]):
+        _, feats = adapter.forward(mx.array(block), cache)
+        assert feats.shape == (1, len(block[0]), 4 * H)
+    with pytest.raises(Exception, match="target_layer_ids"):
+        drafter_args(layer_ids=(1, 7)).check_against_target(H, V, adapter.tappable)
+    # a DSpark drafter tapping the second pass decodes exactly
+    drafter = random_drafter(drafter_args(block_size=7, layer_ids=(2, 6), dspark=True), seed=3)
+    adapter = TargetAdapter(model, (2, 6))
+    ref = mlx_lm_greedy(model, PROMPTS[1], 24)
+    out = [t for s in stream_tokens(adapter, drafter, PROMPTS[1], max_tokens=24,
+                                    sampling=Sampling(), planner=Planner(),
+                                    policy=FixedWidth(8), stop_ids=set()) for t in s]
+    assert out == ref

@@ -322,6 +322,7 @@ class FollowerTarget:
     def __init__(self, stage: "Stage", hidden_size: int, vocab_size: int, num_layers: int):
         self.stage = stage
         self.hidden_size, self.vocab_size, self.num_layers = hidden_size, vocab_size, num_layers
+        self.tappable = num_layers                  # pipelines take no looped stack
         self.layer_ids = tuple(stage.plan.layer_ids)
 
     def _refuse(self, *args, **kwargs):

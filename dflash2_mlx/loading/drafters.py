@@ -127,6 +127,16 @@ TABLE: tuple[Published, ...] = (
               "LiquidAI/LFM2.5-8B-A1B-DSpark", 9,
               "https://huggingface.co/LiquidAI/LFM2.5-8B-A1B-DSpark",
               "LiquidAI's packaging, the target's embedding and head", kind=DSPARK),
+    Published("nvidia/NVIDIA-Nemotron-3.5-Lightning-30B-A3B", ("nemotron_h",), 2688, 131072, 52,
+              "mlx-community/NVIDIA-Nemotron-3.5-Lightning-30B-A3B-DSpark-bf16", 8,
+              "https://huggingface.co/nvidia/NVIDIA-Nemotron-3.5-Lightning-30B-A3B-NVFP4-DSpark",
+              "a bf16 copy of NVIDIA's head (whose NVFP4 weights are not read): a causal "
+              "sliding-window block with attention sinks, the target's head", kind=DSPARK),
+    Published("Nanbeige/Nanbeige4.2-3B", ("nanbeige",), 3072, 166144, 22,
+              "Nanbeige/Nanbeige4.2-3B-DSpark", 7,
+              "https://huggingface.co/Nanbeige/Nanbeige4.2-3B-DSpark",
+              "SpecForge's packaging, the target's embedding and head; its layer ids count "
+              "the twice-run stack's 44 steps", kind=DSPARK),
 )
 
 

@@ -38,6 +38,11 @@ class Target(Protocol):
     @property
     def num_layers(self) -> int: ...
 
+    @property
+    def tappable(self) -> int:
+        """The layer ids a drafter may tap are 0..tappable-1 (num_layers, but for a looped
+        stack its unrolled steps: `views.LayerRange`)."""
+
     def forward(self, tokens: mx.array, cache: list) -> tuple[mx.array, mx.array | None]:
         """tokens [B, T] -> (logits [B, T, V], features [B, T, F] or None without layer_ids);
         appends the rows to `cache`."""
@@ -93,6 +98,7 @@ class TargetAdapter(TargetModel):
         self._view = self.range.view()
 
     def forward(self, tokens: mx.array, cache: list) -> tuple[mx.array, mx.array | None]:
+        self.range.calls.clear()
         logits = self._view(tokens, cache=cache)
         outputs = self.range.outputs
         feats = (mx.concatenate([outputs[i] for i in self.layer_ids], axis=-1)

@@ -178,6 +178,10 @@ class TargetModel:
         cache = model_cache(model)
         self.owners = cache_owners(self, cache)
         self.recurrent = tuple(j for j, c in enumerate(cache) if not c.is_trimmable())
+        # a stack run `loops` times per forward, each pass with caches of its own (nanbeige)
+        n = len(self.layers)
+        self.loops = (len(cache) // n if len(cache) > n and self.owners == tuple(range(n)) *
+                      (len(cache) // n) else 1)
         self._embed_view = self.view([StandIn(self.layers[0], stop)] + list(self.layers[1:]))
         self._row_heads: dict = {}
 
@@ -185,6 +189,12 @@ class TargetModel:
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    @property
+    def tappable(self) -> int:
+        """Layer ids a drafter may tap: 0..tappable-1. A looped stack's ids count its unrolled
+        steps (loop * num_layers + layer), the last excepted (`LayerRange`)."""
+        return self.num_layers if self.loops == 1 else self.loops * self.num_layers - 1
 
     @property
     def embed_tokens(self) -> nn.Module:
@@ -342,11 +352,20 @@ class LayerRange:
     layers among them (`outputs`, by layer index) and the inputs of the layers that own
     recurrent caches (what a rollback replays). Their cache is the list of the caches those
     layers own (`TargetModel.owners`), in the model's order: `caches` names them by index in
-    the whole model's list (one per layer, cache[i - lo], for most families)."""
+    the whole model's list (one per layer, cache[i - lo], for most families).
+
+    A looped stack (`TargetModel.loops` > 1, nanbeige; whole range only) is tapped as its
+    reference implementation taps it: feature u, an unrolled step, is the hidden state entering
+    step u + 1 (after a mid-loop layer, its output; at the end of a loop, the state after the
+    loop's final norm, as the next loop receives it)."""
 
     def __init__(self, target: TargetModel, lo: int, hi: int, features=()):
         self.target, self.lo, self.hi = target, lo, hi
-        self.features = tuple(sorted(i for i in set(features) if lo <= i < hi))
+        end = target.tappable if target.loops > 1 else hi
+        self.features = tuple(sorted(i for i in set(features) if lo <= i < end))
+        # looped: unrolled step u + 1 -> feature u, and how often each layer ran this forward
+        self.steps = {u + 1: u for u in self.features} if target.loops > 1 else {}
+        self.calls: dict[int, int] = {}
         self.caches = tuple(j for j, i in enumerate(target.owners) if lo <= i < hi)
         self.recurrent = tuple(j for j in target.recurrent if j in self.caches)
         self.replayed = {target.owners[j] for j in self.recurrent}     # layer indices
@@ -354,14 +373,22 @@ class LayerRange:
         self.inputs: dict[int, mx.array] = {}     # replaced by each snapshot (its own)
 
     def _record(self, i: int, x: mx.array, out: mx.array) -> None:
-        if i in self.features:
+        if self.steps:
+            k = self.calls.get(i, 0)
+            self.calls[i] = (k + 1) % self.target.loops
+            u = self.steps.get(k * self.target.num_layers + i)
+            if u is not None:
+                self.outputs[u] = x
+        elif i in self.features:
             self.outputs[i] = out
         if i in self.replayed:
             self.inputs[i] = x
 
     def view(self, end: StandIn | None = None, embed=None) -> nn.Module:
         """A view running this range (taps where something is recorded), then `end`."""
-        tapped = set(self.features) | self.replayed
+        n = self.target.num_layers
+        tapped = ({s % n for s in self.steps} if self.steps else set(self.features)) \
+            | self.replayed
         layers = [LayerTap(self.target.layers[i], i, self._record) if i in tapped
                   else self.target.layers[i] for i in range(self.lo, self.hi)]
         whole = (self.lo, self.hi) == (0, self.target.num_layers)
