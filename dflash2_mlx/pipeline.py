@@ -24,6 +24,7 @@ from .loading.weights import quantization
 from .model.drafter import Drafter
 from .model.target import Target, TargetAdapter
 from .model.views import KVQuant
+from .policy.acceptance import SurenessModel
 from .policy.adaptive import AdaptiveWidth
 from .policy.calibration import calibration_key, load_or_measure_costs, store_correction
 from .policy.kernel_choice import verify_kernels
@@ -75,6 +76,8 @@ class Pipeline:
         self.max_ctx = max_ctx
         self.info = dict(info or {})
         self._policy: AdaptiveWidth | None = None
+        # what the drafter's drafts say of their acceptance, learnt across generations
+        self.acceptance = SurenessModel(16)
         self.kernel_setting = "auto"         # settings.kernels, for the target's verify kernels
         self.verify_kernels = None           # kernel_probe.KernelRecord; None: stock
         self.kernel_calls = None             # kernel_view.VerifyKernels; None: Metal's
@@ -329,7 +332,8 @@ class Pipeline:
         """An `Engine` on this pipeline's target and drafter, decoding up to `max_batch`
         sequences at once (one at a time where the target cannot batch:
         `Engine.solo_reason`)."""
-        return Engine(self.adapter, self.drafter, planner=Planner(), lookup=self.lookup_config,
+        return Engine(self.adapter, self.drafter, planner=Planner(self.acceptance),
+                      lookup=self.lookup_config,
                       max_batch=max_batch, prefill_step_size=self.prefill_step_size)
 
     def request(self, engine: Engine, ids: list[int], max_tokens: int, sampling: Sampling,

@@ -243,7 +243,8 @@ def test_a_batch_better_plain_than_its_drafting_stays_plain_in_one_chain(pipe):
     vocab = pipe.adapter.vocab_size
     prompts = [[rng.randrange(vocab - 1) for _ in range(5 + 4 * k)] for k in range(3)]
     engine = Engine(pipe.adapter, pipe.drafter, planner=Planner())
-    arrivals = {0: [(k, Request(p, 24, policy=Wants(AdaptiveWidth(cost, {DRAFTER: 8}), shared),
+    arrivals = {0: [(k, Request(p, 24, policy=Wants(AdaptiveWidth(cost, {DRAFTER: 8}, cut=False),
+                                                     shared),
                                 keep_state=True)) for k, p in enumerate(prompts)]}
     out = run(engine, arrivals)
     for k, p in enumerate(prompts):

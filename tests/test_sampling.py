@@ -134,13 +134,14 @@ class NoisyOracle:
 
 
 def speculative_counts(model, drafter, sampling, n, block_size=3, prompt=PROMPT, lookup=None,
-                       sources=None, kv=None):
+                       sources=None, kv=None, planner=Planner):
     """Counts of the first three tokens over n seeded runs, and the accepted counts of the
     drafting cycles that made them (of `sources`, when a list is given to collect them). A run
     stops once it has three tokens: the cycles after them cannot change them. The prompt but
     its last token is prefilled once, in the chunk a fresh run's prefill makes of it (the same
     rows, so the same numbers); each run starts from a copy and prefills the last token alone,
-    as a fresh run would. kv: the target's KV cache quantized (`model.views.KVQuant`)."""
+    as a fresh run would. kv: the target's KV cache quantized (`model.views.KVQuant`);
+    planner: makes each run's planner."""
     layers = () if drafter is None else (0,) if drafter == "oracle" else \
         drafter.args.target_layer_ids
     adapter = TargetAdapter(model, layers, kv=kv)
@@ -161,7 +162,7 @@ def speculative_counts(model, drafter, sampling, n, block_size=3, prompt=PROMPT,
         # resets the sequence it follows there)
         state.dcache = drafter.make_cache() if drafter is not None else None
         with closing(stream_tokens(adapter, drafter, prompt, max_tokens=4, sampling=sampling,
-                                   planner=Planner(),
+                                   planner=planner(),
                                    policy=FixedWidth(block_size), stop_ids=set(), seed=seed,
                                    stats=stats, lookup=lookup, prefill_step_size=step_size,
                                    state=state)) as steps:

@@ -536,7 +536,7 @@ TRAIN_FLAGS = {
     "--exclude-prompts", "--sampled-fraction", "--max-prompt-tokens", "--max-new-tokens",
     "--gen-batch", "--layers", "--block-size", "--target-layer-ids", "--mask-token-id", "--conv",
     "--no-conv", "--selector", "--no-selector", "--selector-rank", "--init-from-target",
-    "--random-init", "--init-layers", "--init-from", "--steps", "--lr", "--seqs", "--anchors",
+    "--random-init", "--init-layers", "--init-from", "--heads", "--steps", "--lr", "--seqs", "--anchors",
     "--gamma", "--soft", "--copy-weight", "--ckpt-every", "--snapshot-every", "--max-minutes",
     "--seed", "--bits", "--stop-after"}
 
@@ -626,3 +626,37 @@ def test_recipe_options_route_to_their_part():
         Recipe.from_options("run", bits=3)
     with pytest.raises(SettingError, match="stop_after"):
         Recipe(run="x", stop_after="all")
+
+
+def test_a_confidence_head_trained_on_a_frozen_drafter(tmp_path, tiny_store, llama_dir):
+    """`--heads confidence --init-from DRAFTER`: the backbone's weights stay as they were, the
+    head learns the acceptance of the drafter's rows (held-out AUC above chance, its figures in
+    heads.json), the export carries it, and `load` drafts with it: every proposal says its
+    confidence, and greedy output is still the target's."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    import dflash2_mlx
+    from dflash2_mlx.train import train_drafter
+
+    shape = dict(target_layer_ids=(1, 2), selector_rank=32)
+    base = train_drafter(tmp_path / "a", model=str(llama_dir), data=tiny_store.folder, steps=20,
+                         anchors=16, **shape)
+    out = train_drafter(tmp_path / "h", model=str(llama_dir), data=tiny_store.folder,
+                        init_from=base, heads="confidence", **shape)
+    figures = json.loads((tmp_path / "h" / "heads.json").read_text())
+    assert figures["rows"] > 100 and 0 < figures["accepted"] < 1
+    assert figures["held_out"]["n"] > 0 and figures["held_out"]["auc"] > 0.5
+    before = dflash2_mlx.load(str(llama_dir), str(base))
+    after = dflash2_mlx.load(str(llama_dir), str(out))
+    assert after.drafter.has_confidence and not before.drafter.has_confidence
+    kept = dict(tree_flatten(before.drafter.parameters()))
+    new = dict(tree_flatten(after.drafter.parameters()))
+    assert set(new) - set(kept) == {"confidence_head.proj.weight", "confidence_head.proj.bias"}
+    assert all(mx.array_equal(kept[k], new[k]).item() for k in kept)
+    g = after.generate(PROMPTS[1], max_tokens=12, block_size=4)
+    assert g.tokens == before.generate(PROMPTS[1], max_tokens=12, block_size=4).tokens
+    assert all(len(c.predicted) == c.drafted - 1 for c in g.stats.drafting())
+    with pytest.raises(ValueError, match="--init-from"):
+        train_drafter(tmp_path / "x", model=str(llama_dir), data=tiny_store.folder,
+                      heads="confidence", **shape)

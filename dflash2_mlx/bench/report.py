@@ -40,7 +40,34 @@ def markdown(results: dict) -> str:
         lines += ["", "decode tok/s: all tokens after the first over all decode seconds; "
                   "speedup and vs reference: median over prompts of the per-prompt ratio; tau: "
                   "accepted drafts + 1 per drafting cycle, pooled over prompts.", ""]
+        lines += calibration_lines(part)
     return "\n".join(lines)
+
+
+def calibration_lines(part: dict) -> list[str]:
+    """How well each system's predicted acceptance foretold its verified drafts: ECE and AUC
+    of the predicted prefix acceptance (DeepSpec's evaluator's figures), all positions and per
+    position; the drafted rows the planner cut unverified."""
+    def fmt(x):
+        return "-" if x is None else f"{x:.3f}"
+
+    rows = []
+    for name, r in part["systems"].items():
+        for source in ("drafter", "lookup"):
+            c = r.get(f"calibration_{source}")
+            if not c or not c["n"]:
+                continue
+            per = " ".join(f"{k}:{fmt(f['ece'])}/{fmt(f['auc'])}"
+                           for k, f in c["positions"].items())
+            rows.append(f"| {name} | {source} | {c['n']} | {fmt(c['ece'])} | {fmt(c['auc'])} | "
+                        f"{fmt(c['mean_predicted'])} / {fmt(c['mean_observed'])} | "
+                        f"{r.get('cut_rows', 0)} | {per} |")
+    if not rows:
+        return []
+    return (["| system | source | verified positions | ECE | AUC | predicted / observed | "
+             "rows cut | per position k: ECE/AUC |", "|---|---|---|---|---|---|---|---|"]
+            + rows + ["", "ECE, AUC: of the predicted P(drafts 1..k accepted) against whether "
+                      "they were, over every verified position k (10 equal bins).", ""])
 
 
 def plot(results: dict, out: Path) -> list[Path]:

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import log
+from ..policy.acceptance import calibration
 from ..policy.adaptive import DRAFTER, LOOKUP
 from ..decode.stats import Cycle, GenerationStats
 
@@ -33,8 +34,10 @@ def _tps(run: Run) -> float:
 
 
 def summarize(runs: list[Run]) -> dict:
-    """Decode tok/s over all runs (tokens after the first / decode seconds); tau, mean width
-    and per-position acceptance pooled over the runs' cycles, per source too."""
+    """Decode tok/s over all runs (tokens after the first / decode seconds); tau, mean width,
+    per-position acceptance and the calibration of the predicted acceptance
+    (`policy.acceptance.calibration`) pooled over the runs' cycles, per source too; drafted
+    rows the planner cut before verifying."""
     decode_tokens = sum(max(len(r.tokens) - 1, 0) for r in runs)
     decode_s = sum(r.decode_s for r in runs)
     pooled = GenerationStats(steps=[c for r in runs for c in r.steps])
@@ -49,6 +52,10 @@ def summarize(runs: list[Run]) -> dict:
             "position_acceptance": pooled.position_acceptance(),
             "position_acceptance_drafter": pooled.position_acceptance(DRAFTER),
             "position_acceptance_lookup": pooled.position_acceptance(LOOKUP),
+            # the predicted acceptance of each verified draft position against what happened
+            "calibration_drafter": calibration(pooled.calibration_records(DRAFTER)),
+            "calibration_lookup": calibration(pooled.calibration_records(LOOKUP)),
+            "cut_rows": pooled.cut_rows,
             "prefill_s": float(np.mean([r.prefill_s for r in runs])),
             "peak_mb": float(max(r.peak_mb for r in runs)),
             "tokens": sum(len(r.tokens) for r in runs), "requests": len(runs)}

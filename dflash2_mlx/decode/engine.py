@@ -32,8 +32,8 @@ from ..model.drafter import Draft, Drafter
 from ..model.target import Target
 from .lookup import LookupConfig, LookupIndex
 from ..model.sampling import Sampling, greedy_accept, rejection_accept
-from .sequence import (CANCELLED, LENGTH, STOP, Event, LaunchedStep, Plan, Planning, Request,
-                       Sequence, commit, offer)
+from .sequence import (CANCELLED, LENGTH, STOP, Drafted, Event, LaunchedStep, Plan, Planning,
+                       Request, Sequence, commit, offer)
 
 FAILED = "failed"        # a sequence ended by its own prefill's allocation failure
 from .state import DecodeState, prefill, reuse
@@ -340,9 +340,11 @@ class Engine:
             anchor = mx.array([[seq.tokens[-1]]], dtype=mx.uint32)
             draft = Draft(anchor, seq.state.take_features(), seq.state.dcache, width,
                           seq.req.sampling, k_draft)
-            return Plan(seq, source, width, draft=draft, accept_key=k_accept, draft_key=k_draft)
+            return Plan(seq, source, width, draft=draft, accept_key=k_accept, draft_key=k_draft,
+                        drafted=width)
         drafts = mx.array([offered.guess[: width - 1]], dtype=mx.uint32)        # [1, w-1]
-        return Plan(seq, source, width, drafts, accept_key=k_accept, draft_key=k_draft)
+        return Plan(seq, source, width, drafts, accept_key=k_accept, draft_key=k_draft,
+                    drafted=width)
 
     def _plain_step(self, plans: list[Plan], decisions: list, ahead: LaunchedStep | None):
         """Every row one plain step (the one launched last step, if any), the next one
@@ -362,6 +364,7 @@ class Engine:
         """The drafter's one pass, then one verify of every row's [anchor, drafts, padding];
         the caches keep each row's accepted rows -> (accepted, bonus tokens, features)."""
         self._draft_all(plans)
+        T = self._cut(plans)
         results, feats, snapshot = self._verify(plans, T)
         mx.eval(results)                                  # the step's one host sync
         accepted = [int(a.item()) for a, _ in results]
@@ -377,7 +380,29 @@ class Engine:
         proposals = self.drafter.propose_batch(self.target, [p.draft for p in drafting])
         for p, proposal in zip(drafting, proposals):
             p.proposal, p.drafts, p.draft = proposal, proposal.tokens.astype(mx.uint32), None
-        mx.async_eval([a for p in proposals for a in (p.tokens, p.q) if a is not None])
+        mx.async_eval([a for p in proposals for a in (p.tokens, p.q, p.confidence, p.sureness)
+                       if a is not None])
+
+    def _cut(self, plans: list[Plan]) -> int:
+        """The planner's second look, with the drafts in hand (`Planning.cut`): rows narrowed
+        to what it keeps, one cut to a single row decoding plainly -> the step's width. Only
+        predictions read before any drafted token is drawn reach it where a row samples (a
+        confidence head fed the token before each position is read for greedy rows only)."""
+        markov = getattr(getattr(self.drafter, "args", None), "confidence_with_markov", False)
+        drafted = [None if p.source == PLAIN else Drafted(None, None) if p.proposal is None
+                   else Drafted(p.proposal.sureness,
+                                None if markov and not p.seq.req.sampling.greedy
+                                else p.proposal.confidence)
+                   for p in plans]
+        for p, w in zip(plans, self.planner.cut(drafted)):
+            if w == 1 and p.width > 1:
+                p.source, p.width, p.drafts, p.proposal = PLAIN, 1, None, None
+                p.sample_key = p.accept_key
+            elif w < p.width:
+                p.width, p.drafts = w, p.drafts[:, : w - 1]
+                if p.proposal is not None:
+                    p.proposal = p.proposal.first(w - 1)
+        return max(p.width for p in plans)
 
     def _verify(self, plans: list[Plan], T: int):
         """The target over every row's [anchor, drafts, padding] [B, T] -> (each row's
@@ -458,7 +483,8 @@ class Engine:
             drafts = p.drafts[0, :a].tolist() if a else []
             rows = None if feats is None or seq.state.dcache is None else feats[i : i + 1]
             tokens = commit(seq, drafts, bonus, rows, self.keep)
-            seq.stats.steps.append(Cycle(p.source, p.width, a))
+            seq.stats.steps.append(Cycle(p.source, p.width, a, p.drafted,
+                                         self.planner.predictions(i)))
             before = len(seq.tokens)
             seq.tokens.extend(tokens)                # widths never exceed the room left
             if seq.index is not None:

@@ -121,6 +121,14 @@ class Offer(NamedTuple):
     launched: bool                 # its step is a plain one launched last step
 
 
+class Drafted(NamedTuple):
+    """A drafting row's draft, for the planner's second look (`Planning.cut`): what the
+    drafter says of it (None for the lookup's)."""
+
+    sureness: mx.array | None          # [1, w-1, 2] the block's own sureness (`Proposal`)
+    confidence: mx.array | None        # [1, w-1] a confidence head's, where it may be read
+
+
 class Planning(Protocol):
     """What the engine asks of its planner (`policy.Planner`), passed in by whoever makes the
     engine: `join` and `leave` as sequences come and go, `plan` each step's rows, `learn` what
@@ -132,6 +140,12 @@ class Planning(Protocol):
 
     def plan(self, rids: list[int], offers: list[Offer],
              slots: int | None) -> tuple[list, bool]: ...
+
+    def cut(self, drafted: list[Drafted | None]) -> list[int]:
+        """After the step's drafting: each row's width to verify, at most its planned one."""
+
+    def predictions(self, row: int) -> tuple[float, ...]:
+        """Row i's predicted acceptance per drafted position (empty: none), for its stats."""
 
     def learn(self, T: int, slots: int | None, accepted: list[int], new: list[list[int]],
               seconds: float, was_launched: bool, launches: bool) -> None: ...
@@ -163,6 +177,7 @@ class Plan:
     sample_key: mx.array | None = None         # a plain step's
     accept_key: mx.array | None = None         # a drafting step's
     draft_key: mx.array | None = None          # its drafts' (a plain step launched instead)
+    drafted: int = 1                           # the width it drafted (`Engine._cut` narrows)
 
 
 @dataclass

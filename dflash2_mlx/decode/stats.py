@@ -33,6 +33,8 @@ class Cycle:
     source: str          # DRAFTER | LOOKUP | PLAIN
     width: int           # rows verified
     accepted: int        # drafts accepted (0 for a plain step)
+    drafted: int = 0     # rows drafted (more than `width` where the planner cut the verify)
+    predicted: tuple[float, ...] = ()    # predicted a_k of each drafted position
 
 
 @dataclass
@@ -91,6 +93,22 @@ class GenerationStats:
         for c in cycles:
             counts.update(c.width, c.accepted)
         return counts.rates()
+
+    def calibration_records(self, source: str | None = None) -> list[tuple[int, float, bool]]:
+        """(position k, predicted P(drafts 1..k accepted), whether they were) of every verified
+        draft position with a prediction (`policy.acceptance.calibration` reads them)."""
+        out = []
+        for c in self.drafting(source):
+            prefix = 1.0
+            for k, a in enumerate(c.predicted[: c.width - 1], 1):
+                prefix *= a
+                out.append((k, prefix, k <= c.accepted))
+        return out
+
+    @property
+    def cut_rows(self) -> int:
+        """Drafted rows the planner did not verify."""
+        return sum(max(c.drafted - c.width, 0) for c in self.steps)
 
     def copy(self) -> "GenerationStats":
         return replace(self, steps=list(self.steps))

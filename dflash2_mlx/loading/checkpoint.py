@@ -241,6 +241,8 @@ def load_drafter(path_or_id: str | Path, *, hidden_size: int, vocab_size: int, n
                        confidence_head=proj is not None,
                        confidence_with_markov=markov and proj is not None
                        and proj.shape[-1] > args.hidden_size)
+    elif "confidence_head.proj.weight" in weights:   # one trained on a DFlash drafter
+        args = replace(args, confidence_head=True)     # (`train --heads confidence`)
     drafter = Drafter(args)
     stored = stored_quantization(folder)
     if stored:   # a checkpoint saved quantized: give the model the same structure first

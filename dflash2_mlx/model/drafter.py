@@ -263,12 +263,21 @@ class Proposal:
     """One drafted block: tokens [B, L-1]; for sampling, the distribution each was drawn from,
     either dense `q` [B, L-1, V] or sparse `q` [B, L-1, K] over `q_ids` [B, L-1, K];
     `confidence` [B, L-1]: a confidence head's probability that each position is accepted
-    given the ones before it (None: the drafter has no such head)."""
+    given the ones before it (None: the drafter has no such head); `sureness` [B, L-1, 2]: how
+    sure the block's own distribution at each position is (`sureness`), what an acceptance
+    predictor reads where there is no head."""
 
     tokens: mx.array
     q: mx.array | None = None
     q_ids: mx.array | None = None
     confidence: mx.array | None = None
+    sureness: mx.array | None = None
+
+    def first(self, n: int) -> "Proposal":
+        """The first n drafts only (a verify cut short: `Engine._cut`)."""
+        cut = lambda a: None if a is None else a[:, :n]
+        return Proposal(cut(self.tokens), cut(self.q), cut(self.q_ids), cut(self.confidence),
+                        cut(self.sureness))
 
     def dense_q(self, vocab: int) -> mx.array:
         """q as [B, L-1, V], zero outside the candidates."""
@@ -445,12 +454,17 @@ class Drafter(nn.Module):
         vocab = self._vocab()
         args = self.args
         if args.has_selector:
-            return self._walk(h, logits, anchors[:, 0], drafts, vocab)
-        if args.markov_rank:
-            return self._markov(h, logits, anchors[:, 0], drafts, vocab)
-        return [self._draw(logits[i : i + 1, : d.width - 1], d, vocab,
-                           self._confidence(h[i : i + 1, : d.width - 1]))
-                for i, d in enumerate(drafts)]
+            out = self._walk(h, logits, anchors[:, 0], drafts, vocab)
+        elif args.markov_rank:
+            out = self._markov(h, logits, anchors[:, 0], drafts, vocab)
+        else:
+            out = [self._draw(logits[i : i + 1, : d.width - 1], d, vocab,
+                              self._confidence(h[i : i + 1, : d.width - 1]))
+                   for i, d in enumerate(drafts)]
+        sure = sureness(logits)
+        for i, (p, d) in enumerate(zip(out, drafts)):
+            p.sureness = sure[i : i + 1, : d.width - 1]
+        return out
 
     def block_logits(self, target: Target, drafts: list[Draft]) -> tuple[mx.array, mx.array]:
         """The pass itself: every sequence's block rows from slot `logits_start` on, h
@@ -551,6 +565,10 @@ class Drafter(nn.Module):
                 w = drafts[i].width - 1
                 out[i] = Proposal(ids[j : j + 1, :w], None if q is None else q[j : j + 1, :w],
                                   None if q is None else cand[j : j + 1, :w])
+        confidence = self._confidence(h)
+        if confidence is not None:
+            for i, d in enumerate(drafts):
+                out[i].confidence = confidence[i : i + 1, : d.width - 1]
         return out
 
     @staticmethod
@@ -564,6 +582,18 @@ class Drafter(nn.Module):
         q_ids = None if vocab is None else mx.broadcast_to(vocab, q.shape)
         return Proposal(to_ids(mx.random.categorical(mx.log(q), key=d.key)), q, q_ids,
                         confidence)
+
+
+def sureness(logits: mx.array) -> mx.array:
+    """[n, P, V'] block logits (before any Markov bias or path walk) -> [n, P, 2]: each
+    position's top log-probability and its margin over the second. Read before any token is
+    drawn, so a verify width chosen from them keeps rejection sampling exact (docs/decisions.md:
+    "Widths chosen after drafting")."""
+    logits = logits.astype(mx.float32)
+    top2 = mx.topk(logits, 2, axis=-1)                                   # [n, P, 2]
+    first, second = mx.max(top2, axis=-1), mx.min(top2, axis=-1)
+    lse = mx.logsumexp(logits, axis=-1)
+    return mx.stack([first - lse, first - second], axis=-1)
 
 
 def _anchors(drafts: list[Draft]) -> mx.array:

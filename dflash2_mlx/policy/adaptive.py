@@ -59,7 +59,8 @@ class AdaptiveWidth:
     widths: the widest block of each source (default: the drafter's at the calibrated width).
     prior: alpha_1 before any evidence, worth `strength` tries; decay: the weight of older
     tries (0.95: ~20 tries of memory); far, budget: the probes' budget (`_probe_gap`); store:
-    writes corrected prices back to the stored calibration."""
+    writes corrected prices back to the stored calibration; cut: the planner narrows its
+    drafted blocks to what their predicted acceptance pays for (`policy.cut`)."""
 
     last = (1.0, 0.0)           # `WidthPolicy`: alone it tells a batch nothing of its choices
 
@@ -67,8 +68,9 @@ class AdaptiveWidth:
                  prior: float = FIT.prior, strength: float = FIT.prior_strength,
                  decay: float = FIT.decay, far: float = FIT.far,
                  budget: tuple[float, float] = FIT.probe_budget,
-                 store: Callable[[CostModel], None] | None = None):
+                 store: Callable[[CostModel], None] | None = None, cut: bool = True):
         self.cost, self.decay, self.far, self.budget = cost, decay, far, budget
+        self.cut = cut
         self.store = store
         self.widths = widths or {DRAFTER: cost.max_width}
         self.counts: dict[str, PositionCounts] = {}        # shared by its `for_sequence`s

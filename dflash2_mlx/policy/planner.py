@@ -4,18 +4,24 @@ For each running sequence it takes an `Offer` (what its sources can draft now) a
 `Decision`: the source and width to verify, and whether its next step is a plain one that may
 launch ahead. The rows' own width policies choose in row order, the batch-aware ones priced for
 the whole step; where plain decoding of every row is worth more than what they chose, every row
-decodes plainly. After the step, `learn` times it and tells each policy what it accepted.
+decodes plainly. Once the step has drafted, `cut` looks again with each draft's predicted
+acceptance (`acceptance`, `cut`): `auto` rows verify only what pays. After the step, `learn`
+times it and tells each policy, and the acceptance model, what it accepted.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-from ..decode.sequence import Offer, WidthPolicy
+import numpy as np
+
+from ..decode.sequence import Drafted, Offer, WidthPolicy
 from ..decode.stats import DRAFTER, LOOKUP, PLAIN
+from .acceptance import SurenessModel, predicted
 from .adaptive import AdaptiveWidth, FixedWidth, LookupShadow
 from .batch import BatchAwareWidth, Want, outlooks_after, plain_is_better
 from .costs import Correction, drafter_pass
+from .cut import cut_alone, cut_batch
 from .fitted import FIT
 
 PLAIN_WANT = Want()
@@ -33,7 +39,8 @@ class Decision(NamedTuple):
 
 
 class Planned(NamedTuple):
-    """What `learn` needs of a row's plan: its decision and what it was chosen from."""
+    """What `learn` needs of a row's plan: its decision and what it was chosen from; drafted:
+    the width it drafted (more than `width` where `cut` narrowed it)."""
 
     rid: int
     source: str
@@ -42,19 +49,25 @@ class Planned(NamedTuple):
     match: int
     guess: list[int] | None
     context: int
+    drafted: int = 0
 
 
 class Planner:
     """Plans the steps of one engine. `join(rid, policy)` when a sequence starts decoding,
     `plan(rids, offers, slots)` each step, `learn(...)` after it, `leave(rid)` when it ends.
-    shared: the correction of the batch's step prices, which its batch-aware policies share."""
+    shared: the correction of the batch's step prices, which its batch-aware policies share.
+    acceptance: the drafter's acceptance model (`SurenessModel`), kept by the pipeline so
+    that it learns across generations (default: one of its own)."""
 
-    def __init__(self):
+    def __init__(self, acceptance: SurenessModel | None = None):
         self.shared = Correction(decay=FIT.batch_decay)
         self.policies: dict[int, WidthPolicy] = {}
         self.shadows: dict[int, LookupShadow] = {}
         self.timer = PlainStepTimer()
         self.planned: list[Planned] = []
+        self.acceptance = acceptance if acceptance is not None else SurenessModel(16)
+        self.drafted: list[Drafted | None] = []
+        self.predicted: list[np.ndarray | None] = []
 
     def policy(self, width: int | str, estimates: AdaptiveWidth | None,
                alone: bool) -> WidthPolicy:
@@ -92,6 +105,9 @@ class Planner:
                 Want(width, e, d if source == DRAFTER else 0.0)
             if offer.launched:                   # launched last step: plain, whatever it chose
                 decision = Decision(PLAIN, 1)
+            elif source == DRAFTER and _adaptive(policy) is not None:
+                # drafted whole (its pass costs little more), verified as far as it pays (`cut`)
+                decision = Decision(source, max(width, offer.available[DRAFTER]))
             else:
                 decision = Decision(source, width)
             if decision.source == PLAIN:
@@ -114,8 +130,59 @@ class Planner:
             if d.source != LOOKUP:               # a proposal no cycle verifies: its shadow's
                 self.shadows[rid].offer(offer.guess, offer.match, offer.context)
             self.planned.append(Planned(rid, d.source, d.width, want, offer.match,
-                                        offer.guess, offer.context))
+                                        offer.guess, offer.context, d.width))
+        self.drafted, self.predicted = [], []
         return decisions, overruled
+
+    # ---- after drafting
+    def cut(self, drafted: list[Drafted | None]) -> list[int]:
+        """Each row's verify width once the step has drafted (`policy.cut`): `auto` rows
+        (`AdaptiveWidth`, `BatchAwareWidth`) keep what their predicted acceptance pays for,
+        fixed widths stay. Reads the predictions on the host (a sync) only where some row
+        may be cut."""
+        self.drafted = list(drafted)
+        self.predicted = [None] * len(self.planned)
+        widths = [p.width for p in self.planned]
+        cuts = [p.width > 1 and _adaptive(self.policies[p.rid]) is not None
+                for p in self.planned]
+        if not any(cuts):
+            return widths
+        for i, p in enumerate(self.planned):
+            if p.width > 1:
+                self.predicted[i] = self._predict(i)
+        if len(self.planned) == 1:
+            p, inner = self.planned[0], _adaptive(self.policies[self.planned[0].rid])
+            widths = [cut_alone(inner, p.source, p.width, self.predicted[0], p.context)]
+        else:
+            batch = next((q for q in (self.policies[p.rid] for p in self.planned)
+                          if isinstance(q, BatchAwareWidth)), None)
+            if batch is None:
+                return widths
+            draft_s = drafter_pass(p.want.draft_s for p in self.planned if p.width > 1)
+            T = cut_batch(batch, widths, self.predicted, [not c for c in cuts],
+                          batch.slots, draft_s)
+            widths = [min(w, T) if c else w for w, c in zip(widths, cuts)]
+        self.planned = [p._replace(width=w, source=PLAIN if w == 1 else p.source)
+                        for p, w in zip(self.planned, widths)]
+        return widths
+
+    def _predict(self, i: int) -> np.ndarray:
+        """Row i's a_1..a_{w-1}: `acceptance.predicted` from its draft."""
+        p, d = self.planned[i], self.drafted[i] if i < len(self.drafted) else None
+        inner = _adaptive(self.policies[p.rid])
+        alphas = inner.alphas(p.source, p.match, p.context) if inner is not None else []
+        return predicted(p.source, p.drafted,
+                         None if d is None or d.sureness is None else np.array(d.sureness[0]),
+                         None if d is None or d.confidence is None else
+                         np.array(d.confidence[0]), self.acceptance, alphas)
+
+    def predictions(self, row: int) -> tuple[float, ...]:
+        """Row i's predicted acceptance per drafted position (read after its verify)."""
+        if row >= len(self.planned) or self.planned[row].drafted < 2:
+            return ()
+        if self.predicted[row] is None:
+            self.predicted[row] = self._predict(row)
+        return tuple(float(x) for x in self.predicted[row])
 
     def learn(self, T: int, slots: int | None, accepted: list[int], new: list[list[int]],
               seconds: float, was_launched: bool, launches: bool) -> None:
@@ -123,11 +190,15 @@ class Planner:
         row i accepted `accepted[i]` drafts and committed `new[i]`; was_launched: it was
         launched by the step before; launches: it launched the next one."""
         n = len(self.planned)
+        drafted = any(p.drafted > 1 for p in self.planned)
         alone = seconds if n == 1 else None
-        if T == 1:
+        if T == 1 and not drafted:
             seconds = self.timer.plain(seconds, was_launched, launches)
             alone = seconds if alone is not None and self.timer.long(launches) else None
-        draft_s = drafter_pass(p.want.draft_s if p.width > 1 else 0.0 for p in self.planned)
+        elif T == 1:
+            alone = None                     # drafted, then cut to plain: no plain price
+        self._learn_acceptance(accepted)
+        draft_s = drafter_pass(p.want.draft_s if p.drafted > 1 else 0.0 for p in self.planned)
         batch = {id(q.shared): q for q in (self.policies[p.rid] for p in self.planned)
                  if isinstance(q, BatchAwareWidth)}            # one per shared correction
         for policy in batch.values():
@@ -137,6 +208,19 @@ class Planner:
             shadow = self.shadows[p.rid]
             shadow.follow(p.source, p.width, a, p.guess, p.match, p.context)
             shadow.commit(tokens)
+
+    def _learn_acceptance(self, accepted: list[int]) -> None:
+        """The drafter's verified rows teach the acceptance model (`SurenessModel`)."""
+        for p, d, a in zip(self.planned, self.drafted, accepted):
+            if d is not None and d.sureness is not None and p.source == DRAFTER:
+                self.acceptance.learn(np.array(d.sureness[0]), p.width, a)
+
+
+def _adaptive(policy) -> AdaptiveWidth | None:
+    """The adaptive policy a row's width policy is or wraps, where it lets the planner cut
+    its blocks (None: a fixed width, or one that does not)."""
+    policy = policy.inner if isinstance(policy, BatchAwareWidth) else policy
+    return policy if isinstance(policy, AdaptiveWidth) and policy.cut else None
 
 
 class PlainStepTimer:

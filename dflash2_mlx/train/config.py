@@ -139,6 +139,9 @@ class Recipe:
     init_from: str | None = option(None, "Start from a drafter folder's weights instead "
                                    "(fine-tuning; e.g. the shipped one, dflash2_mlx/loading/defaults).",
                                    metavar="DRAFTER")
+    heads: str | None = option(None, "Train only this head of the --init-from drafter, its "
+                               "backbone frozen: confidence (DSpark's acceptance predictor).",
+                               validate=one_of(("confidence",), "confidence"))
     train: TrainConfig = field(default_factory=TrainConfig)
     # export
     bits: int | None = option(None, "Export quantized: 4 or 8.",

@@ -87,7 +87,6 @@ def run_recipe(recipe: Recipe) -> Path:
 
     from ..model.target import TargetAdapter
     from . import data as D
-    from .export import export_drafter, folder_megabytes
     from .init import drafter_args_for, init_drafter
     from .trainer import latest_checkpoint, load_checkpoint, train
 
@@ -114,6 +113,18 @@ def run_recipe(recipe: Recipe) -> Path:
 
     # ---- train
     args = drafter_args_for(plain, recipe.drafter)
+    if recipe.heads is not None:           # a head on the --init-from drafter, nothing else
+        from .heads import train_confidence
+
+        if recipe.init_from is None:
+            raise ValueError("--heads confidence trains a head of a trained drafter: give it "
+                             "with --init-from DRAFTER")
+        drafter = drafter_to_continue(recipe.init_from, args, plain)
+        drafter.freeze()
+        train_confidence(drafter, plain, store, run, D.dedupe(store), seed=seed)
+        if recipe.stop_after == "train":
+            return run
+        return _export(recipe, drafter, run, t_start)
     drafter = (init_drafter(args, plain, copy_layers, seed=seed)
                if recipe.init_from is None else drafter_to_continue(recipe.init_from, args, plain))
     train(drafter, plain, store, run, recipe.train, D.dedupe(store))
@@ -124,7 +135,15 @@ def run_recipe(recipe: Recipe) -> Path:
     if recipe.stop_after == "train":
         return run
 
-    # ---- export
+    return _export(recipe, drafter, run, t_start)
+
+
+def _export(recipe: Recipe, drafter, run: Path, t_start: float) -> Path:
+    """The export stage -> the drafter's folder (`--out`, default <run>/drafter)."""
+    import mlx.core as mx
+
+    from .export import export_drafter, folder_megabytes
+
     out = Path(recipe.out or run / "drafter")
     export_drafter(drafter, out, bits=recipe.bits)
     LOG.info(f"exported {out} ({folder_megabytes(out):.1f} MB) after "
