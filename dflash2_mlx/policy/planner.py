@@ -105,9 +105,6 @@ class Planner:
                 Want(width, e, d if source == DRAFTER else 0.0)
             if offer.launched:                   # launched last step: plain, whatever it chose
                 decision = Decision(PLAIN, 1)
-            elif source == DRAFTER and _adaptive(policy) is not None:
-                # drafted whole (its pass costs little more), verified as far as it pays (`cut`)
-                decision = Decision(source, max(width, offer.available[DRAFTER]))
             else:
                 decision = Decision(source, width)
             if decision.source == PLAIN:

@@ -26,7 +26,8 @@ import numpy as np
 
 from .. import log
 from ..files import atomic_write
-from ..model.drafter import ConfidenceHead, Drafter
+from ..model.drafter import Drafter
+from ..model.dspark_heads import ConfidenceHead
 from ..model.topk import top_k_indices
 from ..policy.acceptance import calibration
 from .config import TrainConfig
