@@ -19,7 +19,7 @@ import pytest
 import dflash2_mlx
 from dflash2_mlx.distributed import plan_stages, target_shape
 from dflash2_mlx.loading.gguf import read_gguf_header
-from fixtures import write_target
+from fixtures import drafter_args, write_drafter, write_target
 from test_families import CONFIGS
 
 pytestmark = pytest.mark.distributed
@@ -298,6 +298,12 @@ def exactness_run(tmp_path_factory, llama_dir, dflash2_dir, qwen35_dir, monkeypa
             dict(prompt=PROMPT, max_tokens=n, block_size=4, temperature=1.0, seed=7)]),
         ("qwen3_5", str(qwen35_dir), str(dflash2_dir), "1,3", oracle[:1] + oracle[2:] + [
             dict(prompt=PROMPT, max_tokens=n, block_size="auto")]),
+        # a DSpark drafter (Markov and confidence heads, drafts from the anchor's slot)
+        ("llama-dspark", str(llama_dir), str(write_drafter(
+            tmp / "dspark", drafter_args(dspark=True, block_size=7), seed=4)), None, [
+            dict(prompt=PROMPT, max_tokens=n, block_size=8),
+            dict(prompt=PROMPT * 2, max_tokens=n, block_size=8, lookup=True),
+            dict(prompt=PROMPT, max_tokens=n, block_size=5, temperature=1.0, seed=7)]),
     ]
     if pair is not None:
         prompt = "Write a Python function that checks whether a number is prime."

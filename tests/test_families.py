@@ -61,6 +61,11 @@ CONFIGS = {
                             hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4,
                             top_k_experts=2, moe_intermediate_size=32, attention_k_eq_v=True,
                             num_global_key_value_heads=1),
+    # the multimodal wrapper the published Gemma 4 checkpoints load as (its text model here)
+    "gemma4": dict(model_type="gemma4", vocab_size=V, text_config=dict(
+        model_type="gemma4_text", **GEMMA4, num_kv_shared_layers=0,
+        hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4, top_k_experts=2,
+        moe_intermediate_size=32, attention_k_eq_v=True, num_global_key_value_heads=1)),
     # LFM2: short-convolution layers (their state rolled back like a recurrent one) and attention
     "lfm2": dict(model_type="lfm2", **LFM2, block_dim=H, block_ff_dim=128, block_multiple_of=16,
                  block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=True),
@@ -89,7 +94,7 @@ CONFIGS = {
 }
 # The embedding's scale in the fixture: one whose greedy output varies (tied heads repeat a
 # token at 4)
-EMBED_SCALE = {"gemma3_text": 1, "gemma4_text": 8, "gemma4_text-moe": 1, "lfm2": 0.1,
+EMBED_SCALE = {"gemma3_text": 1, "gemma4_text": 8, "gemma4_text-moe": 1, "gemma4": 1, "lfm2": 0.1,
                "lfm2_moe": 0.1, "minicpm": 1, "nanbeige": 1}
 PROMPTS = [[5, 17, 99, 3, 250, 7, 42, 11], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 200] * 2]
 
@@ -254,6 +259,9 @@ def head_dim_32(name: str) -> dict:
     """CONFIGS[name] with head_dim 32 (a quantization group): set where the family reads it
     (not hidden_size / heads), else from half the heads."""
     cfg = CONFIGS[name]
+    if "text_config" in cfg:
+        return {**cfg, "text_config": {**cfg["text_config"], "head_dim": 32,
+                                       "global_head_dim": 32}}
     if name in ("lfm2", "lfm2_moe", "minicpm"):
         return {**cfg, "num_attention_heads": 2}
     return {**cfg, "head_dim": 32, **({"global_head_dim": 32} if "global_head_dim" in cfg
