@@ -78,9 +78,11 @@ def test_calibration_figures():
 def test_predictions_come_from_the_head_the_model_or_the_policy():
     model = SurenessModel(8)
     sure = np.array([[-0.1, 5.0], [-2.0, 0.1]])
-    assert predicted(DRAFTER, 3, sure, np.array([0.9, 0.2]), model, [0.5]).tolist() == [0.9, 0.2]
-    assert np.allclose(predicted(DRAFTER, 3, sure, None, model, [0.5]), model.predict(sure))
-    assert predicted(LOOKUP, 4, None, None, model, [0.8, 0.6]).tolist() == [0.8, 0.6, 0.6]
+    assert predicted(DRAFTER, 3, sure, np.array([0.9, 0.2]), model,
+                     lambda: [0.5]).tolist() == [0.9, 0.2]
+    assert np.allclose(predicted(DRAFTER, 3, sure, None, model, lambda: [0.5]),
+                       model.predict(sure))
+    assert predicted(LOOKUP, 4, None, None, model, lambda: [0.8, 0.6]).tolist() == [0.8, 0.6, 0.6]
     a = model.predict(sure)
     assert a[0] > a[1]                            # the prior trusts sure positions
     assert expected_tokens(np.array([0.5, 0.5])).tolist() == [1.0, 1.5, 1.75]

@@ -389,10 +389,9 @@ class Engine:
         predictions read before any drafted token is drawn reach it where a row samples (a
         confidence head fed the token before each position is read for greedy rows only)."""
         markov = getattr(getattr(self.drafter, "args", None), "confidence_with_markov", False)
-        drafted = [None if p.source == PLAIN else Drafted(None, None) if p.proposal is None
-                   else Drafted(p.proposal.sureness,
-                                None if markov and not p.seq.req.sampling.greedy
-                                else p.proposal.confidence)
+        drafted = [None if p.proposal is None else
+                   Drafted(p.proposal.sureness, None if markov and not p.seq.req.sampling.greedy
+                           else p.proposal.confidence)
                    for p in plans]
         for p, w in zip(plans, self.planner.cut(drafted)):
             if w == 1 and p.width > 1:

@@ -122,8 +122,8 @@ class Offer(NamedTuple):
 
 
 class Drafted(NamedTuple):
-    """A drafting row's draft, for the planner's second look (`Planning.cut`): what the
-    drafter says of it (None for the lookup's)."""
+    """What the drafter says of a row's draft, for the planner's second look (`Planning.cut`;
+    None there for a lookup's or a plain row)."""
 
     sureness: mx.array | None          # [1, w-1, 2] the block's own sureness (`Proposal`)
     confidence: mx.array | None        # [1, w-1] a confidence head's, where it may be read

@@ -374,8 +374,8 @@ class LayerRange:
 
     def _record(self, i: int, x: mx.array, out: mx.array) -> None:
         if self.steps:
-            k = self.calls.get(i, 0)
-            self.calls[i] = (k + 1) % self.target.loops
+            k = self.calls.get(i, 0)                  # reset by each forward
+            self.calls[i] = k + 1
             u = self.steps.get(k * self.target.num_layers + i)
             if u is not None:
                 self.outputs[u] = x

@@ -12,6 +12,8 @@ A prediction is a_k = P(draft k accepted | drafts < k accepted), k = 1..w-1, fro
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from ..decode.stats import DRAFTER
@@ -67,15 +69,17 @@ class SurenessModel:
 
 
 def predicted(source: str, width: int, sure: np.ndarray | None, confidence: np.ndarray | None,
-              model: SurenessModel | None, alphas: list[float]) -> np.ndarray:
+              model: SurenessModel | None, alphas: Callable[[], list[float]]) -> np.ndarray:
     """a_1..a_{width-1} of one draft: the confidence head where there is one, else the
-    sureness model, else (the lookup, or no features) the policy's own estimates."""
+    sureness model, else (the lookup, or no features) the policy's own estimates (`alphas()`,
+    asked only then)."""
     n = width - 1
     if source == DRAFTER and confidence is not None:
         return np.clip(np.asarray(confidence[:n], dtype=float), 0.0, 1.0)
     if source == DRAFTER and sure is not None and model is not None:
         return model.predict(np.asarray(sure[:n], dtype=float))
-    a = list(alphas[:n]) + [alphas[-1] if alphas else 0.5] * max(0, n - len(alphas))
+    a = list(alphas()[:n])
+    a += [a[-1] if a else 0.5] * (n - len(a))
     return np.asarray(a, dtype=float)
 
 

@@ -49,7 +49,7 @@ class Planned(NamedTuple):
     match: int
     guess: list[int] | None
     context: int
-    drafted: int = 0
+    drafted: int
 
 
 class Planner:
@@ -67,6 +67,7 @@ class Planner:
         self.planned: list[Planned] = []
         self.acceptance = acceptance if acceptance is not None else SurenessModel(16)
         self.drafted: list[Drafted | None] = []
+        self.host: dict[int, tuple] = {}                 # `_host`: this step's, by row
         self.predicted: list[np.ndarray | None] = []
 
     def policy(self, width: int | str, estimates: AdaptiveWidth | None,
@@ -128,7 +129,7 @@ class Planner:
                 self.shadows[rid].offer(offer.guess, offer.match, offer.context)
             self.planned.append(Planned(rid, d.source, d.width, want, offer.match,
                                         offer.guess, offer.context, d.width))
-        self.drafted, self.predicted = [], []
+        self.drafted, self.host, self.predicted = [], {}, []
         return decisions, overruled
 
     # ---- after drafting
@@ -137,7 +138,7 @@ class Planner:
         (`AdaptiveWidth`, `BatchAwareWidth`) keep what their predicted acceptance pays for,
         fixed widths stay. Reads the predictions on the host (a sync) only where some row
         may be cut."""
-        self.drafted = list(drafted)
+        self.drafted, self.host = list(drafted), {}
         self.predicted = [None] * len(self.planned)
         widths = [p.width for p in self.planned]
         cuts = [p.width > 1 and _adaptive(self.policies[p.rid]) is not None
@@ -164,14 +165,20 @@ class Planner:
         return widths
 
     def _predict(self, i: int) -> np.ndarray:
-        """Row i's a_1..a_{w-1}: `acceptance.predicted` from its draft."""
-        p, d = self.planned[i], self.drafted[i] if i < len(self.drafted) else None
+        """Row i's a_1..a_{w-1}: `acceptance.predicted` from its draft (`_host`)."""
+        p = self.planned[i]
+        sure, confidence = self._host(i)
         inner = _adaptive(self.policies[p.rid])
-        alphas = inner.alphas(p.source, p.match, p.context) if inner is not None else []
-        return predicted(p.source, p.drafted,
-                         None if d is None or d.sureness is None else np.array(d.sureness[0]),
-                         None if d is None or d.confidence is None else
-                         np.array(d.confidence[0]), self.acceptance, alphas)
+        return predicted(p.source, p.drafted, sure, confidence, self.acceptance,
+                         lambda: inner.alphas(p.source, p.match, p.context) if inner else [])
+
+    def _host(self, i: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """Row i's sureness [w-1, 2] and confidence [w-1] on the host, read once a step."""
+        if i not in self.host:
+            d = self.drafted[i] if i < len(self.drafted) else None
+            self.host[i] = (None, None) if d is None else \
+                tuple(None if a is None else np.array(a[0]) for a in d)
+        return self.host[i]
 
     def predictions(self, row: int) -> tuple[float, ...]:
         """Row i's predicted acceptance per drafted position (read after its verify)."""
@@ -208,9 +215,10 @@ class Planner:
 
     def _learn_acceptance(self, accepted: list[int]) -> None:
         """The drafter's verified rows teach the acceptance model (`SurenessModel`)."""
-        for p, d, a in zip(self.planned, self.drafted, accepted):
-            if d is not None and d.sureness is not None and p.source == DRAFTER:
-                self.acceptance.learn(np.array(d.sureness[0]), p.width, a)
+        for i, (p, a) in enumerate(zip(self.planned, accepted)):
+            sure = self._host(i)[0] if p.source == DRAFTER else None
+            if sure is not None:
+                self.acceptance.learn(sure, p.width, a)
 
 
 def _adaptive(policy) -> AdaptiveWidth | None:
