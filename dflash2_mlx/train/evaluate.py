@@ -60,6 +60,8 @@ class SeqResult:
     sel_accepted: np.ndarray | None = None
     sel_top1: np.ndarray | None = None
     sel_alpha: np.ndarray | None = None
+    # with keep_hidden: (grid positions anchor * K + k - 1 of the rows, their hidden states)
+    hidden: tuple[np.ndarray, np.ndarray] | None = None
 
 
 def _selector_rows(sel, logits: mx.array, cand: mx.array, hidden: mx.array,
@@ -80,7 +82,9 @@ def _selector_rows(sel, logits: mx.array, cand: mx.array, hidden: mx.array,
 
 
 def eval_sequence(drafter: Drafter, batcher: Batcher, head_w: mx.array, i: int,
-                  temperature: float = 1.0) -> SeqResult:
+                  temperature: float = 1.0, keep_hidden: bool = False) -> SeqResult:
+    """Sequence i's figures (`SeqResult`); keep_hidden: also its rows' hidden states (float16),
+    what a confidence head is trained on (`heads`)."""
     B = drafter.args.block_size
     K = B - 1
     batch = batcher.make(None, seqs=[i], all_anchors=True, windows=windows_of(drafter))
@@ -131,6 +135,8 @@ def eval_sequence(drafter: Drafter, batcher: Batcher, head_w: mx.array, i: int,
         res.sel_top1 = grid(s_top1, bool)[:n_anchor]
         res.sel_alpha = grid(s_alpha, np.float32)[:n_anchor]
         res.sel_accepted = _leading(res.sel_top1)
+    if keep_hidden:
+        res.hidden = (rows, np.array(hr.astype(mx.float16)))
     return res
 
 

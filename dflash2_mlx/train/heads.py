@@ -14,10 +14,9 @@ of the predicted prefix acceptance), written to `<run>/heads.json`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
-
-import dataclasses
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -28,51 +27,29 @@ from .. import log
 from ..files import atomic_write
 from ..model.drafter import Drafter
 from ..model.dspark_heads import ConfidenceHead
-from ..model.topk import top_k_indices
 from ..policy.acceptance import calibration
 from .config import TrainConfig
 from .data import FeatureStore
-from .evaluate import ROW_CHUNK, _selector_rows
-from .packed import packed_hidden
-from .trainer import Batcher, head_matrix, windows_of
+from .evaluate import eval_sequence
+from .trainer import Batcher, head_matrix
 
 LOG = log.get(__name__)
 HEADS = ("confidence",)
 
 
 def acceptance_rows(drafter: Drafter, batcher: Batcher, head_w: mx.array, i: int):
-    """Sequence i's block rows -> (hidden states [N, H] float16, accepted [N] bool, row k [N],
-    anchor [N], tried [N] bool: every row before it in its block was accepted)."""
-    K = drafter.args.block_size - 1
-    batch = batcher.make(None, seqs=[i], all_anchors=True, windows=windows_of(drafter))
-    h = packed_hidden(drafter, batch.x, batch.feats, batch.anchors, batch.ctx_visible,
-                      batch.block_visible)
-    H = h.shape[-1]
-    hr = h[:, :, 1:].reshape(-1, H)[batch.rows]
-    sel = drafter.candidate_selector if drafter.args.has_selector else None
-    hits = []
-    for s in range(0, hr.shape[0], ROW_CHUNK):
-        part = slice(s, s + ROW_CHUNK)
-        logits = drafter.logits(hr[part], lambda z: z @ head_w.T)
-        lab = batch.label_ids[part]
-        cand = top_k_indices(logits, 16)
-        if sel is None:
-            vals = mx.take_along_axis(logits, cand, axis=-1)
-            hit = mx.take_along_axis(cand, mx.argmax(vals, -1)[:, None], -1)[:, 0] == lab
-        else:
-            p = mx.softmax(batch.teacher_lp[part], axis=-1)
-            hit, _ = _selector_rows(sel, logits, cand, hr[part], batch.prev_ids[part],
-                                    batch.teacher_ids[part], p, lab, 1.0)
-        hits.append(hit)
-        mx.eval(hits[-1])
-    where = np.array(batch.rows)                       # grid positions anchor * K + (k - 1)
-    hit = np.concatenate([np.array(x) for x in hits]).astype(bool)
-    grid = np.ones(h.shape[1] * K, bool)
-    grid[where] = hit
-    before = np.cumprod(grid.reshape(-1, K), axis=1)      # rows 1..k all accepted
-    tried = np.concatenate([np.ones((len(before), 1), bool), before[:, :-1] > 0],
-                           axis=1).reshape(-1)[where]
-    return np.array(hr.astype(mx.float16)), hit, where % K + 1, where // K, tried
+    """Sequence i's block rows (`evaluate.eval_sequence`) -> (hidden states [N, H] float16,
+    accepted [N] bool: the drafter's pick, the selector's where it has one, is the target's
+    token; row k [N]; anchor [N]; tried [N] bool: every row before it was accepted)."""
+    res = eval_sequence(drafter, batcher, head_w, i, keep_hidden=True)
+    picks = res.top1 if res.sel_top1 is None else res.sel_top1          # [A, K]
+    A, K = picks.shape
+    where, hs = res.hidden
+    keep = where // K < A                                  # rows of the sequence's anchors
+    where, hs = where[keep], hs[keep]
+    before = np.cumprod(picks | ~res.valid, axis=1)        # rows 1..k all accepted
+    tried = np.concatenate([np.ones((A, 1), bool), before[:, :-1] > 0], axis=1)
+    return hs, picks.reshape(-1)[where], where % K + 1, where // K, tried.reshape(-1)[where]
 
 
 def fit_confidence(x: np.ndarray, y: np.ndarray, steps: int = 400, lr: float = 0.05,
