@@ -13,6 +13,7 @@ from .model.target import KVQuant, TargetAdapter
 from .pipeline import Pipeline
 from .loading import blas, drafters, runtime
 from .loading.checkpoint import load_drafter, load_target, resolve, stored_quantization
+from .loading.vision import load_vision
 from .loading.omlx import OmlxSettings, OmlxSettingsError
 from .loading.weights import quantization
 
@@ -153,8 +154,12 @@ def load(model: str | None = None, draft: str | None = None, *,
                                          pipeline_timeout)
     _log.info(f"loading target {model} ({p.dtype or 'weights as stored'}"
               f"{f', KV cache {kv}' if kv else ''}) ...")
-    target, tokenizer, _ = load_target(model, runtime.parse_dtype(p.dtype),
-                                       keep_quantized=p.keep_quantized, lazy=plan is not None)
+    target, tokenizer, target_dir = load_target(model, runtime.parse_dtype(p.dtype),
+                                                keep_quantized=p.keep_quantized,
+                                                lazy=plan is not None)
+    vision = None
+    if plan is None or plan.leader:
+        vision = load_vision(target_dir, target, runtime.parse_dtype(p.dtype))
     drafter = None
     if draft is not None and (plan is None or plan.leader):
         drafter = _load_drafter(draft, draft_dir, TargetAdapter(target), p, path, s, model)
@@ -162,7 +167,8 @@ def load(model: str | None = None, draft: str | None = None, *,
                     info=_load_info(model, draft, p.backend, settings, drafter, why),
                     lookup=check.lookup(lookup) and s.verify_mode != "off",
                     block_size=_settings_block_size(settings, drafter),
-                    kv_bits=kv and kv.bits, kv_group_size=kv and kv.group_size)
+                    kv_bits=kv and kv.bits, kv_group_size=kv and kv.group_size,
+                    vision=vision)
     pipe.kernel_setting = kernel_setting(kernels)
     if plan is not None:
         pipe.stage = distributed.build(target, plan, link, kv)

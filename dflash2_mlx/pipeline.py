@@ -24,6 +24,7 @@ from .loading.weights import quantization
 from .model.drafter import Drafter
 from .model.target import Target, TargetAdapter
 from .model.views import KVQuant
+from .model.vision import ImageLimits, Media, Vision, open_images
 from .policy.acceptance import SurenessModel
 from .policy.adaptive import AdaptiveWidth
 from .policy.calibration import calibration_key, load_or_measure_costs, store_correction
@@ -31,6 +32,8 @@ from .policy.kernel_choice import verify_kernels
 from .policy.planner import Planner
 
 _log = log.get(__name__)
+
+EXAMPLE_VLM = "mlx-community/Qwen2.5-VL-7B-Instruct-4bit"    # named where images are refused
 
 
 @dataclass
@@ -65,8 +68,10 @@ class Pipeline:
     def __init__(self, target: nn.Module, tokenizer, drafter: Drafter | None = None, *,
                  prefill_step_size: int = 2048, block_size: int | str | None = None,
                  lookup: bool = True, max_ctx: int | None = None, kv_bits: int | None = None,
-                 kv_group_size: int | None = None, info: dict | None = None):
+                 kv_group_size: int | None = None, info: dict | None = None,
+                 vision: Vision | None = None):
         self.target = target
+        self.vision = vision                 # the image side of a vision-language target
         self.tokenizer = tokenizer
         self.drafter = drafter
         self.prefill_step_size = prefill_step_size
@@ -87,9 +92,9 @@ class Pipeline:
         bits, group = check.kv_bits(kv_bits), check.kv_group_size(kv_group_size)
         self.kv = KVQuant(bits, group) if bits is not None else None
         # what generates: this process's model, or the stage's target of a pipeline
-        self.adapter: Target = TargetAdapter(target,
-                                             drafter.args.target_layer_ids if drafter else (),
-                                             kv=self.kv)
+        self.adapter: Target = TargetAdapter(
+            target, drafter.args.target_layer_ids if drafter else (), kv=self.kv,
+            mrope=vision.mrope if vision is not None and vision.refusal is None else None)
 
     # ---- prompts
     def encode(self, prompt: str | Sequence[int], chat_template: bool | None = None,
@@ -116,6 +121,51 @@ class Pipeline:
             messages.append({"role": "user", "content": prompt})
             text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             return tok.encode(text, add_special_tokens=False)
+
+    def image_refusal(self) -> str | None:
+        """Why this pipeline takes no images, or None."""
+        if self.vision is None:
+            return (f"the target ({self.info.get('target', 'this model')}) is a text-only "
+                    f"model and takes no images; load a vision-language model ({EXAMPLE_VLM}, "
+                    "say) to send images")
+        if self.vision.refusal is not None:
+            return f"images on {self.vision.family} targets are not served: {self.vision.refusal}"
+        if self.stage is not None:
+            return "images are not served by a pipeline-sharded target; load it on one machine"
+        return None
+
+    def encode_images(self, messages: list[dict], images: Sequence,
+                      limits: ImageLimits = ImageLimits(), **template) -> tuple[list[int], Media]:
+        """Chat `messages` whose contents may hold `{"type": "image"}` parts (one per image,
+        in order), and the `images` (file paths, encoded bytes or PIL images) -> (the prompt's
+        ids with each image's rows as key ids, its `Media`). ImageError for an image over
+        `limits` or unreadable; ValueError where this target takes no images."""
+        why = self.image_refusal()
+        if why is not None:
+            raise ValueError(why)
+        opened = open_images(images, limits)
+        placeholders = sum(1 for m in messages if isinstance(m.get("content"), list)
+                           for part in m["content"] if part.get("type") == "image")
+        if placeholders != len(opened):
+            raise ValueError(f"the messages have {placeholders} image part(s) for "
+                             f"{len(opened)} image(s)")
+        with _quiet_length_warning():
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=True, **template)
+        media = self.vision.media(text, opened)
+        return media.keys, media
+
+    def _prompt(self, prompt, images, chat_template, system) -> tuple[list[int], Media | None]:
+        """`encode`, or with images the user turn [images..., text] (`encode_images`)."""
+        if not images:
+            return self.encode(prompt, chat_template, system), None
+        if not isinstance(check.prompt(prompt), str) or chat_template is False:
+            raise ValueError("images go with a text prompt rendered by the chat template "
+                             "(not token ids, not chat_template=False)")
+        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": prompt}]
+        messages = ([{"role": "system", "content": system}] if system else []) + \
+            [{"role": "user", "content": content}]
+        return self.encode_images(messages, images)
 
     @property
     def context_length(self) -> int | None:
@@ -244,17 +294,19 @@ class Pipeline:
                seed: int | None = None, block_size: int | str | None = None,
                lookup: bool | None = None, chat_template: bool | None = None,
                system: str | None = None, stop_tokens: Sequence[int] = (),
-               state: DecodeState | None = None) -> Iterator[Chunk]:
+               state: DecodeState | None = None, images: Sequence = ()) -> Iterator[Chunk]:
         """Yield chunks as tokens are accepted; the last chunk carries `finish_reason`.
 
         lookup: draft from the context too (None: the pipeline's default). state: caches of an
         earlier generation to reuse for the prompt's common prefix (`state.DecodeState`; it
-        is advanced in place, so pass a copy of one you keep)."""
+        is advanced in place, so pass a copy of one you keep). images: file paths, encoded
+        bytes or PIL images, shown before the prompt's text in its user turn (a
+        vision-language target: `image_refusal` says why another takes none)."""
         sampling = Sampling(temperature, top_p, top_k)
         lookup = self.lookup if lookup is None else check.lookup(lookup)
         b = self.block_size(block_size, lookup)
         max_tokens, seed = check.max_tokens(max_tokens), check.seed(seed)
-        ids = self.encode(prompt, chat_template, system)
+        ids, media = self._prompt(prompt, images, chat_template, system)
         self._announce_prompt(len(ids), 0 if state is None else
                               common_prefix(state.tokens, ids[:-1]))
         if self.max_ctx is not None and len(ids) >= self.max_ctx and b != 1:
@@ -267,7 +319,7 @@ class Pipeline:
         engine = self.engine(max_batch=1)
         request = self.request(engine, ids, max_tokens, sampling, b, lookup=lookup,
                                stop_ids=stop_ids, seed=seed, state=state,
-                               keep_state=state is not None, progress=bar)
+                               keep_state=state is not None, progress=bar, media=media)
         try:
             for ev in engine.run(request):
                 bar.close()                  # the prefill is done once a token is out
@@ -293,7 +345,8 @@ class Pipeline:
                      block_size: int | str | None = None, lookup: bool | None = None,
                      chat_template: bool | None = None, system: str | None = None,
                      stop_tokens: Sequence[int] = (), max_batch: int | None = None,
-                     prefill_budget: int | None = None) -> Iterator[tuple[int, Chunk]]:
+                     prefill_budget: int | None = None,
+                     images: Sequence[Sequence] | None = None) -> Iterator[tuple[int, Chunk]]:
         """Generate every prompt at once on the batch engine (`engine.Engine`: one target
         forward per step over all running prompts, each speculating on its own) and yield
         (index into prompts, Chunk) as tokens commit; each prompt's last chunk carries its
@@ -301,22 +354,26 @@ class Pipeline:
         prompt (as mlx-lm's `batch_generate`); seed: prompt i uses seed + i. max_batch: the
         most prompts decoding at once; prefill_budget: prompt tokens prefilled per step (None:
         a prompt's whole prefill in the step it joins). A target whose caches the batch cannot
-        hold (`model.row_caches.batch_refusal`) decodes its prompts one at a time."""
+        hold (`model.row_caches.batch_refusal`) decodes its prompts one at a time. images:
+        one list per prompt (empty: none), as `stream`'s."""
         sampling = Sampling(temperature, top_p, top_k)
         lookup = self.lookup if lookup is None else check.lookup(lookup)
         b = self.block_size(block_size, lookup)
         limits = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
         if len(limits) != len(prompts):
             raise ValueError(f"max_tokens: {len(limits)} values for {len(prompts)} prompts")
+        images = list(images) if images is not None else [()] * len(prompts)
+        if len(images) != len(prompts):
+            raise ValueError(f"images: {len(images)} lists for {len(prompts)} prompts")
         seed = check.seed(seed)
         stop_ids = self.stop_ids(stop_tokens)
         engine = self.engine(max_batch)
         index, texts = {}, {}
         for i, prompt in enumerate(prompts):
-            rid = engine.add(self.request(engine, self.encode(prompt, chat_template, system),
-                                          check.max_tokens(limits[i]), sampling, b,
+            ids, media = self._prompt(prompt, images[i], chat_template, system)
+            rid = engine.add(self.request(engine, ids, check.max_tokens(limits[i]), sampling, b,
                                           lookup=lookup, stop_ids=stop_ids,
-                                          seed=None if seed is None else seed + i))
+                                          seed=None if seed is None else seed + i, media=media))
             index[rid], texts[rid] = i, SequenceText(self.tokenizer, stop_ids)
         while engine.running or engine.waiting:
             for ev in engine.step(prefill_budget):
@@ -339,17 +396,19 @@ class Pipeline:
     def request(self, engine: Engine, ids: list[int], max_tokens: int, sampling: Sampling,
                 b: int | str, *, lookup: bool, stop_ids: frozenset, seed: int | None,
                 state: DecodeState | None = None, keep_state: bool = False,
-                progress=None, checkpoint: int | None = None) -> Request:
+                progress=None, checkpoint: int | None = None,
+                media: Media | None = None) -> Request:
         """One prompt (ids) for `engine`, with its width policy for the checked block size `b`
         (`block_size`; a prompt at or past max_ctx runs plain). state, keep_state, progress,
-        checkpoint: as `engine.Request`'s (the prefix cache, a long prefill's progress)."""
+        checkpoint, media: as `engine.Request`'s (the prefix cache, a long prefill's
+        progress, the prompt's images)."""
         wide = b if self.plain_why is None and (
             self.max_ctx is None or len(ids) < self.max_ctx) else 1
         policy = engine.planner.policy(wide, self.width_policy() if wide == "auto" else None,
                                        alone=engine.solo)
         return Request(ids, max_tokens, sampling, policy, stop_ids, lookup and wide != 1, seed,
                        state, keep_state, progress, GenerationStats(block_size=wide),
-                       checkpoint)
+                       checkpoint, media)
 
     def generate_batch(self, prompts: Sequence[str | Sequence[int]],
                        **options) -> list[Generation]:

@@ -30,6 +30,9 @@ PROMPT_CACHE_DISK_BYTES = 8 * 2**30     # the disk tier's bound when only its fo
 HUMANEVAL_PROBLEMS = 164            # the most prompts per set `dflash2-mlx bench` can draw
 MAX_BATCH = 16          # sequences the server decodes at once (docs/server.md: by the load benchmark)
 PREFILL_CHUNK = 128     # prompt tokens the server prefills per step beside running streams
+MAX_IMAGES = 20                 # images per request (Claude Code resends a session's screenshots)
+MAX_IMAGE_BYTES = 20 * 2**20    # an encoded image
+MAX_IMAGE_PIXELS = 40_000_000   # a decoded image (an 8K screenshot is 33 million)
 
 
 class SettingError(ValueError):
@@ -183,6 +186,22 @@ def max_batch(value, name: str = "max_batch") -> int:
 
 def prefill_chunk(value, name: str = "prefill_chunk") -> int:
     """Prompt tokens prefilled per step while other sequences decode."""
+    return _integer(value, name, 1)
+
+
+def max_images(value, name: str = "max_images") -> int:
+    """Images one request may carry."""
+    return _integer(value, name, 1)
+
+
+def max_image_bytes(value, name: str = "max_image_bytes") -> int:
+    """The largest encoded image one request may carry, as `byte_size` takes it."""
+    return byte_size(value, name)
+
+
+def max_image_pixels(value, name: str = "max_image_pixels") -> int:
+    """The most pixels (width x height) an image may decode to (a small file can decode to
+    a huge bitmap)."""
     return _integer(value, name, 1)
 
 
@@ -347,9 +366,10 @@ def prompt(value, name: str = "prompt"):
 __all__ = ["SettingError", "block_size", "lookup", "temperature", "top_p", "top_k", "max_tokens",
            "seed", "port", "context_length", "max_body_bytes", "queue_size", "prompt_cache_size",
            "prompt_cache_bytes", "shutdown_timeout", "ping_interval", "read_timeout",
-           "max_batch", "prefill_chunk", "pipeline_timeout", "prompts_per_set", "repeats",
+           "max_batch", "prefill_chunk", "max_images", "max_image_bytes", "max_image_pixels",
+           "pipeline_timeout", "prompts_per_set", "repeats",
            "draft_bits", "draft_group_size", "kv_bits", "kv_group_size", "kernels", "dtype",
            "byte_size", "memory_budget", "text", "prompt", "DTYPES", "DRAFT_BITS",
            "DRAFT_GROUP_SIZES", "KV_BITS", "KV_GROUP_SIZES", "KV_GROUP_SIZE", "KERNELS", "SEED_MAX",
            "PROMPT_CACHE_DISK_BYTES",
-           "MAX_BATCH", "PREFILL_CHUNK"]
+           "MAX_BATCH", "PREFILL_CHUNK", "MAX_IMAGES", "MAX_IMAGE_BYTES", "MAX_IMAGE_PIXELS"]

@@ -29,6 +29,7 @@ import mlx.core as mx
 from ..model.row_caches import SoloRows
 from ..model.memory import out_of_memory
 from ..model.drafter import Draft, Drafter
+from ..model.inputs import Inputs
 from ..model.target import Target
 from .lookup import LookupConfig, LookupIndex
 from ..model.sampling import Sampling, greedy_accept, rejection_accept
@@ -267,20 +268,26 @@ class Engine:
         `state.prefill`'s (its last row alone gives the first token's logits)."""
         todo, state = seq.todo, seq.state
         tic = time.perf_counter()
+        media = seq.req.media
+        rows = None if media is None else media.part(len(state.tokens))
         if len(todo) <= budget:
             seq.logits = prefill(self.target, state, todo, self.prefill_step_size, self.keep,
-                                 seq.req.progress)
+                                 seq.req.progress, rows)
             n = len(todo)
         else:
             n = int(budget)
-            x = mx.array(todo[:n], dtype=mx.uint32)[None]
+            x = mx.array(todo[:n] if rows is None else rows.ids[:n], dtype=mx.uint32)[None]
             for start in range(0, n, self.prefill_step_size):
-                _, feats = self.target.forward(x[:, start:start + self.prefill_step_size],
-                                               state.cache)
+                end = min(start + self.prefill_step_size, n)
+                _, feats = self.target.forward(x[:, start:end], state.cache,
+                                               *([] if rows is None else
+                                                 [rows.inputs(start, end)]))
                 state.add_features(feats, self.keep)
                 mx.eval([c.state for c in state.cache], state.pending)
             state.tokens.extend(todo[:n])
         seq.todo = todo[n:]
+        if media is not None and not seq.todo:
+            media.release()
         seq.stats.prefill_s += time.perf_counter() - tic
         return n
 
@@ -291,7 +298,9 @@ class Engine:
         seq.logits = None
         seq.tokens = [first]
         if seq.lookup is not None:
-            seq.index = LookupIndex(seq.lookup, list(seq.req.prompt) + seq.tokens)
+            media = seq.req.media       # its real ids: a key id is no vocabulary id
+            prompt = seq.req.prompt if media is None else media.ids
+            seq.index = LookupIndex(seq.lookup, list(prompt) + seq.tokens)
         seq.stats.generated_tokens = 1
         seq.tic = time.perf_counter()
         finish = seq.finished()
@@ -417,7 +426,7 @@ class Engine:
             rows.append(mx.concatenate(row, axis=1) if len(row) > 1 else row[0])
         snapshot = self.target.snapshot(self.caches.cache)
         logits, feats = self.target.forward(mx.concatenate(rows) if len(rows) > 1 else rows[0],
-                                            self.caches.cache)            # [B, T, V]
+                                            self.caches.cache, *self._shift())   # [B, T, V]
         greedy_ids = (mx.argmax(logits, axis=-1).astype(mx.uint32)
                       if any(p.seq.req.sampling.greedy for p in plans) else None)
         return [self._accept(i, p, logits, greedy_ids) for i, p in enumerate(plans)], \
@@ -438,11 +447,19 @@ class Engine:
         q = None if p.source == LOOKUP else p.proposal.dense_q(logits.shape[-1])[0]
         return rejection_accept(p.drafts[0], sampling.probs(logits[i, :w]), q, p.accept_key)
 
+    def _shift(self) -> list:
+        """The forward's extra argument for the rows' rope shifts (after an image, Qwen's
+        multimodal rope: `model.inputs`): none where every row has none."""
+        shifts = [0 if s.req.media is None else s.req.media.shift for s in self.rows]
+        if not any(shifts):
+            return []
+        return [Inputs(shift=shifts[0] if len(shifts) == 1 else mx.array(shifts, mx.int32))]
+
     def _plain(self, x: mx.array, keys: list) -> tuple[mx.array, mx.array | None]:
         """One plain step of every row on x [B, 1], each row sampled with its key (unused when
         greedy) -> (tokens [B] uint32, features [B, 1, F] or None), not evaluated; the caches
         keep each row's one row at once."""
-        logits, feats = self.target.forward(x, self.caches.cache)          # [B, 1, V]
+        logits, feats = self.target.forward(x, self.caches.cache, *self._shift())  # [B, 1, V]
         self.caches.kept([1] * len(keys), 1)
         samplings = [seq.req.sampling for seq in self.rows]
         if all(s.greedy for s in samplings):

@@ -15,6 +15,7 @@ import mlx.core as mx
 from ..model.drafter import Draft, Drafter, Proposal
 from .lookup import LookupConfig, LookupIndex
 from ..model.sampling import Sampling
+from ..model.vision import Media
 from .state import DecodeState
 from .stats import DRAFTER, LOOKUP, GenerationStats
 
@@ -56,7 +57,9 @@ class Request:
     place); keep_state: keep its state when it leaves (`Engine.pop_state`); progress(done,
     total): called between the chunks of a long prefill; stats: the record to fill;
     checkpoint: with keep_state, a prompt position whose state is kept too when the state
-    cannot be trimmed back to it (recurrent layers): `Engine.pop_checkpoint`."""
+    cannot be trimmed back to it (recurrent layers): `Engine.pop_checkpoint`; media: the
+    prompt's images (`model.vision.Media`: `prompt` then holds each image's key ids in place
+    of its placeholder tokens, so the prefix cache tells images apart)."""
 
     prompt: list[int]
     max_tokens: int = 256
@@ -70,6 +73,7 @@ class Request:
     progress: Callable[[int, int], object] | None = None
     stats: GenerationStats | None = None
     checkpoint: int | None = None
+    media: Media | None = None
 
 
 @dataclass(frozen=True)

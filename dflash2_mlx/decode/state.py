@@ -12,6 +12,7 @@ import numpy as np
 
 from ..model.drafter import Drafter
 from ..model.target import Target
+from ..model.vision import MediaRows
 
 
 @dataclass
@@ -101,14 +102,18 @@ def _flat(state):
 
 
 def prefill(target: Target, state: DecodeState, ids: list[int], step: int,
-            keep: int | None, progress: Callable[[int, int], object] | None = None) -> mx.array:
+            keep: int | None, progress: Callable[[int, int], object] | None = None,
+            media: "MediaRows | None" = None) -> mx.array:
     """Run `ids` through the target like mlx-lm does: all but the last in chunks of `step`,
     then the last alone (its logits give the next token) -> logits [1, V] of the last row.
-    `progress(done, total)` after each chunk of a prompt longer than one chunk."""
-    x = mx.array(ids, dtype=mx.uint32)[None]
+    `progress(done, total)` after each chunk of a prompt longer than one chunk. media: the
+    images among these rows (`model.vision.MediaRows`): the target gets their real ids and
+    each chunk's `Inputs`."""
+    x = mx.array(ids if media is None else media.ids, dtype=mx.uint32)[None]
     bounds = [(s, min(s + step, len(ids) - 1)) for s in range(0, len(ids) - 1, step)]
     for start, end in bounds + [(len(ids) - 1, len(ids))]:
-        logits, feats = target.forward(x[:, start:end], state.cache)
+        logits, feats = target.forward(x[:, start:end], state.cache,
+                                       *([] if media is None else [media.inputs(start, end)]))
         state.add_features(feats, keep)
         if end < len(ids):
             mx.eval([c.state for c in state.cache], state.pending)

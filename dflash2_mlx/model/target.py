@@ -16,6 +16,7 @@ from typing import Callable, Protocol, runtime_checkable
 import mlx.core as mx
 import mlx.nn as nn
 
+from .inputs import Inputs, MRope, RopeRows, positioned_layers
 from .row_caches import RaggedRows, batch_refusal
 from .views import (STACK_PATHS, KVQuant, LayerRange, LayerTap, RollbackRotatingKVCache,
                     Snapshot, TargetModel, check_kv, find_stack_path)
@@ -43,9 +44,11 @@ class Target(Protocol):
         """The layer ids a drafter may tap are 0..tappable-1 (num_layers, but for a looped
         stack its unrolled steps: `views.LayerRange`)."""
 
-    def forward(self, tokens: mx.array, cache: list) -> tuple[mx.array, mx.array | None]:
+    def forward(self, tokens: mx.array, cache: list, inputs: Inputs | None = None
+                ) -> tuple[mx.array, mx.array | None]:
         """tokens [B, T] -> (logits [B, T, V], features [B, T, F] or None without layer_ids);
-        appends the rows to `cache`."""
+        appends the rows to `cache`. inputs: the rows' embeddings and positions where an
+        image is (`inputs.Inputs`; only a target with `takes_inputs`)."""
 
     def make_cache(self) -> list:
         """A new, empty cache for `forward`."""
@@ -85,10 +88,18 @@ class TargetAdapter(TargetModel):
     `forward(tokens [B, T], cache)` -> (logits [B, T, V], features [B, T, len(layer_ids) * H]).
     Also what the trainer reads: `model`, `stack`, `layers`, `head_module()`. kv: the
     full-attention layers' caches quantized (`views.KVQuant`), checked against the model now.
+    mrope: the family's multimodal rope (a vision-language target of the Qwen families): the
+    model then runs through a view whose ropes take `Inputs`' positions (`inputs`).
     """
 
+    takes_inputs = True
+
     def __init__(self, model: nn.Module, layer_ids: tuple[int, ...] = (),
-                 kv: KVQuant | None = None):
+                 kv: KVQuant | None = None, mrope: MRope | None = None):
+        self.rope_rows = RopeRows()
+        if mrope is not None:
+            whole = TargetModel(model)
+            model = whole.view(positioned_layers(whole.layers, mrope, self.rope_rows))
         super().__init__(model, kv)
         if kv is not None:
             check_kv(model, kv)
@@ -97,9 +108,18 @@ class TargetAdapter(TargetModel):
         self.range = LayerRange(self, 0, self.num_layers, self.layer_ids)
         self._view = self.range.view()
 
-    def forward(self, tokens: mx.array, cache: list) -> tuple[mx.array, mx.array | None]:
+    def forward(self, tokens: mx.array, cache: list, inputs: Inputs | None = None
+                ) -> tuple[mx.array, mx.array | None]:
         self.range.calls.clear()
-        logits = self._view(tokens, cache=cache)
+        if inputs is None:
+            logits = self._view(tokens, cache=cache)
+        else:
+            self.rope_rows.inputs = inputs
+            try:
+                logits = (self._view(tokens, cache=cache) if inputs.embeds is None else
+                          self._view(tokens, cache=cache, input_embeddings=inputs.embeds))
+            finally:
+                self.rope_rows.inputs = None
         outputs = self.range.outputs
         feats = (mx.concatenate([outputs[i] for i in self.layer_ids], axis=-1)
                  if self.layer_ids else None)

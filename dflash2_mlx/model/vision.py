@@ -1,0 +1,283 @@
+"""Images for a vision-language target: mlx-vlm's processor and vision tower make a prompt's
+image rows (`Vision.media`), our engine decodes (`Media`: what a request carries).
+
+mlx-vlm's own model object does the image work: its processor expands each image placeholder
+of the rendered chat into the family's image tokens, and its `get_input_embeddings` runs the
+tower and puts the features in those rows (and, for Qwen's multimodal rope, gives the rows'
+(t, h, w) positions and the shift of every row after them). Its language model shares the
+target's weights (`loading.vision`); only the embedding is ever read from it.
+
+The prefix cache tells images apart: a request's `prompt` holds, in place of each image's
+placeholder tokens, key ids made from a hash of the image's pixels (`Media.keys`): two
+prompts share cached rows up to their first differing image, never across one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import mlx.core as mx
+import numpy as np
+
+from .. import settings as check
+from .inputs import Inputs, MRope
+
+KEY_BASE = 1 << 31            # key ids: KEY_BASE | 31 bits of a hash; never a vocabulary id
+
+# mlx-vlm families whose images we serve, and how their rope places rows
+MROPE_STYLE = {"qwen2_vl": "chunked", "qwen2_5_vl": "chunked", "qwen3_5": "interleaved",
+               "qwen3_5_moe": "interleaved"}
+ONE_D = ("gemma3", "mistral3")
+# families mlx-vlm loads whose image rows need more than embeddings and positions
+IMAGE_REFUSALS = {
+    "qwen3_vl": "its vision features are also added inside the first decoder layers "
+                "(DeepStack), which our target does not run",
+    "qwen3_vl_moe": "its vision features are also added inside the first decoder layers "
+                    "(DeepStack), which our target does not run",
+    "gemma4": "its image tokens attend to each other both ways, a mask mlx-lm's text model "
+              "does not build",
+}
+
+
+class ImageError(ValueError):
+    """An image that cannot be taken: `status` 400 (not an image, corrupt) or 413 (over a
+    limit, which the message names)."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    """What one request's images may be (`settings.max_images`, `max_image_bytes`,
+    `max_image_pixels`)."""
+
+    images: int = check.MAX_IMAGES
+    image_bytes: int = check.MAX_IMAGE_BYTES
+    pixels: int = check.MAX_IMAGE_PIXELS
+
+
+def open_images(sources, limits: ImageLimits = ImageLimits(), name: str = "images") -> list:
+    """Images (file paths, encoded bytes, or PIL images) -> RGB PIL images, each checked
+    against `limits`; `ImageError` names the image (name[i]) and the limit."""
+    sources = list(sources)
+    if len(sources) > limits.images:
+        raise ImageError(f"{name}: {len(sources)} images, more than max_images "
+                         f"{limits.images}", 413)
+    return [open_image(s, limits, f"{name}[{i}]") for i, s in enumerate(sources)]
+
+
+def open_image(source, limits: ImageLimits = ImageLimits(), name: str = "image"):
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(source, Image.Image):
+        image = source
+    else:
+        if isinstance(source, (str, Path)):
+            path = Path(source)
+            if not path.is_file():
+                raise ImageError(f"{name}: no such file: {path}")
+            data = path.read_bytes()
+        elif isinstance(source, (bytes, bytearray)):
+            data = bytes(source)
+        else:
+            raise ImageError(f"{name}: expected a file path, encoded image bytes or a PIL "
+                             f"image, got {type(source).__name__}")
+        if len(data) > limits.image_bytes:
+            raise ImageError(f"{name}: {len(data)} bytes, more than max_image_bytes "
+                             f"{limits.image_bytes}", 413)
+        try:
+            image = Image.open(io.BytesIO(data))
+            pixels = image.size[0] * image.size[1]
+            if pixels > limits.pixels:
+                raise ImageError(f"{name}: {image.size[0]}x{image.size[1]} = {pixels} pixels, "
+                                 f"more than max_image_pixels {limits.pixels}", 413)
+            image.load()
+        except ImageError:
+            raise
+        except Image.DecompressionBombError as e:
+            raise ImageError(f"{name}: {e}; more than max_image_pixels {limits.pixels}",
+                             413) from None
+        except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
+            raise ImageError(f"{name}: not a readable image ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else 'corrupt'})") from None
+    pixels = image.size[0] * image.size[1]
+    if pixels > limits.pixels:
+        raise ImageError(f"{name}: {image.size[0]}x{image.size[1]} = {pixels} pixels, more "
+                         f"than max_image_pixels {limits.pixels}", 413)
+    return image.convert("RGB") if image.mode != "RGB" else image
+
+
+def is_key(token: int) -> bool:
+    return token >= KEY_BASE
+
+
+def image_hash(image) -> str:
+    """sha256 of an image's decoded pixels (mode, size and bytes: the same picture sent as
+    PNG or JPEG-free re-encodings of one bitmap hashes the same)."""
+    h = hashlib.sha256(f"{image.mode}:{image.size}".encode())
+    h.update(image.tobytes())
+    return h.hexdigest()
+
+
+@dataclass
+class MediaRows:
+    """The rows of a prompt from `start` on, for a prefill: their real ids and, per chunk
+    [s, e) of them, the target's `Inputs`."""
+
+    media: "Media"
+    start: int
+
+    @property
+    def ids(self) -> list[int]:
+        return self.media.ids[self.start:]
+
+    def inputs(self, s: int, e: int) -> Inputs:
+        return self.media.inputs(self.start + s, self.start + e)
+
+
+@dataclass
+class Media:
+    """A prompt with images, as the engine takes it. ids: its real token ids (each image's
+    placeholder tokens included); keys: the same with every image row replaced by a key id
+    (what `Request.prompt` holds); image_rows: [L] bool; shift: the rope shift of every row
+    after the prompt (0 but for multimodal rope); positions: [3, 1, L] (multimodal rope) or
+    None; hashes: each image's `image_hash`; embed(): [1, L, H] the rows' embeddings, computed
+    once, on first use (a prefix-cache hit past every image never runs the tower)."""
+
+    ids: list[int]
+    keys: list[int]
+    image_rows: np.ndarray
+    shift: int
+    positions: mx.array | None
+    hashes: tuple[str, ...]
+    compute: Callable[[], mx.array]
+    tower_bytes: int = 0
+    _embeds: mx.array | None = field(default=None, repr=False)
+
+    def embeds(self) -> mx.array:
+        if self._embeds is None:
+            self._embeds = self.compute()
+            mx.eval(self._embeds)
+        return self._embeds
+
+    def part(self, start: int) -> MediaRows:
+        return MediaRows(self, start)
+
+    def inputs(self, s: int, e: int) -> Inputs:
+        """Rows [s, e): their embeddings where an image row is among them, their positions
+        under multimodal rope."""
+        embeds = self.embeds()[:, s:e] if self.image_rows[s:e].any() else None
+        positions = None if self.positions is None else self.positions[:, :, s:e]
+        return Inputs(embeds, positions)
+
+    def release(self) -> None:
+        """Drop the embeddings once the prompt is prefilled."""
+        self._embeds = None
+
+
+def image_keys(ids: list[int], image_rows: np.ndarray, hashes: tuple[str, ...]) -> list[int]:
+    """`ids` with each image's rows replaced by a key id of the images up to and including it:
+    the k-th run of image rows is image k where there are as many runs as images; otherwise
+    (a family that breaks one image's rows) every image row is keyed by all the images."""
+    runs = np.flatnonzero(np.diff(np.concatenate([[0], image_rows.astype(np.int8)])) == 1)
+    keys = list(ids)
+    owner = np.cumsum(np.diff(np.concatenate([[0], image_rows.astype(np.int8)])) == 1) - 1
+    per_run = len(runs) == len(hashes)
+    for i in np.flatnonzero(image_rows):
+        upto = hashes[: owner[i] + 1] if per_run else hashes
+        digest = hashlib.sha256("|".join(upto).encode()).digest()
+        keys[i] = KEY_BASE | (int.from_bytes(digest[:4], "little") & (KEY_BASE - 1))
+    return keys
+
+
+class Vision:
+    """A vision-language target's image side: mlx-vlm's `model` (its tower, projector and
+    embedding merge) and `processor`; `family`: mlx-vlm's model_type. `embed_dtype`: the
+    target's activations' dtype (the rows are cast to it)."""
+
+    def __init__(self, model, processor, family: str, config: dict, embed_dtype=mx.float32):
+        self.model, self.processor, self.family, self.config = model, processor, family, config
+        self.embed_dtype = embed_dtype
+        self.image_token_id = _image_token_id(model.config)
+        self.refusal = IMAGE_REFUSALS.get(family)
+        if self.refusal is None and family not in MROPE_STYLE and family not in ONE_D:
+            self.refusal = "its image rows have not been checked against mlx-vlm's generation"
+        self.mrope = mrope_of(family, config)
+
+    def media(self, text: str, images: list) -> Media:
+        """The rendered chat `text` (one placeholder per image, as the chat template writes
+        them) and its PIL `images`, in order -> `Media`."""
+        from mlx_vlm.utils import prepare_inputs, should_add_special_tokens
+
+        inputs = prepare_inputs(self.processor, images=images, prompts=text,
+                                image_token_index=self.image_token_id,
+                                add_special_tokens=should_add_special_tokens(
+                                    self.model.config.model_type, self.processor))
+        input_ids, pixels = inputs["input_ids"], inputs.get("pixel_values")
+        mask = inputs.get("attention_mask")
+        extra = {k: v for k, v in inputs.items()
+                 if k not in ("input_ids", "pixel_values", "attention_mask")}
+        ids = input_ids[0].tolist()
+        rows = np.asarray(ids) == self.image_token_id
+        if rows.sum() == 0:
+            raise ValueError(f"the prompt has {len(images)} image(s) but the processor placed "
+                             "no image token: the chat template wrote no image placeholder")
+        positions, shift = None, 0
+        if self.mrope is not None:
+            positions, deltas = self.model.language_model.get_rope_index(
+                input_ids, extra.get("image_grid_thw"), None, mask)
+            shift = int(np.asarray(deltas).reshape(-1)[0])
+        hashes = tuple(image_hash(im) for im in images)
+
+        def compute() -> mx.array:
+            out = self.model.get_input_embeddings(input_ids, pixels, mask=mask, **extra)
+            return out.inputs_embeds.astype(self.embed_dtype)
+
+        return Media(ids, image_keys(ids, rows, hashes), rows, shift, positions, hashes,
+                     compute, tower_bytes=tower_bytes(pixels, self.config))
+
+
+def mrope_of(family: str, config: dict) -> MRope | None:
+    """The family's multimodal rope layout from config.json, or None (1-D rope)."""
+    style = MROPE_STYLE.get(family)
+    if style is None:
+        return None
+    text = config.get("text_config", config)
+    for key in ("rope_parameters", "rope_scaling"):
+        section = (text.get(key) or {}).get("mrope_section") or \
+            (config.get(key) or {}).get("mrope_section")
+        if section:
+            return MRope(tuple(int(s) for s in section), style)
+    raise ValueError(f"config.json of the {family} target names no mrope_section "
+                     "(text_config.rope_scaling or rope_parameters)")
+
+
+def _image_token_id(config: Any) -> int:
+    for name in ("image_token_id", "image_token_index"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    raise ValueError("the vision-language config names no image_token_id / image_token_index")
+
+
+def tower_bytes(pixels: mx.array | None, config: dict) -> int:
+    """A rough peak of the tower's activations for these pixels: per patch, its hidden state
+    through a layer (x 8: attention, MLP and residuals) plus one full attention score row per
+    head (float32)."""
+    if pixels is None:
+        return 0
+    vision = config.get("vision_config", {})
+    hidden = int(vision.get("hidden_size", vision.get("embed_dim", 1024)))
+    heads = int(vision.get("num_attention_heads", vision.get("num_heads", 16)))
+    patch = int(vision.get("patch_size", 14))
+    shape = pixels.shape
+    # Qwen's processors flatten patches ([patches, C * t * p * p]); the others give images
+    patches = shape[0] if len(shape) == 2 else int(np.prod(shape[-2:])) // (patch * patch) * \
+        (shape[0] if len(shape) == 4 else 1)
+    return 4 * (patches * hidden * 8 + heads * patches * patches)
