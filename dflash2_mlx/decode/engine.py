@@ -30,6 +30,7 @@ from ..model.row_caches import SoloRows
 from ..model.memory import out_of_memory
 from ..model.drafter import Draft, Drafter
 from ..model.inputs import Inputs
+from ..model.vision import Media
 from ..model.target import Target
 from .lookup import LookupConfig, LookupIndex
 from ..model.sampling import Sampling, greedy_accept, rejection_accept
@@ -577,14 +578,15 @@ def stream_tokens(target: Target, drafter: Drafter | None, prompt: list[int], *,
                   lookup: LookupConfig | None = None, seed: int | None = None,
                   prefill_step_size: int = 2048, stats: GenerationStats | None = None,
                   state: DecodeState | None = None,
-                  progress: Callable[[int, int], object] | None = None
-                  ) -> Iterator[list[int]]:
+                  progress: Callable[[int, int], object] | None = None,
+                  media: Media | None = None) -> Iterator[list[int]]:
     """One prompt alone on an engine of one row: yield the tokens prefill, then each step,
     commits, until a stop token (included) or `max_tokens`. policy: its width policy; planner:
     the engine's (`policy.Planner`); lookup:
     draft from the context too (None: the drafter only); state: the caches of an earlier
     generation to reuse for the prompt's common prefix (advanced in place); stats: filled as
-    it goes; progress: `prefill`'s, for long prompts."""
+    it goes; progress: `prefill`'s, for long prompts; media: the prompt's images
+    (`Request.media`)."""
     if not prompt:
         raise ValueError("the prompt is empty: give at least one token")
     if stats is not None:
@@ -595,6 +597,6 @@ def stream_tokens(target: Target, drafter: Drafter | None, prompt: list[int], *,
                     prefill_step_size=prefill_step_size)
     request = Request(list(prompt), max_tokens, sampling, policy, frozenset(stop_ids),
                       lookup is not None, seed, state, keep_state=state is not None,
-                      progress=progress, stats=stats)
+                      progress=progress, stats=stats, media=media)
     for ev in engine.run(request):
         yield ev.tokens
