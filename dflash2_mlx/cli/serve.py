@@ -38,8 +38,19 @@ CHAT_TEMPLATE_ARGS = typer.Option(
     None, "--chat-template-args", metavar="JSON", callback=flag(check.chat_template_args),
     help="Arguments for the chat template, as mlx-lm takes them, e.g. "
     "'{\"enable_thinking\": false}'; a request's own switches go over them")
-MAX_BODY_BYTES = typer.Option(4 * 2**20, "--max-body-bytes", callback=flag(check.max_body_bytes),
-                              help="Largest request body")
+MAX_BODY_BYTES = typer.Option(64 * 2**20, "--max-body-bytes",
+                              callback=flag(check.max_body_bytes),
+                              help="Largest request body (images come as base64)")
+MAX_IMAGES = typer.Option(check.MAX_IMAGES, "--max-images", callback=flag(check.max_images),
+                          help="Images one request may carry (a vision-language target)")
+MAX_IMAGE_BYTES = typer.Option(str(check.MAX_IMAGE_BYTES), "--max-image-bytes", metavar="N",
+                               callback=flag(check.max_image_bytes),
+                               help="Largest encoded image, e.g. 20MiB")
+MAX_IMAGE_PIXELS = typer.Option(check.MAX_IMAGE_PIXELS, "--max-image-pixels",
+                                callback=flag(check.max_image_pixels),
+                                help="Most pixels (width x height) an image may decode to")
+FETCH_IMAGES = typer.Option(False, "--fetch-images", help="Fetch image parts given as http(s) "
+                            "URLs (by default only inline base64 / data: URLs are taken)")
 QUEUE_SIZE = typer.Option(16, "--queue-size", callback=flag(check.queue_size),
                           help="Requests that may wait for a free row; more get 429")
 PROMPT_CACHE_SIZE = typer.Option(8, "--prompt-cache-size",
@@ -105,6 +116,10 @@ def serve(
     keep_billing_header: bool = KEEP_BILLING_HEADER,
     chat_template_args: Optional[str] = CHAT_TEMPLATE_ARGS,
     max_body_bytes: int = MAX_BODY_BYTES,
+    max_images: int = MAX_IMAGES,
+    max_image_bytes: str = MAX_IMAGE_BYTES,
+    max_image_pixels: int = MAX_IMAGE_PIXELS,
+    fetch_images: bool = FETCH_IMAGES,
     queue_size: int = QUEUE_SIZE,
     prompt_cache_size: int = PROMPT_CACHE_SIZE,
     prompt_cache_bytes: int = PROMPT_CACHE_BYTES,
@@ -145,7 +160,9 @@ def serve(
             prompt_cache_disk_bytes=prompt_cache_disk_bytes or check.PROMPT_CACHE_DISK_BYTES,
             ping_interval=ping_interval, read_timeout=read_timeout, max_batch=max_batch,
             prefill_chunk=prefill_chunk, memory_budget=memory_budget,
-            keep_billing_header=keep_billing_header, chat_template_args=chat_template_args or {})
+            keep_billing_header=keep_billing_header, chat_template_args=chat_template_args or {},
+            max_images=max_images, max_image_bytes=max_image_bytes,
+            max_image_pixels=max_image_pixels, fetch_images=fetch_images)
         server.serve(pipe, config, host=host, port=port, shutdown_timeout=shutdown_timeout,
                      ready=lambda url: _log.info(f"serving {config.model_id} on {url}"))
         _log.info("stopped")

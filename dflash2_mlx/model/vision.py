@@ -147,8 +147,9 @@ class Media:
     placeholder tokens included); keys: the same with every image row replaced by a key id
     (what `Request.prompt` holds); image_rows: [L] bool; shift: the rope shift of every row
     after the prompt (0 but for multimodal rope); positions: [3, 1, L] (multimodal rope) or
-    None; hashes: each image's `image_hash`; embed(): [1, L, H] the rows' embeddings, computed
-    once, on first use (a prefix-cache hit past every image never runs the tower)."""
+    None; hashes: each image's `image_hash`; compute(ids): [1, L, H] the embeddings of these
+    ids (the prompt's, or more after it) with the images in their rows; `embeds()` computes
+    them once, on first use (a prefix-cache hit past every image never runs the tower)."""
 
     ids: list[int]
     keys: list[int]
@@ -156,13 +157,13 @@ class Media:
     shift: int
     positions: mx.array | None
     hashes: tuple[str, ...]
-    compute: Callable[[], mx.array]
+    compute: Callable[[list[int]], mx.array]
     tower_bytes: int = 0
     _embeds: mx.array | None = field(default=None, repr=False)
 
     def embeds(self) -> mx.array:
         if self._embeds is None:
-            self._embeds = self.compute()
+            self._embeds = self.compute(self.ids)
             mx.eval(self._embeds)
         return self._embeds
 
@@ -175,6 +176,19 @@ class Media:
         embeds = self.embeds()[:, s:e] if self.image_rows[s:e].any() else None
         positions = None if self.positions is None else self.positions[:, :, s:e]
         return Inputs(embeds, positions)
+
+    def extended(self, tokens: list[int]) -> "Media":
+        """The same images for the prompt followed by `tokens` (text rows after it)."""
+        n = len(tokens)
+        positions = self.positions
+        if positions is not None and n:
+            start = len(self.ids) + self.shift
+            after = mx.broadcast_to(mx.arange(start, start + n, dtype=positions.dtype),
+                                    (3, 1, n))
+            positions = mx.concatenate([positions, after], axis=2)
+        return Media(self.ids + list(tokens), self.keys + list(tokens),
+                     np.concatenate([self.image_rows, np.zeros(n, bool)]), self.shift,
+                     positions, self.hashes, self.compute, self.tower_bytes)
 
     def release(self) -> None:
         """Drop the embeddings once the prompt is prefilled."""
@@ -234,9 +248,15 @@ class Vision:
                 input_ids, extra.get("image_grid_thw"), None, mask)
             shift = int(np.asarray(deltas).reshape(-1)[0])
         hashes = tuple(image_hash(im) for im in images)
+        # evaluated here: the server prepares a request on its HTTP thread and the model
+        # thread computes the rows, and MLX runs a lazy array only on its own thread's stream
+        mx.eval([a for a in (input_ids, pixels, mask, positions, *extra.values())
+                 if isinstance(a, mx.array)])
 
-        def compute() -> mx.array:
-            out = self.model.get_input_embeddings(input_ids, pixels, mask=mask, **extra)
+        def compute(ids: list[int]) -> mx.array:
+            x = mx.array([ids], dtype=input_ids.dtype)
+            out = self.model.get_input_embeddings(
+                x, pixels, mask=None if mask is None else mx.ones_like(x), **extra)
             return out.inputs_embeds.astype(self.embed_dtype)
 
         return Media(ids, image_keys(ids, rows, hashes), rows, shift, positions, hashes,

@@ -11,9 +11,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from ..model.sampling import Sampling
+from ..model.vision import Media
 from .errors import APIError, error_body
 from .http import PING, Authorized, JSONRoute, ServiceDep, event_stream, sse
 from .scheduler import GenerationRequest, Job
+from .images import content_of, image_part, parts_of
 from .schemas import CountTokensRequest, MessagesRequest, content_text
 from .service import Service, usage
 from .text_stream import TextStream
@@ -27,10 +29,10 @@ async def messages(req: MessagesRequest, request: Request, service: ServiceDep):
     sampling = Sampling(req.temperature, req.top_p, req.top_k)
     stops = service.stops(req.stop_sequences)
     tools, left_out = anthropic_tools(req)
-    prompt = render(service, req, tools)
+    prompt, media = render(service, req, tools)
     limit = service.max_tokens(req.max_tokens, len(prompt), anthropic=True)
     job = service.submit(GenerationRequest(prompt, limit, sampling, None,
-                                           service.checkpoint(prompt)))
+                                           service.checkpoint(prompt), media))
     text = service.tool_stream(stops, tools, prompt)
     head = {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant",
             "model": service.config.model_id}
@@ -63,11 +65,13 @@ async def count_tokens(req: CountTokensRequest, service: ServiceDep):
     """The prompt's tokens as this server renders it (tools and system turns included)."""
     service.check_model(req.model)
     tools, _ = anthropic_tools(req)
-    return {"input_tokens": len(render(service, req, tools))}
+    return {"input_tokens": len(render(service, req, tools)[0])}
 
 
-def render(service: Service, req: CountTokensRequest, tools: list[dict] | None) -> list[int]:
-    """The prompt ids, with the request's thinking switch (`thinking.type`)."""
+def render(service: Service, req: CountTokensRequest, tools: list[dict] | None
+           ) -> tuple[list[int], Media | None]:
+    """The prompt ids and images (`Service.render_chat`), with the request's thinking switch
+    (`thinking.type`)."""
     return service.render_chat(anthropic_messages(req, service.config.keep_billing_header),
                                tools, thinking=None if req.thinking is None else req.thinking.on)
 
@@ -103,17 +107,25 @@ def anthropic_messages(req: CountTokensRequest, keep_billing_header: bool = Fals
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
             continue
-        text, calls, thinking = [], [], []
+        text, calls, thinking = [], [], []          # text: internal parts (images.py)
         for j, b in enumerate(m.content):
             where = f"messages.{i}.content.{j}"
             if b.type == "text":
-                text.append(b.text or "")
+                text.append({"type": "text", "text": b.text or ""})
+            elif b.type == "image" and m.role == "user":
+                if b.source is None:
+                    raise APIError(400, f"{where}: an image block needs a source", param=where)
+                text.append(image_part(f"{where}.source",
+                                       **({"data": b.source.data} if b.source.type == "base64"
+                                          else {"url": b.source.url})))
             elif b.type == "thinking" and m.role == "assistant" and b.thinking:
                 thinking.append(b.thinking)
             elif b.type in ("thinking", "redacted_thinking"):
                 continue
-            elif m.role == "system":
-                raise APIError(400, f"{where}: a system turn holds text blocks only",
+            elif m.role == "system" or b.type == "image":
+                raise APIError(400, f"{where}: a {m.role} turn holds no {b.type} block"
+                               if b.type == "image" else
+                               f"{where}: a system turn holds text blocks only",
                                param=where)
             elif b.type == "tool_use":
                 if m.role != "assistant" or not b.name:
@@ -126,9 +138,9 @@ def anthropic_messages(req: CountTokensRequest, keep_billing_header: bool = Fals
                     raise APIError(400, f"{where}: a tool_result block belongs to a user turn",
                                    param=where)
                 out.append({"role": "tool", "tool_call_id": b.tool_use_id,
-                            "content": content_text(b.content)})
+                            "content": parts_of(b.content, f"{where}.content")})
         if text or calls or thinking:
-            msg: dict[str, Any] = {"role": m.role, "content": "".join(text)}
+            msg: dict[str, Any] = {"role": m.role, "content": content_of(text)}
             if thinking:
                 msg["reasoning_content"] = "\n\n".join(thinking)
             if calls:

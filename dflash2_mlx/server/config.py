@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import settings as check
+from ..model.vision import ImageLimits
 
 
 @dataclass(frozen=True)
@@ -16,7 +17,7 @@ class ServerConfig:
     model_id: str
     max_tokens: int = 4096              # most tokens one request may ask for
     context_length: int = 8192          # prompt + completion tokens
-    max_body_bytes: int = 4 * 2**20
+    max_body_bytes: int = 64 * 2**20      # requests carry images as base64 (Claude Code resends them)
     queue_size: int = 16                # requests waiting for a free row, besides the running ones
     api_key: str | None = None
     block_size: int | str | None = None     # None: the pipeline's default
@@ -37,16 +38,27 @@ class ServerConfig:
     # passed to every chat template render, as mlx-lm's --chat-template-args (e.g.
     # {"enable_thinking": false}); a request's own switches go over them
     chat_template_args: dict = field(default_factory=dict)
+    # images in requests (a vision-language target): each a 413 naming it past its limit
+    max_images: int = check.MAX_IMAGES
+    max_image_bytes: int = check.MAX_IMAGE_BYTES
+    max_image_pixels: int = check.MAX_IMAGE_PIXELS
+    fetch_images: bool = False          # fetch http(s) image URLs (off: a 400 asks for base64)
 
     def __post_init__(self):
         for name in ("max_tokens", "context_length", "max_body_bytes", "queue_size",
                      "block_size", "prompt_cache_size", "prompt_cache_bytes", "ping_interval",
-                     "read_timeout", "max_batch", "prefill_chunk", "memory_budget"):
+                     "read_timeout", "max_batch", "prefill_chunk", "memory_budget",
+                     "max_images", "max_image_bytes", "max_image_pixels"):
             object.__setattr__(self, name, getattr(check, name)(getattr(self, name), name))
         object.__setattr__(self, "chat_template_args", check.chat_template_args(
             self.chat_template_args, "chat_template_args"))
         object.__setattr__(self, "prompt_cache_disk_bytes", check.byte_size(
             self.prompt_cache_disk_bytes, "prompt_cache_disk_bytes"))
+
+
+    @property
+    def image_limits(self) -> ImageLimits:
+        return ImageLimits(self.max_images, self.max_image_bytes, self.max_image_pixels)
 
 
 def model_id_for(model: str) -> str:

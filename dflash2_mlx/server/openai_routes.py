@@ -14,7 +14,8 @@ from ..model.sampling import Sampling
 from .errors import APIError, error_body
 from .http import PING, Authorized, JSONRoute, ServiceDep, event_stream, sse
 from .scheduler import GenerationRequest, Job
-from .schemas import ChatRequest, CompletionRequest, _OpenAISampling, content_text
+from .images import parts_of
+from .schemas import ChatRequest, CompletionRequest, _OpenAISampling
 from .service import Service, finish_reason, openai_tool_calls, usage
 from .text_stream import TextStream
 from .thinking import effort_switch
@@ -61,7 +62,7 @@ def openai_messages(req: ChatRequest) -> list[dict]:
     out = []
     for i, m in enumerate(req.messages):
         msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
-                               "content": content_text(m.content)}
+                               "content": parts_of(m.content, f"messages.{i}.content")}
         if m.name is not None:
             msg["name"] = m.name
         if m.tool_call_id is not None:
@@ -102,7 +103,7 @@ async def chat(req: ChatRequest, request: Request, service: ServiceDep):
     sampling = Sampling(req.temperature, req.top_p, req.top_k)
     stops = service.stops(req.stop)
     tools = openai_tools(req)
-    prompt = service.render_chat(openai_messages(req), tools,
+    prompt, media = service.render_chat(openai_messages(req), tools,
                                  template_args=req.chat_template_kwargs,
                                  thinking=effort_switch(req.reasoning_effort))
     asked, param = ((req.max_completion_tokens, "max_completion_tokens")
@@ -110,7 +111,7 @@ async def chat(req: ChatRequest, request: Request, service: ServiceDep):
                     else (req.max_tokens, "max_tokens"))
     limit = service.max_tokens(asked, len(prompt), param)
     job = service.submit(GenerationRequest(prompt, limit, sampling, req.seed,
-                                           service.checkpoint(prompt)))
+                                           service.checkpoint(prompt), media))
     text = service.tool_stream(stops, tools, prompt)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
             "model": service.config.model_id}

@@ -49,7 +49,7 @@ async def create_response(body: Annotated[dict[str, Any], Body()], request: Requ
                         1.0 if req.top_p is None else req.top_p, req.top_k)
     tools, names = chat_tools(req)
     effort = req.reasoning.effort if req.reasoning is not None else None
-    prompt = service.render_chat(chat_messages(req), tools, param="input",
+    prompt, media = service.render_chat(chat_messages(req), tools, param="input",
                                  thinking=effort_switch(effort))
     head = response_head(req, service.config.model_id)
     try:
@@ -61,7 +61,7 @@ async def create_response(body: Annotated[dict[str, Any], Body()], request: Requ
         # a stream reports it as Codex reads it: response.failed with the error's code
         return event_stream(_failed(head, e))
     job = service.submit(GenerationRequest(prompt, limit, sampling, req.seed,
-                                           service.checkpoint(prompt)))
+                                           service.checkpoint(prompt), media))
     text = service.tool_stream([], tools, prompt)
     headers = service.headers(limit, hosted)
     sealed = "reasoning.encrypted_content" in (req.include or [])

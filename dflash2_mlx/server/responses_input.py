@@ -12,7 +12,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
 
 from .errors import APIError, validation_error
-from .schemas import MaxTokens, Seed, Temperature, TopK, TopP, content_text
+from .images import parts_of
+from .schemas import MaxTokens, Seed, Temperature, TopK, TopP
 
 # --------------------------------------------------------------------------- request schema
 # Strict and closed: a field this server does not know is a 400 naming it. The optional fields
@@ -33,10 +34,22 @@ class TextPart(_Closed):
     prompt_cache_breakpoint: Optional[dict] = None     # a hint; the prefix cache finds prefixes
 
 
+class ImagePart(_Closed):
+    """input_image: a data: URL (base64) or an http(s) URL in image_url (file_id: refused,
+    no files are stored here)."""
+    type: Literal["input_image"]
+    image_url: Optional[str] = None
+    file_id: Optional[str] = None
+    detail: Optional[str] = None
+
+
+Part = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
+
+
 class MessageItem(_Closed):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: Union[str, list[TextPart]]
+    content: Union[str, list[Part]]
     id: Optional[str] = None
     status: Optional[Literal["in_progress", "completed", "incomplete"]] = None
     phase: Optional[Literal["commentary", "final_answer"]] = None
@@ -65,7 +78,7 @@ class CustomCallItem(_Closed):
 class FunctionCallOutputItem(_Closed):
     type: Literal["function_call_output", "custom_tool_call_output"]
     call_id: str
-    output: Union[str, list[TextPart]]
+    output: Union[str, list[Part]]
     name: Optional[str] = None
     namespace: Optional[str] = None
     id: Optional[str] = None
@@ -387,7 +400,7 @@ def chat_messages(req: ResponsesRequest) -> list[dict]:
             continue
         if item.type == "message":
             out.append({"role": "system" if item.role == "developer" else item.role,
-                        "content": content_text(item.content)})
+                        "content": parts_of(item.content, f"input.{i}.content")})
             if item.role == "assistant":
                 think(out[-1])
         elif item.type in ("function_call", "custom_tool_call"):
@@ -401,6 +414,6 @@ def chat_messages(req: ResponsesRequest) -> list[dict]:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
             think(out[-1])
         else:
-            out.append({"role": "tool", "content": content_text(item.output),
+            out.append({"role": "tool", "content": parts_of(item.output, f"input.{i}.output"),
                         "tool_call_id": item.call_id})
     return out

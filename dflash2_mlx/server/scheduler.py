@@ -29,6 +29,7 @@ from ..decode.engine import FAILED, Engine
 from ..decode.stats import GenerationStats
 from ..pipeline import Pipeline, SequenceText
 from ..model.sampling import Sampling
+from ..model.vision import Media
 from .admission import ADMIT, WAIT, MemoryAdmission, request_length
 from .budget import MemoryBudget
 
@@ -47,6 +48,7 @@ class GenerationRequest:
     seed: int | None = None
     # a prompt position the prefix cache keeps a state at too (`Service.checkpoint`)
     checkpoint: int | None = None
+    media: Media | None = None          # the prompt's images (`model.vision.Media`)
 
 
 @dataclass
@@ -423,10 +425,11 @@ class Scheduler(MemoryAdmission):
             if not seq.tokens and self.prompt_cache is not None:
                 state, cached = self.prompt_cache.fetch(r.prompt)
             ids = list(seq.req.prompt) + seq.tokens
+            media = None if r.media is None else r.media.extended(seq.tokens)
             new = engine.add(self.pipe.request(
                 engine, ids, r.max_tokens - done, r.sampling, self._b, lookup=self.pipe.lookup,
                 stop_ids=self._stop_ids, seed=r.seed, state=state,
-                keep_state=self.prompt_cache is not None))
+                keep_state=self.prompt_cache is not None, media=media))
             self._carried[id(job)] = done
             self._decoding[new] = (job, text)
         log.warning(f"out of memory in a step: {len(self._decoding)} sequences go on, "
@@ -446,7 +449,7 @@ class Scheduler(MemoryAdmission):
                                           lookup=pipe.lookup, stop_ids=self._stop_ids,
                                           seed=r.seed, state=state,
                                           keep_state=self.prompt_cache is not None,
-                                          checkpoint=r.checkpoint))
+                                          checkpoint=r.checkpoint, media=r.media))
         except Exception as e:  # noqa: BLE001 - reported to that request; the others run
             log.exception("generation failed")
             self._done(job)                 # counted before its client hears

@@ -37,13 +37,46 @@ class TextPart(_Strict):
     text: str
 
 
+class ImageURL(_Strict):
+    url: str
+    detail: Optional[str] = None
+
+
+class ImageURLPart(_Strict):
+    """OpenAI chat's image part: a data: URL (base64), or an http(s) URL."""
+    type: Literal["image_url"]
+    image_url: Union[ImageURL, str]
+
+    @property
+    def url(self) -> str:
+        return self.image_url if isinstance(self.image_url, str) else self.image_url.url
+
+
+class AnthropicImageSource(_Strict):
+    type: Literal["base64", "url"]
+    media_type: Optional[str] = None
+    data: Optional[str] = None
+    url: Optional[str] = None
+
+
+class AnthropicImagePart(_Strict):
+    type: Literal["image"]
+    source: AnthropicImageSource
+    cache_control: Optional[dict] = None
+
+
+ChatPart = Annotated[Union[TextPart, ImageURLPart], Field(discriminator="type")]
+ToolResultPart = Annotated[Union[TextPart, AnthropicImagePart], Field(discriminator="type")]
+
+
 def content_text(content) -> str:
-    """A message's content (a string, text parts or None) as one string."""
+    """A message's content (a string, text parts or None) as one string (image parts are
+    taken by `content_parts`)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    return "".join(p.text for p in content)
+    return "".join(p.text for p in content if p.type in ("text", "input_text", "output_text"))
 
 
 class ToolFunction(_Strict):
@@ -70,7 +103,7 @@ class ToolCall(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None] = None
+    content: Union[str, list[ChatPart], None] = None
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None
     tool_call_id: Optional[str] = None
@@ -125,9 +158,9 @@ class CompletionRequest(_OpenAISampling):
 
 
 class AnthropicBlock(_Strict):
-    """text, tool_use and thinking (assistant turns) and tool_result (user turns) content
-    blocks; redacted_thinking blocks are taken and left out (this server makes none)."""
-    type: Literal["text", "tool_use", "tool_result", "thinking", "redacted_thinking"]
+    """text, tool_use and thinking (assistant turns), image and tool_result (user turns)
+    content blocks; redacted_thinking blocks are taken and left out (this server makes none)."""
+    type: Literal["text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking"]
     text: Optional[str] = None
     thinking: Optional[str] = None
     signature: Optional[str] = None
@@ -135,7 +168,8 @@ class AnthropicBlock(_Strict):
     name: Optional[str] = None
     input: Optional[dict] = None
     tool_use_id: Optional[str] = None
-    content: Union[str, list[TextPart], None] = None
+    content: Union[str, list[ToolResultPart], None] = None
+    source: Optional[AnthropicImageSource] = None      # an image block's
 
 
 class AnthropicMessage(_Strict):

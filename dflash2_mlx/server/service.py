@@ -13,10 +13,12 @@ from fastapi import Request
 
 from .. import log as logs
 from .. import settings as check
+from ..model.vision import Media
 from ..pipeline import Pipeline
 from .chat_prompt import TOOL_MARKERS, TemplateTraits, fold_system, parse_tool_call, tools_in_text
 from .config import ServerConfig
 from .errors import APIError
+from .images import decode_images, take_images, tool_images_after
 from .scheduler import (SHUTDOWN, GenerationRequest, Job, NeverFits, QueueFull, Scheduler,
                         ShuttingDown)
 from .text_stream import Piece, TextStream
@@ -106,9 +108,11 @@ class Service:
     # ---- prompts
     def render_chat(self, messages: list[dict], tools: list[dict] | None,
                     param: str = "messages", template_args: dict | None = None,
-                    thinking: bool | None = None) -> list[int]:
-        """Messages (OpenAI shape, content as a string) -> prompt ids, through the model's
-        chat template exactly as `Pipeline.encode` renders one user message. param: the
+                    thinking: bool | None = None) -> tuple[list[int], Media | None]:
+        """Messages (OpenAI shape, content a string or, with images, a list of internal parts:
+        `images`) -> (prompt ids, its images or None), through the model's chat template
+        exactly as `Pipeline.encode` renders one user message (with images, each image's rows
+        as key ids: `Pipeline.encode_images`). param: the
         request's field that holds the messages (named by a refusal); template_args: the
         thinking: the request's thinking switch (None: the server's `--chat-template-args`),
         over those; template_args: the request's own template arguments (OpenAI's
@@ -118,20 +122,43 @@ class Service:
         if taken:
             raise APIError(400, f"chat_template_kwargs: {', '.join(taken)} are set by the "
                            "server, not by a request", param="chat_template_kwargs")
+        messages, sources = take_images(tool_images_after(messages))
+        if sources:
+            self._check_images(messages, param)
         if not self.traits.system_anywhere:
             messages = fold_system(messages)
         if not self.traits.tools:
             messages, tools = tools_in_text(messages, tools), None
         if not self.has_template:
             text = "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages)
-            return tok.encode(text + "assistant:")
+            return tok.encode(text + "assistant:"), None
         try:
             text = self._template(messages, tools=tools,
                                   **{**switch(thinking), **(template_args or {})})
         except Exception as e:  # noqa: BLE001 - a template's own refusal (jinja raise_exception)
             raise APIError(400, f"the chat template refused these messages: {e}",
                            param=param) from None
-        return tok.encode(text, add_special_tokens=False)
+        if not sources:
+            return tok.encode(text, add_special_tokens=False), None
+        images = decode_images(sources, self.config.image_limits, self.config.fetch_images)
+        try:
+            media = self.pipe.vision.media(text, images)
+        except ValueError as e:
+            raise APIError(400, f"{param}: {e}", param=param) from None
+        return media.keys, media
+
+    def _check_images(self, messages: list[dict], param: str) -> None:
+        """400 where this model takes no images, or an image is outside a user turn."""
+        why = self.pipe.image_refusal()
+        if why is not None:
+            raise APIError(400, f"{param}: {why}", param=param)
+        if not self.has_template:
+            raise APIError(400, f"{param}: images need the model's chat template, and this "
+                           "model has none", param=param)
+        for i, m in enumerate(messages):
+            if m["role"] != "user" and isinstance(m.get("content"), list):
+                raise APIError(400, f"{param}: an image in a {m['role']} turn (turn {i}); "
+                               "images go in user turns and tool results", param=param)
 
     def _template(self, messages: list[dict], tools: list[dict] | None, **args) -> str:
         args = {**self.config.chat_template_args, **args}
