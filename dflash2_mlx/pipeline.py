@@ -23,7 +23,7 @@ from .decode.stats import DRAFTER, LOOKUP, GenerationStats
 from .loading.weights import quantization
 from .model.drafter import Drafter
 from .model.target import Target, TargetAdapter
-from .model.views import KVQuant
+from .model.views import KVQuant, TargetModel
 from .model.vision import ImageLimits, Media, Vision, open_images
 from .policy.acceptance import SurenessModel
 from .policy.adaptive import AdaptiveWidth
@@ -94,7 +94,8 @@ class Pipeline:
         # what generates: this process's model, or the stage's target of a pipeline
         self.adapter: Target = TargetAdapter(
             target, drafter.args.target_layer_ids if drafter else (), kv=self.kv,
-            mrope=vision.mrope if vision is not None and vision.refusal is None else None)
+            images=(vision.image_rows(TargetModel(target).layers)
+                    if vision is not None and vision.refusal is None else None))
 
     # ---- prompts
     def encode(self, prompt: str | Sequence[int], chat_template: bool | None = None,

@@ -21,6 +21,9 @@ _log = log.get(__name__)
 
 PROMPT = typer.Option("hello", "--prompt", "-p", callback=prompt_flag,
                       help="Prompt text; '-' reads stdin")
+IMAGE = typer.Option(None, "--image", metavar="PATH",
+                     help="An image shown before the prompt (repeatable; a vision-language "
+                     "model)")
 SYSTEM = typer.Option(None, "--system", "--system-prompt",
                       help="System message (with a chat template)")
 MAX_TOKENS = typer.Option(256, "--max-tokens", "-m", callback=flag(check.max_tokens),
@@ -46,6 +49,7 @@ def generate(
     model: Optional[str] = MODEL,
     draft: Optional[str] = DRAFT,
     prompt: str = PROMPT,
+    image: Optional[list[Path]] = IMAGE,
     system: Optional[str] = SYSTEM,
     max_tokens: int = MAX_TOKENS,
     temp: float = TEMP,
@@ -73,6 +77,9 @@ def generate(
     with errors(verbose):
         if stats_json is not None:
             writable(stats_json, "--stats-json")
+        for path in image or ():
+            if not path.is_file():
+                raise typer.BadParameter(f"no such file: {path}", param_hint="'--image'")
         group = pipeline_group(pipeline, pipeline_split, pipeline_timeout)
         text = read_stdin() if prompt == "-" else prompt
         pipe = load_pipeline(model, draft, omlx_settings, model_id, block_size, lookup,
@@ -89,7 +96,7 @@ def generate(
         for chunk in pipe.stream(text, max_tokens=max_tokens, temperature=temp, top_p=top_p,
                                  top_k=top_k, seed=seed, block_size=block_size,
                                  lookup=lookup, chat_template=False if no_chat_template else None,
-                                 system=system):
+                                 system=system, images=image or ()):
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
         sys.stdout.write("\n")

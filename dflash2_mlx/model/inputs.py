@@ -1,6 +1,8 @@
 """What a target forward takes beside token ids (`Inputs`): the rows' embeddings where an image
-is (a vision tower's features in place of its placeholder tokens), and positions where a
-family's rope does not count rows (Qwen's multimodal rope).
+is (a vision tower's features in place of its placeholder tokens), positions where a family's
+rope does not count rows (Qwen's multimodal rope), and what some families add inside the
+stack (`ImageLayer`: Gemma 4's image rows attend to each other both ways; Qwen3-VL adds
+DeepStack features to the first layers' outputs).
 
 Multimodal rope: an image's tokens sit at (t, h, w) grid positions, and the text after it
 continues from the grid's largest position + 1, so every later row's position is its row index
@@ -22,11 +24,17 @@ import mlx.nn as nn
 class Inputs(NamedTuple):
     """embeds [B, T, H]: what the model takes as `input_embeddings` (before any embedding
     scale of its own), or None (the tokens' embeddings); positions [3, B, T] (t, h, w) or None;
-    shift: each row's rope shift ([B] int32 array or an int), or None."""
+    shift: each row's rope shift ([B] int32 array or an int), or None. For a prefill chunk:
+    start, its first row's index in the sequence; blocks [1, T]: each row's image (0, 1, ..;
+    -1: not an image row), rows of one image attending to each other both ways; deepstack:
+    [1, T, H] per early layer, added to that layer's output."""
 
     embeds: mx.array | None = None
     positions: mx.array | None = None
     shift: mx.array | int | None = None
+    start: int = 0
+    blocks: mx.array | None = None
+    deepstack: tuple | None = None
 
 
 class MRope(NamedTuple):
@@ -91,6 +99,48 @@ class ShiftedRope(nn.Module):
         return mx.concatenate([a * cos - b * sin, a * sin + b * cos, rest], axis=-1)
 
 
+class ImageLayer:
+    """Runs decoder layer `index` with what an image chunk adds (`rows.inputs`): its mask
+    with each image's rows attending to each other both ways (`blocks`), and the DeepStack
+    features added to its output. Otherwise the layer's own call. window: the layer's sliding
+    window (None: full attention)."""
+
+    def __init__(self, layer: nn.Module, index: int, rows: RopeRows, window: int | None):
+        self.layer, self.index, self.rows, self.window = layer, index, rows, window
+
+    def __call__(self, x, *args, **kwargs):
+        inputs = self.rows.inputs
+        if inputs is not None and inputs.blocks is not None and x.shape[1] > 1:
+            if args:
+                args = (self._overlay(args[0], inputs, x.shape[1]),) + args[1:]
+            else:
+                kwargs["mask"] = self._overlay(kwargs.get("mask"), inputs, x.shape[1])
+        out = self.layer(x, *args, **kwargs)
+        deep = inputs.deepstack if inputs is not None else None
+        if deep is not None and self.index < len(deep):
+            out = (out[0] + deep[self.index], *out[1:]) if isinstance(out, tuple) else \
+                out + deep[self.index]
+        return out
+
+    def _overlay(self, mask, inputs: Inputs, T: int):
+        """The mask with same-image rows of this chunk unmasked: a mask array's last T key
+        columns are this chunk's rows; "causal" is made explicit over start + T keys."""
+        if mask is None or isinstance(mask, str):
+            keys = mx.arange(inputs.start + T)[None]
+            rows = inputs.start + mx.arange(T)[:, None]
+            mask = keys <= rows
+            if self.window is not None:
+                mask = mask & (rows - keys < self.window)
+        if mask.dtype != mx.bool_:
+            return mask                  # an additive mask: not one mlx-lm makes for a prefill
+        b = inputs.blocks[0]
+        same = (b[:, None] == b[None, :]) & (b[:, None] >= 0)
+        return mx.concatenate([mask[..., :-T], mask[..., -T:] | same], axis=-1)
+
+    def __getattr__(self, name):   # as views.LayerTap's: the forward reads layer attributes
+        return getattr(self.layer, name)
+
+
 def rope_refusal(layers: Sequence[nn.Module]) -> str | None:
     """Why the layers' ropes cannot take multimodal positions, or None."""
     found = False
@@ -106,17 +156,36 @@ def rope_refusal(layers: Sequence[nn.Module]) -> str | None:
     return None if found else "no attention layer with a `rope` was found"
 
 
-def positioned_layers(layers: Sequence[nn.Module], mrope: MRope, rows: RopeRows) -> list:
-    """Copies of `layers` (every parameter shared) whose attention ropes are `ShiftedRope`s
-    reading `rows`; the layers themselves are untouched."""
+class ImageRows(NamedTuple):
+    """What a vision-language family needs inside its stack (`image_layers`): mrope, its
+    multimodal rope (None: rows count positions); deepstack, how many early layers get
+    DeepStack features; bidirectional, image rows attend both ways (with `windows`, each
+    layer's sliding window or None)."""
+
+    mrope: MRope | None = None
+    deepstack: int = 0
+    bidirectional: bool = False
+    windows: tuple = ()
+
+    def __bool__(self) -> bool:
+        return self.mrope is not None or self.deepstack > 0 or self.bidirectional
+
+
+def image_layers(layers: Sequence[nn.Module], how: ImageRows, rows: RopeRows) -> list:
+    """Layers that take `rows`' inputs as `how` says: copies (every parameter shared) whose
+    attention ropes are `ShiftedRope`s, wrapped in `ImageLayer` where a layer's mask or output
+    changes; the layers themselves are untouched."""
     out = []
-    for layer in layers:
+    for i, layer in enumerate(layers):
         copied = None
         for name, child in layer.children().items():
-            if isinstance(child, nn.Module) and "rope" in child:
+            if how.mrope is not None and isinstance(child, nn.Module) and "rope" in child:
                 copied = copied or copy.copy(layer)
                 attn = copy.copy(child)
-                attn["rope"] = ShiftedRope(child["rope"], mrope, rows)
+                attn["rope"] = ShiftedRope(child["rope"], how.mrope, rows)
                 copied[name] = attn
-        out.append(copied or layer)
+        layer = copied or layer
+        if how.bidirectional or i < how.deepstack:
+            layer = ImageLayer(layer, i, rows, how.windows[i] if how.windows else None)
+        out.append(layer)
     return out

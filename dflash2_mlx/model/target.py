@@ -16,7 +16,7 @@ from typing import Callable, Protocol, runtime_checkable
 import mlx.core as mx
 import mlx.nn as nn
 
-from .inputs import Inputs, MRope, RopeRows, positioned_layers
+from .inputs import ImageRows, Inputs, RopeRows, image_layers
 from .row_caches import RaggedRows, batch_refusal
 from .views import (STACK_PATHS, KVQuant, LayerRange, LayerTap, RollbackRotatingKVCache,
                     Snapshot, TargetModel, check_kv, find_stack_path)
@@ -88,18 +88,19 @@ class TargetAdapter(TargetModel):
     `forward(tokens [B, T], cache)` -> (logits [B, T, V], features [B, T, len(layer_ids) * H]).
     Also what the trainer reads: `model`, `stack`, `layers`, `head_module()`. kv: the
     full-attention layers' caches quantized (`views.KVQuant`), checked against the model now.
-    mrope: the family's multimodal rope (a vision-language target of the Qwen families): the
-    model then runs through a view whose ropes take `Inputs`' positions (`inputs`).
+    images: what a vision-language family needs inside its stack (`inputs.ImageRows`: Qwen's
+    multimodal rope, Gemma 4's two-way image attention, Qwen3-VL's DeepStack): the model then
+    runs through a view whose layers take `Inputs` (`inputs.image_layers`).
     """
 
     takes_inputs = True
 
     def __init__(self, model: nn.Module, layer_ids: tuple[int, ...] = (),
-                 kv: KVQuant | None = None, mrope: MRope | None = None):
+                 kv: KVQuant | None = None, images: ImageRows | None = None):
         self.rope_rows = RopeRows()
-        if mrope is not None:
+        if images:
             whole = TargetModel(model)
-            model = whole.view(positioned_layers(whole.layers, mrope, self.rope_rows))
+            model = whole.view(image_layers(whole.layers, images, self.rope_rows))
         super().__init__(model, kv)
         if kv is not None:
             check_kv(model, kv)

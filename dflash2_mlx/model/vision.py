@@ -24,23 +24,31 @@ import mlx.core as mx
 import numpy as np
 
 from .. import settings as check
-from .inputs import Inputs, MRope
+from .inputs import ImageRows, Inputs, MRope
 
 KEY_BASE = 1 << 31            # key ids: KEY_BASE | 31 bits of a hash; never a vocabulary id
 
-# mlx-vlm families whose images we serve, and how their rope places rows
-MROPE_STYLE = {"qwen2_vl": "chunked", "qwen2_5_vl": "chunked", "qwen3_5": "interleaved",
-               "qwen3_5_moe": "interleaved"}
-ONE_D = ("gemma3", "mistral3")
-# families mlx-vlm loads whose image rows need more than embeddings and positions
-IMAGE_REFUSALS = {
-    "qwen3_vl": "its vision features are also added inside the first decoder layers "
-                "(DeepStack), which our target does not run",
-    "qwen3_vl_moe": "its vision features are also added inside the first decoder layers "
-                    "(DeepStack), which our target does not run",
-    "gemma4": "its image tokens attend to each other both ways, a mask mlx-lm's text model "
-              "does not build",
-}
+
+@dataclass(frozen=True)
+class Family:
+    """How a vision-language family's image rows reach mlx-lm's text model. mrope: Qwen's
+    multimodal rope layout ("chunked" | "interleaved"; None: rows count positions);
+    deepstack: the tower's DeepStack features go into the first layers' outputs (Qwen3-VL);
+    gemma4: the rows mlx-vlm makes carry the embedding scale (divided out: mlx-lm applies
+    it), the per-layer inputs read id 0 in image rows, and (with its config's
+    use_bidirectional_attention "vision") an image's rows attend to each other both ways."""
+
+    mrope: str | None = None
+    deepstack: bool = False
+    gemma4: bool = False
+
+
+# the families whose image rows are checked against mlx-vlm's own generation (tests)
+FAMILIES = {"qwen2_vl": Family("chunked"), "qwen2_5_vl": Family("chunked"),
+            "qwen3_vl": Family("interleaved", deepstack=True),
+            "qwen3_vl_moe": Family("interleaved", deepstack=True),
+            "qwen3_5": Family("interleaved"), "qwen3_5_moe": Family("interleaved"),
+            "gemma3": Family(), "gemma4": Family(gemma4=True), "mistral3": Family()}
 
 
 class ImageError(ValueError):
@@ -135,7 +143,7 @@ class MediaRows:
 
     @property
     def ids(self) -> list[int]:
-        return self.media.ids[self.start:]
+        return (self.media.model_ids or self.media.ids)[self.start:]
 
     def inputs(self, s: int, e: int) -> Inputs:
         return self.media.inputs(self.start + s, self.start + e)
@@ -157,11 +165,14 @@ class Media:
     shift: int
     positions: mx.array | None
     hashes: tuple[str, ...]
-    compute: Callable[[list[int]], mx.array]
+    compute: Callable[[list[int]], tuple]
     tower_bytes: int = 0
-    _embeds: mx.array | None = field(default=None, repr=False)
+    blocks: np.ndarray | None = None        # [L] each row's image (-1: none), two-way images
+    model_ids: list[int] | None = None      # the ids the model reads, where they differ
+    _embeds: tuple | None = field(default=None, repr=False)
 
-    def embeds(self) -> mx.array:
+    def embeds(self) -> tuple:
+        """(embeddings [1, L, H], DeepStack features: [1, L, H] per early layer, or None)."""
         if self._embeds is None:
             self._embeds = self.compute(self.ids)
             mx.eval(self._embeds)
@@ -171,11 +182,16 @@ class Media:
         return MediaRows(self, start)
 
     def inputs(self, s: int, e: int) -> Inputs:
-        """Rows [s, e): their embeddings where an image row is among them, their positions
-        under multimodal rope."""
-        embeds = self.embeds()[:, s:e] if self.image_rows[s:e].any() else None
+        """Rows [s, e): their embeddings (and DeepStack features, and images' blocks) where
+        an image row is among them, their positions under multimodal rope."""
         positions = None if self.positions is None else self.positions[:, :, s:e]
-        return Inputs(embeds, positions)
+        if not self.image_rows[s:e].any():
+            return Inputs(None, positions, start=s)
+        embeds, deep = self.embeds()
+        blocks = (None if self.blocks is None else
+                  mx.array(self.blocks[None, s:e].astype(np.int32)))
+        return Inputs(embeds[:, s:e], positions, start=s, blocks=blocks,
+                      deepstack=None if deep is None else tuple(d[:, s:e] for d in deep))
 
     def extended(self, tokens: list[int]) -> "Media":
         """The same images for the prompt followed by `tokens` (text rows after it)."""
@@ -188,7 +204,10 @@ class Media:
             positions = mx.concatenate([positions, after], axis=2)
         return Media(self.ids + list(tokens), self.keys + list(tokens),
                      np.concatenate([self.image_rows, np.zeros(n, bool)]), self.shift,
-                     positions, self.hashes, self.compute, self.tower_bytes)
+                     positions, self.hashes, self.compute, self.tower_bytes,
+                     None if self.blocks is None else
+                     np.concatenate([self.blocks, np.full(n, -1, self.blocks.dtype)]),
+                     None if self.model_ids is None else self.model_ids + list(tokens))
 
     def release(self) -> None:
         """Drop the embeddings once the prompt is prefilled."""
@@ -219,10 +238,29 @@ class Vision:
         self.model, self.processor, self.family, self.config = model, processor, family, config
         self.embed_dtype = embed_dtype
         self.image_token_id = _image_token_id(model.config)
-        self.refusal = IMAGE_REFUSALS.get(family)
-        if self.refusal is None and family not in MROPE_STYLE and family not in ONE_D:
-            self.refusal = "its image rows have not been checked against mlx-vlm's generation"
-        self.mrope = mrope_of(family, config)
+        self.how = FAMILIES.get(family)
+        self.refusal = (None if self.how is not None else
+                        f"its image rows have not been checked against mlx-vlm's generation "
+                        f"(served: {', '.join(sorted(FAMILIES))})")
+        how = self.how or Family()
+        self.mrope = mrope_of(family, how.mrope, config)
+        text = config.get("text_config", config)
+        self.bidirectional = how.gemma4 and text.get("use_bidirectional_attention") == "vision"
+        self.embed_scale = (float(model.language_model.model.embed_scale) if how.gemma4
+                            else None)
+        vision = config.get("vision_config", {})
+        self.deepstack = len(vision.get("deepstack_visual_indexes") or ()) if how.deepstack \
+            else 0
+
+    def image_rows(self, layers: list) -> ImageRows:
+        """What the target's stack needs (`inputs.ImageRows`); layers: its decoder layers
+        (their sliding windows, for a two-way image mask)."""
+        windows = ()
+        if self.bidirectional:
+            text = self.config.get("text_config", self.config)
+            windows = tuple(text.get("sliding_window") if getattr(l, "layer_type", "") ==
+                            "sliding_attention" else None for l in layers)
+        return ImageRows(self.mrope, self.deepstack, self.bidirectional, windows)
 
     def media(self, text: str, images: list) -> Media:
         """The rendered chat `text` (one placeholder per image, as the chat template writes
@@ -253,19 +291,37 @@ class Vision:
         mx.eval([a for a in (input_ids, pixels, mask, positions, *extra.values())
                  if isinstance(a, mx.array)])
 
-        def compute(ids: list[int]) -> mx.array:
+        def compute(ids: list[int]) -> tuple:
             x = mx.array([ids], dtype=input_ids.dtype)
             out = self.model.get_input_embeddings(
                 x, pixels, mask=None if mask is None else mx.ones_like(x), **extra)
-            return out.inputs_embeds.astype(self.embed_dtype)
+            embeds = out.inputs_embeds
+            if self.embed_scale is not None:
+                embeds = embeds / self.embed_scale
+            deep = None
+            if self.deepstack and out.deepstack_visual_embeds is not None:
+                where = mx.array(np.flatnonzero(np.asarray(out.visual_pos_masks)[0]))
+                deep = []
+                for d in out.deepstack_visual_embeds:
+                    dense = mx.zeros(embeds.shape, self.embed_dtype)
+                    dense[0, where] = d.astype(self.embed_dtype)
+                    deep.append(dense)
+                deep = tuple(deep)
+            return embeds.astype(self.embed_dtype), deep
 
+        blocks = model_ids = None
+        if self.bidirectional:
+            blocks = np.cumsum(rows & ~np.concatenate([[False], rows[:-1]])) - 1
+            blocks = np.where(rows, blocks, -1)
+        if self.embed_scale is not None:          # Gemma 4's per-layer inputs: id 0 in images
+            model_ids = np.where(rows, 0, np.asarray(ids)).tolist()
         return Media(ids, image_keys(ids, rows, hashes), rows, shift, positions, hashes,
-                     compute, tower_bytes=tower_bytes(pixels, self.config))
+                     compute, tower_bytes=tower_bytes(pixels, self.config), blocks=blocks,
+                     model_ids=model_ids)
 
 
-def mrope_of(family: str, config: dict) -> MRope | None:
+def mrope_of(family: str, style: str | None, config: dict) -> MRope | None:
     """The family's multimodal rope layout from config.json, or None (1-D rope)."""
-    style = MROPE_STYLE.get(family)
     if style is None:
         return None
     text = config.get("text_config", config)

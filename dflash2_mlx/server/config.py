@@ -17,7 +17,7 @@ class ServerConfig:
     model_id: str
     max_tokens: int = 4096              # most tokens one request may ask for
     context_length: int = 8192          # prompt + completion tokens
-    max_body_bytes: int = 64 * 2**20      # requests carry images as base64 (Claude Code resends them)
+    max_body_bytes: int = 64 * 2**20    # images come as base64 (agents resend them every turn)
     queue_size: int = 16                # requests waiting for a free row, besides the running ones
     api_key: str | None = None
     block_size: int | str | None = None     # None: the pipeline's default
