@@ -9,7 +9,7 @@ Installs nothing: a client that is not on PATH (or under --prefix/node_modules/.
     npm install --prefix /work/agents @anthropic-ai/claude-code @openai/codex opencode-ai
     python -m venv /work/agents/py && /work/agents/py/bin/pip install aider-chat llm openai-agents
 
-Two scenarios per client:
+Three scenarios per client:
     turn   "say hello" on the embedded default (or --model / --draft): one plain turn, then the
            same command again, a second session, whose prompt should come from the prefix
            cache (`cache_read_input_tokens`)
@@ -18,15 +18,22 @@ Two scenarios per client:
            own tool (Claude Code `Bash`, Codex `exec_command`, opencode `bash`, `llm` and the
            Agents SDK a `get_weather` function) and, after the tool's result, answers "Done.":
            a tool round trip (aider has no tools)
+    image  Claude Code, Codex and opencode with a 32x32 PNG in their working dir, sent the way
+           each sends one: Claude Code `Read`s it (the tool target's call), Codex gets
+           `--image`, opencode `-f`; the tool target has no vision, so the request that
+           carries the image gets a 400, and the proxy keeps it all the same
 
 Between client and server runs a recording proxy: every request (method, path, headers, body),
 its status, time to first byte and total time, and the usage the response reports. Writes
 --out/agent_clients.json and agent_clients.md (per run: exit code, wall time, and per request
 its prompt tokens, those read from the cache, time to first byte, total). --save-fixtures DIR
 writes the requests of the `tools` runs as tests/agent_requests/ holds them (the in-process
-replay tests read those).
+replay tests read those), and of each `image` run the first request with an image part as
+<client>-image-1.json.
 
     python benchmarks/agent_clients.py --prefix /work/agents --out agent-clients
+    python benchmarks/agent_clients.py --prefix /work/agents --clients claude,codex,opencode \
+        --scenarios image --save-fixtures tests/agent_requests
 
 Time on this project's 2-core CPU machine: Claude Code's first prompt is ~20k tokens of the
 embedded model's tokenizer (its system prompt and 24 tools), Codex's ~10k, opencode's ~8k;
@@ -54,6 +61,9 @@ ROOT = Path(__file__).resolve().parents[1]
 ASK = "say hello"
 CONTEXT = 32768           # the server's --context-length for the embedded model (8k positions)
 REPLY = "Done."
+IMAGE = "image.png"       # the `image` runs: a PNG in the working dir, and their ask
+IMAGE_ASK = f"describe the image {IMAGE}"
+IMAGE_PARTS = ("image", "image_url", "input_image")   # Anthropic, chat, Responses part types
 CALLS = {   # the tool each client runs, as its own tools name it
     "claude": {"name": "Bash", "arguments": {"command": "echo hi", "description": "say hi"}},
     "codex": {"name": "exec_command", "arguments": {"cmd": "echo hi"}},
@@ -204,10 +214,10 @@ def start_server(args, model: str | None, draft: str | None, log: Path,
     return proc, m.group(1), m.group(2)
 
 
-def tool_target(folder: Path, client: str) -> tuple[str, str]:
+def tool_target(folder: Path, client: str, call: dict) -> tuple[str, str]:
     from dflash2_mlx.testing import drafter_args, write_drafter, write_tool_target
 
-    call = json.dumps(CALLS[client], separators=(",", ":"))
+    call = json.dumps(call, separators=(",", ":"))
     target = write_tool_target(folder / client, call, reply=REPLY, num_hidden_layers=1,
                                num_attention_heads=1, num_key_value_heads=1,
                                max_position_embeddings=131072)
@@ -217,14 +227,28 @@ def tool_target(folder: Path, client: str) -> tuple[str, str]:
 
 # --------------------------------------------------------------------------- clients
 
-def client_command(client: str, exe: str, url: str, model: str, home: Path) -> tuple:
-    """(argv, env, cwd) of one run, as a user would set the client up."""
+def write_png(path: Path) -> None:
+    """32x32 pixels of seeded noise: the same bytes every run."""
+    import random
+
+    from PIL import Image
+
+    Image.frombytes("RGB", (32, 32), random.Random(0).randbytes(32 * 32 * 3)).save(path)
+
+
+def client_command(client: str, exe: str, url: str, model: str, home: Path,
+                   image: bool = False) -> tuple:
+    """(argv, env, cwd) of one run, as a user would set the client up; `image`: the PNG in the
+    working dir, attached the client's way (Claude Code reads it with its tool)."""
     work = home / "work"
     work.mkdir(parents=True, exist_ok=True)
     env = {"PATH": os.environ["PATH"], "HOME": str(home), "LANG": "C.UTF-8", "TERM": "dumb"}
+    if image:
+        write_png(work / IMAGE)
+    ask = IMAGE_ASK if image else ASK
     if client == "claude":
         env.update(ANTHROPIC_BASE_URL=url, ANTHROPIC_API_KEY="none", ANTHROPIC_MODEL=model)
-        return [exe, "-p", ASK, "--allowedTools", "Bash"], env, work
+        return [exe, "-p", ask, "--allowedTools", "Read" if image else "Bash"], env, work
     if client == "codex":
         codex_home = home / ".codex"
         codex_home.mkdir(exist_ok=True)
@@ -233,7 +257,9 @@ def client_command(client: str, exe: str, url: str, model: str, home: Path) -> t
             f'name = "dflash2-mlx"\nbase_url = "{url}/v1"\nwire_api = "responses"\n'
             'env_key = "DFLASH2_API_KEY"\n')
         env.update(CODEX_HOME=str(codex_home), DFLASH2_API_KEY="none")
-        return [exe, "exec", "--skip-git-repo-check", "-s", "workspace-write", ASK], env, work
+        attach = ["--image", str(work / IMAGE)] if image else []   # last: it takes 1+ values
+        return [exe, "exec", "--skip-git-repo-check", "-s", "workspace-write", ask,
+                *attach], env, work
     (work / "opencode.json").write_text(json.dumps({
         "$schema": "https://opencode.ai/config.json",
         "provider": {"dflash2": {"npm": "@ai-sdk/openai-compatible", "name": "dflash2-mlx",
@@ -241,7 +267,7 @@ def client_command(client: str, exe: str, url: str, model: str, home: Path) -> t
                                  "models": {model: {"name": model}}}},
         "model": f"dflash2/{model}"}, indent=1))
     if client == "opencode":
-        return [exe, "run", ASK], env, work
+        return [exe, "run", ask, *(["-f", str(work / IMAGE)] if image else [])], env, work
     if client == "aider":
         (work / ".aider.model.metadata.json").write_text(json.dumps({f"openai/{model}": {
             "max_input_tokens": CONTEXT, "max_output_tokens": 4096, "max_tokens": 4096,
@@ -260,8 +286,8 @@ def client_command(client: str, exe: str, url: str, model: str, home: Path) -> t
     return [exe, "-c", AGENT, f"{url}/v1", model, ASK], env, work           # Agents SDK
 
 
-def run_client(client, exe, url, model, home, timeout) -> dict:
-    argv, env, cwd = client_command(client, exe, url, model, home)
+def run_client(client, exe, url, model, home, timeout, image=False) -> dict:
+    argv, env, cwd = client_command(client, exe, url, model, home, image)
     tic = time.perf_counter()
     try:
         p = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True,
@@ -299,6 +325,10 @@ def version(client: str, exe: str) -> str:
 
 # --------------------------------------------------------------------------- the runs
 
+def home_of(out: Path, client: str, name: str) -> Path:
+    return (out / "homes" / f"{client}-{name}").resolve()
+
+
 def scenario(args, client, exe, name, model, draft, out: Path) -> list[dict]:
     """One server, the client's run(s) through the proxy; Claude Code twice (two sessions)."""
     context = args.context_length if name == "turn" else 4 * args.context_length
@@ -307,11 +337,12 @@ def scenario(args, client, exe, name, model, draft, out: Path) -> list[dict]:
     runs = []
     try:
         sessions = 2 if name == "turn" else 1
-        home = out / "homes" / f"{client}-{name}"        # one project, two sessions in it
+        home = home_of(out, client, name)               # one project, two sessions in it
         shutil.rmtree(home, ignore_errors=True)
         for session in range(1, sessions + 1):
             proxy = Recorder(url)
-            result = run_client(client, exe, proxy.url, model_id, home, args.timeout)
+            result = run_client(client, exe, proxy.url, model_id, home, args.timeout,
+                                image=name == "image")
             proxy.close()
             runs.append({"client": client, "scenario": name, "session": session,
                          "model": model_id, **result, "requests": proxy.exchanges})
@@ -339,19 +370,29 @@ def markdown(runs: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def has_image(body) -> bool:
+    """Whether a request body holds an image part (a content part of an IMAGE_PARTS type)."""
+    if isinstance(body, dict):
+        return body.get("type") in IMAGE_PARTS or any(map(has_image, body.values()))
+    return isinstance(body, list) and any(map(has_image, body))
+
+
 def save_fixtures(runs: list[dict], folder: Path, versions: dict) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     names = {"claude": "claude-code", "codex": "codex", "opencode": "opencode"}
     for r in runs:
-        if r["scenario"] != "tools" or r["session"] != 1:
+        if r["scenario"] not in ("tools", "image") or r["session"] != 1:
             continue
         posts = [x for x in r["requests"] if x["method"] == "POST"]
+        stem = names[r["client"]]
+        if r["scenario"] == "image":       # the first request that carries the image
+            posts, stem = [x for x in posts if has_image(x["body"])][:1], f"{stem}-image"
         for i, x in enumerate(posts, 1):
             headers = {k.lower(): v for k, v in x["headers"].items()
                        if k.lower() in FIXTURE_HEADERS}
             record = {"client": f"{names[r['client']]} {versions.get(r['client'], '')}".strip(),
                       "method": "POST", "path": x["path"], "headers": headers, "body": x["body"]}
-            (folder / f"{names[r['client']]}-{i}.json").write_text(
+            (folder / f"{stem}-{i}.json").write_text(
                 json.dumps(record, indent=1, ensure_ascii=False))
 
 
@@ -381,10 +422,15 @@ def main() -> None:
             continue
         versions[client] = version(client, exe)
         for name in args.scenarios.split(","):
-            if name == "tools" and client not in CALLS:
+            if (name == "tools" and client not in CALLS
+                    or name == "image" and client not in ("claude", "codex", "opencode")):
                 continue
+            call = CALLS.get(client)
+            if name == "image" and client == "claude":      # Claude Code `Read`s the PNG
+                path = home_of(args.out, client, name) / "work" / IMAGE
+                call = {"name": "Read", "arguments": {"file_path": str(path)}}
             model, draft = ((args.model, args.draft) if name == "turn"
-                            else tool_target(fixtures, client))
+                            else tool_target(fixtures / name, client, call))
             runs += scenario(args, client, exe, name, model, draft, args.out)
             (args.out / "agent_clients.json").write_text(json.dumps(
                 {"versions": versions, "runs": runs}, indent=1))

@@ -199,7 +199,7 @@ def _fit_lines(config: dict) -> list[str]:
     # quantized weights stay quantized on Metal; the CPU dequantizes them to p.dtype
     weights = memory.estimate_weights(config, None if p.keep_quantized else itemsize)
     return memory.fit_lines(config, device=device, source=source, itemsize=itemsize,
-                            weights=weights)
+                            weights=weights) + memory.vision_lines(config, itemsize)
 
 
 def calibration_rows() -> list[str]:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Set up a fresh machine: a virtual environment in .venv and the package with its test and
-# serve extras.
+# Set up a fresh machine: a virtual environment in .venv and the package with its test, serve
+# and vision extras.
 # Safe to re-run, offline once the packages are cached, and without root when a fast BLAS is
 # there. MLX's Linux CPU wheel runs float32 matmuls 20-40x slower on its bundled BLAS: on
 # x86-64 Linux the package depends on Intel MKL from PyPI (no root needed); on other Linux
@@ -42,14 +42,14 @@ PYTHON="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 # Re-runs with an unchanged pyproject.toml install nothing, so they work offline.
 stamp="$(sha256sum pyproject.toml | cut -c1-16) $PWD"
-if [ "$(cat .venv/.dflash2-setup 2>/dev/null)" = "$stamp" ] && .venv/bin/python -c "import dflash2_mlx, pytest, fastapi, mlx_dspark" 2>/dev/null; then
+if [ "$(cat .venv/.dflash2-setup 2>/dev/null)" = "$stamp" ] && .venv/bin/python -c "import dflash2_mlx, pytest, fastapi, mlx_dspark, mlx_vlm" 2>/dev/null; then
   echo "setup: ready (.venv, already installed)"
   exit 0
 fi
 .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
-.venv/bin/python -m pip install -q -e ".[test,serve]" 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/python -m pip install -q -e ".[test,serve,vision]" 2>&1 | grep -v "^WARNING: Location" || true
 # The tests' DSpark oracle (tests/test_dspark.py), an independent MLX implementation; without
-# its own dependencies (mlx-vlm and what it pulls: the test lends it mlx-lm's RoPE helper).
+# its own dependencies (the test lends it mlx-lm's RoPE helper).
 .venv/bin/python -m pip install -q --no-deps mlx-dspark==0.20.3 2>&1 | grep -v "^WARNING: Location" || true
 .venv/bin/python -c "import dflash2_mlx" || { echo "setup: install failed" >&2; exit 1; }
 echo "$stamp" > .venv/.dflash2-setup

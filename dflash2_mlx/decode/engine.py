@@ -270,22 +270,13 @@ class Engine:
         todo, state = seq.todo, seq.state
         tic = time.perf_counter()
         media = seq.req.media
-        rows = None if media is None else media.part(len(state.tokens))
-        if len(todo) <= budget:
-            seq.logits = prefill(self.target, state, todo, self.prefill_step_size, self.keep,
-                                 seq.req.progress, rows)
-            n = len(todo)
-        else:
-            n = int(budget)
-            x = mx.array(todo[:n] if rows is None else rows.ids[:n], dtype=mx.uint32)[None]
-            for start in range(0, n, self.prefill_step_size):
-                end = min(start + self.prefill_step_size, n)
-                _, feats = self.target.forward(x[:, start:end], state.cache,
-                                               *([] if rows is None else
-                                                 [rows.inputs(start, end)]))
-                state.add_features(feats, self.keep)
-                mx.eval([c.state for c in state.cache], state.pending)
-            state.tokens.extend(todo[:n])
+        n = len(todo) if budget >= len(todo) else int(budget)
+        logits = prefill(self.target, state, todo[:n], self.prefill_step_size, self.keep,
+                         seq.req.progress if n == len(todo) else None,
+                         None if media is None else media.part(len(state.tokens)),
+                         last=n == len(todo))
+        if n == len(todo):
+            seq.logits = logits
         seq.todo = todo[n:]
         if media is not None and not seq.todo:
             media.release()
@@ -300,8 +291,8 @@ class Engine:
         seq.tokens = [first]
         if seq.lookup is not None:
             media = seq.req.media       # its real ids: a key id is no vocabulary id
-            prompt = seq.req.prompt if media is None else media.ids
-            seq.index = LookupIndex(seq.lookup, list(prompt) + seq.tokens)
+            seq.index = LookupIndex(seq.lookup, list(media.ids if media else seq.req.prompt)
+                                    + seq.tokens)
         seq.stats.generated_tokens = 1
         seq.tic = time.perf_counter()
         finish = seq.finished()
@@ -449,12 +440,11 @@ class Engine:
         return rejection_accept(p.drafts[0], sampling.probs(logits[i, :w]), q, p.accept_key)
 
     def _shift(self) -> list:
-        """The forward's extra argument for the rows' rope shifts (after an image, Qwen's
-        multimodal rope: `model.inputs`): none where every row has none."""
+        """The rows' rope shifts as the forward's extra argument, where one has any (after an
+        image under Qwen's multimodal rope: `model.inputs`)."""
         shifts = [0 if s.req.media is None else s.req.media.shift for s in self.rows]
-        if not any(shifts):
-            return []
-        return [Inputs(shift=shifts[0] if len(shifts) == 1 else mx.array(shifts, mx.int32))]
+        return [Inputs(shift=shifts[0] if len(shifts) == 1 else mx.array(shifts, mx.int32))
+                ] if any(shifts) else []
 
     def _plain(self, x: mx.array, keys: list) -> tuple[mx.array, mx.array | None]:
         """One plain step of every row on x [B, 1], each row sampled with its key (unused when

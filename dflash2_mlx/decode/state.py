@@ -103,25 +103,27 @@ def _flat(state):
 
 def prefill(target: Target, state: DecodeState, ids: list[int], step: int,
             keep: int | None, progress: Callable[[int, int], object] | None = None,
-            media: "MediaRows | None" = None) -> mx.array:
+            media: "MediaRows | None" = None, last: bool = True) -> mx.array | None:
     """Run `ids` through the target like mlx-lm does: all but the last in chunks of `step`,
     then the last alone (its logits give the next token) -> logits [1, V] of the last row.
     `progress(done, total)` after each chunk of a prompt longer than one chunk. media: the
     images among these rows (`model.vision.MediaRows`): the target gets their real ids and
-    each chunk's `Inputs`."""
-    x = mx.array(ids if media is None else media.ids, dtype=mx.uint32)[None]
-    bounds = [(s, min(s + step, len(ids) - 1)) for s in range(0, len(ids) - 1, step)]
-    for start, end in bounds + [(len(ids) - 1, len(ids))]:
-        logits, feats = target.forward(x[:, start:end], state.cache,
-                                       *([] if media is None else [media.inputs(start, end)]))
+    each chunk's `Inputs`. last=False: a part of a prompt, all in chunks -> None."""
+    x = mx.array(ids if media is None else media.ids[:len(ids)], mx.uint32)[None]
+    end = len(ids) - 1 if last else len(ids)
+    bounds = [(s, min(s + step, end)) for s in range(0, end, step)]
+    logits = None
+    for start, stop in bounds + ([(end, len(ids))] if last else []):
+        logits, feats = target.forward(x[:, start:stop], state.cache,
+                                       *([] if media is None else [media.inputs(start, stop)]))
         state.add_features(feats, keep)
-        if end < len(ids):
+        if stop < len(ids) or not last:
             mx.eval([c.state for c in state.cache], state.pending)
             mx.clear_cache()
             if progress is not None and len(bounds) > 1:
-                progress(end, len(ids))
+                progress(stop, len(ids))
     state.tokens.extend(ids)
-    return logits[:, -1]
+    return logits[:, -1] if last else None
 
 
 def common_prefix(a, b) -> int:

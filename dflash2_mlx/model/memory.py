@@ -316,7 +316,7 @@ def out_of_memory(e: BaseException) -> bool:
 
 def estimate_weights(config: dict, itemsize: int | None = None) -> tuple[int, str]:
     """(bytes, how) of a checkpoint's weights from its config alone: the parameters of a
-    decoder (embeddings, attention, MLP or experts; a VLM's vision tower is not counted) at
+    decoder (embeddings, attention, MLP or experts; a VLM's vision tower: `vision_lines`) at
     its `quantization` bits, else at `itemsize` (default: its torch_dtype's)."""
     c = text_config(config)
     H, L, heads = _int(c, "hidden_size"), _int(c, "num_hidden_layers"), _int(c,
@@ -363,6 +363,27 @@ def fit_lines(config: dict, *, device: int, source: str, itemsize: int,
     return lines
 
 
+def vision_lines(config: dict, itemsize: int, pixels: int = 1024 * 1024) -> list[str]:
+    """`doctor --model` of a vision-language checkpoint: its tower's weights from its
+    vision_config (per layer attention and MLP, at `itemsize`), and what one image of
+    `pixels` holds while the tower runs (`vision.tower_bytes`' rule: per patch its hidden
+    state through a layer x 8, plus a full attention score row per head, float32)."""
+    v = config.get("vision_config")
+    if not isinstance(v, dict):
+        return []
+    h = int(v.get("hidden_size") or v.get("embed_dim") or 1024)
+    depth = int(v.get("depth") or v.get("num_hidden_layers") or 24)
+    inter = int(v.get("intermediate_size") or 4 * h)
+    heads = int(v.get("num_attention_heads") or v.get("num_heads") or 16)
+    patch = int(v.get("patch_size") or 14)
+    weights = depth * (4 * h * h + 3 * h * inter) * itemsize
+    patches = pixels // (patch * patch)
+    peak = 4 * (patches * h * 8 + heads * patches * patches)
+    return [f"vision tower    {gib(weights)} ({depth} layers of {h}, from config.json)",
+            f"an image        {gib(peak)} while the tower runs on a {int(pixels ** 0.5)}^2-pixel "
+            f"image ({patches} patches); its rows then count as prompt tokens"]
+
+
 def _tokens(n: int) -> str:
     return "no" if n <= 0 else f"{n:,}" if n < 2**40 else "any number of"
 
@@ -370,5 +391,5 @@ def _tokens(n: int) -> str:
 __all__ = ["KVCost", "Footprint", "kv_cost", "kv_bytes_per_token", "drafter_cost",
            "layer_kinds", "text_config", "device_memory", "budget_bytes", "margin",
            "weights_bytes", "activation_itemsize", "prefill_tokens", "SCORES_PEAK",
-           "out_of_memory", "estimate_weights", "fit_lines", "gib", "FULL", "SLIDING",
+           "out_of_memory", "estimate_weights", "fit_lines", "vision_lines", "gib", "FULL", "SLIDING",
            "RECURRENT", "STEP", "KV_GROUP_SIZE", "COMPACT_MIN", "COMPACT_SHARE"]

@@ -167,9 +167,16 @@ class Media:
     hashes: tuple[str, ...]
     compute: Callable[[list[int]], tuple]
     tower_bytes: int = 0
+    row_bytes: int = 0                      # bytes of one row's embeddings (and DeepStack's)
     blocks: np.ndarray | None = None        # [L] each row's image (-1: none), two-way images
     model_ids: list[int] | None = None      # the ids the model reads, where they differ
     _embeds: tuple | None = field(default=None, repr=False)
+
+    @property
+    def transient_bytes(self) -> int:
+        """What computing the rows holds for a while: the tower's activations, and the
+        rows' embeddings (with DeepStack's, one more copy per early layer), float32."""
+        return self.tower_bytes + self.row_bytes * len(self.ids)
 
     def embeds(self) -> tuple:
         """(embeddings [1, L, H], DeepStack features: [1, L, H] per early layer, or None)."""
@@ -204,7 +211,7 @@ class Media:
             positions = mx.concatenate([positions, after], axis=2)
         return Media(self.ids + list(tokens), self.keys + list(tokens),
                      np.concatenate([self.image_rows, np.zeros(n, bool)]), self.shift,
-                     positions, self.hashes, self.compute, self.tower_bytes,
+                     positions, self.hashes, self.compute, self.tower_bytes, self.row_bytes,
                      None if self.blocks is None else
                      np.concatenate([self.blocks, np.full(n, -1, self.blocks.dtype)]),
                      None if self.model_ids is None else self.model_ids + list(tokens))
@@ -251,6 +258,15 @@ class Vision:
         vision = config.get("vision_config", {})
         self.deepstack = len(vision.get("deepstack_visual_indexes") or ()) if how.deepstack \
             else 0
+
+    @property
+    def weights_bytes(self) -> int:
+        """The tower's, projector's and what else of mlx-vlm's model is not the target's
+        (its language model's arrays are the target's, or never read)."""
+        from mlx.utils import tree_flatten
+
+        return sum(v.nbytes for k, v in tree_flatten(self.model.parameters())
+                   if not k.startswith("language_model."))
 
     def image_rows(self, layers: list) -> ImageRows:
         """What the target's stack needs (`inputs.ImageRows`); layers: its decoder layers
@@ -309,6 +325,7 @@ class Vision:
                 deep = tuple(deep)
             return embeds.astype(self.embed_dtype), deep
 
+        hidden = int(self.config.get("text_config", self.config).get("hidden_size", 4096))
         blocks = model_ids = None
         if self.bidirectional:
             blocks = np.cumsum(rows & ~np.concatenate([[False], rows[:-1]])) - 1
@@ -316,7 +333,8 @@ class Vision:
         if self.embed_scale is not None:          # Gemma 4's per-layer inputs: id 0 in images
             model_ids = np.where(rows, 0, np.asarray(ids)).tolist()
         return Media(ids, image_keys(ids, rows, hashes), rows, shift, positions, hashes,
-                     compute, tower_bytes=tower_bytes(pixels, self.config), blocks=blocks,
+                     compute, tower_bytes=tower_bytes(pixels, self.config),
+                     row_bytes=4 * hidden * (1 + self.deepstack), blocks=blocks,
                      model_ids=model_ids)
 
 

@@ -32,6 +32,13 @@ def request_length(request) -> int:
     return len(request.prompt) + request.max_tokens
 
 
+def image_bytes(request) -> int:
+    """What a request's images hold while its prefill computes their rows (the tower's
+    activations, the rows' embeddings: `model.vision.Media.transient_bytes`)."""
+    media = getattr(request, "media", None)
+    return 0 if media is None else media.transient_bytes
+
+
 class MemoryAdmission:
     """Admission, prefill sizes and memory accounting of a `Scheduler` (its base class)."""
 
@@ -58,12 +65,13 @@ class MemoryAdmission:
         if m is None:
             return ADMIT
         lengths = self._lengths() + [request_length(job.request)]
-        if m.need(lengths) > m.room:
-            return WAIT if self._decoding else m.too_long(request_length(job.request))
-        short = self._over(lengths) + m.join_bytes(lengths)
+        images = image_bytes(job.request)
+        if m.need(lengths) + images > m.room:
+            return WAIT if self._decoding else m.too_long(request_length(job.request), images)
+        short = self._over(lengths) + m.join_bytes(lengths) + images
         if short > 0 and self._cached():
             self._evict(short, "a request")
-            short = self._over(lengths) + m.join_bytes(lengths)
+            short = self._over(lengths) + m.join_bytes(lengths) + images
         # memory MLX holds beyond the model's count waits for running sequences to leave;
         # alone, the request runs (nothing else would free it)
         return WAIT if short > 0 and self._decoding else ADMIT

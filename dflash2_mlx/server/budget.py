@@ -32,7 +32,8 @@ class MemoryBudget:
         self.limit = memory.budget_bytes(setting, self.device)
         self.weights = memory.weights_bytes(pipe.target) + (
             memory.weights_bytes(pipe.drafter) if pipe.drafter is not None else 0) + \
-            derived_weights(pipe)
+            derived_weights(pipe) + (pipe.vision.weights_bytes
+                                     if getattr(pipe, "vision", None) is not None else 0)
         kv = getattr(pipe, "kv", None)           # the target's quantized KV cache, if any
         self.kv_bits = getattr(kv, "bits", None)
         self.kv_group_size = getattr(kv, "group_size", None) or memory.KV_GROUP_SIZE
@@ -85,9 +86,16 @@ class MemoryBudget:
                                       itemsize=self.itemsize)
         return memory.prefill_tokens(free, context, self.n_heads, dequantized=dequantized)
 
-    def too_long(self, tokens: int) -> str:
-        """Why a sequence of `tokens` never fits, with the numbers and the flags that help."""
+    def too_long(self, tokens: int, images: int = 0) -> str:
+        """Why a sequence of `tokens` (whose images hold `images` bytes while the tower runs)
+        never fits, with the numbers and the flags that help."""
         fit = self.most_tokens()
+        if images and self.need([tokens]) <= self.room:
+            return (f"its images need {memory.gib(images)} while the vision tower runs, beside "
+                    f"{memory.gib(self.need([tokens]))} of KV cache for its {tokens} tokens; "
+                    f"the memory budget of {memory.gib(self.limit)} leaves "
+                    f"{memory.gib(self.room)} beside the weights. Send fewer or smaller "
+                    f"images, or raise --memory-budget above {memory.gib(self.limit)}")
         kib = self.target.per_token / 1024
         kv = "float" if self.kv_bits is None else f"{self.kv_bits}-bit"
         hints = [] if self.kv_bits == 4 else [

@@ -135,8 +135,7 @@ def image_bytes(source: ImageSource, limits: ImageLimits, fetch: bool) -> bytes:
         raise APIError(400, f"{source.where}: the image has no data", param=source.where)
     if len(data) * 3 // 4 > limits.image_bytes + 2:
         raise APIError(413, f"{source.where}: about {len(data) * 3 // 4} bytes, more than "
-                       f"max_image_bytes {limits.image_bytes}", param=source.where,
-                       kind="request_too_large")
+                       f"max_image_bytes {limits.image_bytes}", param=source.where)
     try:
         return base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
@@ -153,7 +152,7 @@ def _fetch(source: ImageSource, limits: ImageLimits) -> bytes:
                        param=source.where) from None
     if len(body) > limits.image_bytes:
         raise APIError(413, f"{source.where}: more than max_image_bytes {limits.image_bytes}",
-                       param=source.where, kind="request_too_large")
+                       param=source.where)
     return body
 
 
@@ -163,14 +162,11 @@ def decode_images(sources: list[ImageSource], limits: ImageLimits, fetch: bool) 
     from ..model.vision import open_image
 
     if len(sources) > limits.images:
-        raise APIError(413, f"{len(sources)} images, more than max_images {limits.images}",
-                       kind="request_too_large")
+        raise APIError(413, f"{len(sources)} images, more than max_images {limits.images}")
     out = []
     for s in sources:
         try:
             out.append(open_image(image_bytes(s, limits, fetch), limits, s.where))
         except ImageError as e:
-            raise APIError(e.status, str(e), param=s.where,
-                           kind="request_too_large" if e.status == 413 else
-                           "invalid_request_error") from None
+            raise APIError(e.status, str(e), param=s.where) from None
     return out
