@@ -195,3 +195,32 @@ def test_limits_and_refusals(folders, tmp_path):
                        "rows have not been checked.*served: gemma3, gemma4, mistral3"):
         pipe.generate(TEXT, images=[image], max_tokens=2)
     assert pipe.generate(TEXT, max_tokens=3).tokens               # text is still served
+
+
+def test_memory_counts_the_tower_and_the_rows(folders):
+    """A request's images count in the server's admission beside its caches (a budget with
+    room for the caches but not for the tower's activations refuses it, saying so; the same
+    prompt without them is admitted), in the budget's weights, and in `doctor --model`."""
+    from dflash2_mlx.model import memory
+    from dflash2_mlx.server.admission import ADMIT
+    from dflash2_mlx.server.budget import MemoryBudget
+    from dflash2_mlx.server.scheduler import GenerationRequest, Job, Scheduler
+
+    target, _ = folders("qwen2_vl")
+    pipe = load(str(target), None)
+    ids, media = pipe.encode_images(user_turn(1), [vf.test_image(0)])
+    assert media.transient_bytes > media.tower_bytes > 0
+    whole = MemoryBudget(pipe)
+    assert whole.weights >= memory.weights_bytes(pipe.target) + pipe.vision.weights_bytes > \
+        memory.weights_bytes(pipe.target)
+    tokens = len(ids) + 8
+    limit = whole.weights + whole.need([tokens]) + media.transient_bytes // 2
+    s = Scheduler(pipe, memory=MemoryBudget(pipe, limit))
+    s._engine, s._decoding = s._new_engine(), {}      # as its worker thread sets them up
+    why = s._room_for(Job(GenerationRequest(ids, 8, Sampling(), media=media), None))
+    assert why != ADMIT and "its images need" in why and "--memory-budget" in why
+    assert s._room_for(Job(GenerationRequest(ids, 8, Sampling()), None)) == ADMIT
+    config = json.loads((target / "config.json").read_text())
+    lines = memory.vision_lines(config, 4)
+    assert lines[0].startswith("vision tower") and "while the tower runs" in lines[1]
+    assert memory.vision_lines({"hidden_size": 8}, 4) == []
