@@ -28,7 +28,7 @@ its status, time to first byte and total time, and the usage the response report
 --out/agent_clients.json and agent_clients.md (per run: exit code, wall time, and per request
 its prompt tokens, those read from the cache, time to first byte, total). --save-fixtures DIR
 writes the requests of the `tools` runs as tests/agent_requests/ holds them (the in-process
-replay tests read those), and of each `image` run the first request with an image part as
+replay tests read those), and of each `image` run the agent's request with the image as
 <client>-image-1.json.
 
     python benchmarks/agent_clients.py --prefix /work/agents --out agent-clients
@@ -260,11 +260,14 @@ def client_command(client: str, exe: str, url: str, model: str, home: Path,
         attach = ["--image", str(work / IMAGE)] if image else []   # last: it takes 1+ values
         return [exe, "exec", "--skip-git-repo-check", "-s", "workspace-write", ask,
                 *attach], env, work
+    # opencode turns an image into an "ERROR: Cannot read" text for a model not said to take
+    # images: with one, the model says so, as a user sets up a vision model
+    vision = {"modalities": {"input": ["text", "image"], "output": ["text"]}} if image else {}
     (work / "opencode.json").write_text(json.dumps({
         "$schema": "https://opencode.ai/config.json",
         "provider": {"dflash2": {"npm": "@ai-sdk/openai-compatible", "name": "dflash2-mlx",
                                  "options": {"baseURL": f"{url}/v1", "apiKey": "none"},
-                                 "models": {model: {"name": model}}}},
+                                 "models": {model: {"name": model, **vision}}}},
         "model": f"dflash2/{model}"}, indent=1))
     if client == "opencode":
         return [exe, "run", ask, *(["-f", str(work / IMAGE)] if image else [])], env, work
@@ -320,7 +323,8 @@ def version(client: str, exe: str) -> str:
         code = "import importlib.metadata as m; print(m.version('openai-agents'))"
         return subprocess.run([exe, "-c", code], capture_output=True, text=True).stdout.strip()
     out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60)
-    return (out.stdout.strip() or out.stderr.strip()).split()[-1] if out.returncode == 0 else "?"
+    found = re.search(r"\d+\.\d+\S*", out.stdout or out.stderr)  # "2.1.197 (Claude Code)"
+    return found.group(0) if out.returncode == 0 and found else "?"
 
 
 # --------------------------------------------------------------------------- the runs
@@ -385,8 +389,10 @@ def save_fixtures(runs: list[dict], folder: Path, versions: dict) -> None:
             continue
         posts = [x for x in r["requests"] if x["method"] == "POST"]
         stem = names[r["client"]]
-        if r["scenario"] == "image":       # the first request that carries the image
-            posts, stem = [x for x in posts if has_image(x["body"])][:1], f"{stem}-image"
+        if r["scenario"] == "image":   # the agent's request with the image (and its tools:
+            # not opencode's title request, which carries the image too)
+            posts = [x for x in posts if has_image(x["body"]) and x["body"].get("tools")][:1]
+            stem = f"{stem}-image"
         for i, x in enumerate(posts, 1):
             headers = {k.lower(): v for k, v in x["headers"].items()
                        if k.lower() in FIXTURE_HEADERS}

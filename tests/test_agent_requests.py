@@ -37,13 +37,14 @@ CALLS = {
 }
 
 
-def cut(x):
+def cut(x, key: str | None = None):
+    """Texts cut to CUT characters; an image's data (base64, a data: URL) kept whole."""
     if isinstance(x, str):
-        return x[:CUT]
+        return x if key == "data" or x.startswith("data:") else x[:CUT]
     if isinstance(x, list):
         return [cut(v) for v in x]
     if isinstance(x, dict):
-        return {k: cut(v) for k, v in x.items()}
+        return {k: cut(v, k) for k, v in x.items()}
     return x
 
 
@@ -318,3 +319,41 @@ def test_opencode_on_a_thinking_target_gets_reasoning_content(thinking_pipes):
         assert "".join(d.get("content") or "" for d in deltas) == answer
     (call,) = main[1].json()["choices"][0]["message"]["tool_calls"]
     assert call["function"]["name"] == "bash"
+
+
+@pytest.mark.slow      # ~30 s: Claude Code's and Codex's prompts, twice each
+def test_each_clients_image_request_runs_to_its_end(tmp_path):
+    """An image from each client, as each sent it (benchmarks/agent_clients.py's `image`
+    scenario): Claude Code's `Read` of a PNG (an image block in a tool_result), Codex's
+    `--image` (a Responses `input_image` between its <image> tags), opencode's attached file
+    (an `image_url` data URL), on a vision-language target: each streams to its terminal
+    event and answers unstreamed; the replay of the same request reads its prompt, the image's
+    rows included, from the prefix cache."""
+    import vision_fixtures as vf
+
+    pytest.importorskip("mlx_vlm")
+    pipe = dflash2_mlx.load(str(vf.write_vlm(tmp_path / "qwen2_vl", "qwen2_vl")), "none")
+    # (Codex samples at the Responses API's default temperature: complete, or cut at its limit)
+    ends = {"claude-code": ("message_stop",), "codex": ("response.completed",
+                                                        "response.incomplete"),
+            "opencode": None}
+    for client, end in ends.items():
+        (request,) = replayed(f"{client}-image")
+        ((streamed, plain),) = run(pipe, [request])
+        assert streamed.status_code == plain.status_code == 200, (client, streamed.text,
+                                                                  plain.text)
+        events = sse_events(streamed.text)
+        assert "error" not in [e for e, _ in events], (client, events[-3:])
+        assert events[-1][0] in end if end else events[-1][1] == "[DONE]", events[-1]
+        body = plain.json()
+        usage = body["usage"]
+        if client == "claude-code":
+            cached, prompt = usage["cache_read_input_tokens"], usage["input_tokens"] + \
+                usage["cache_read_input_tokens"]
+        elif client == "codex":
+            cached, prompt = usage["input_tokens_details"]["cached_tokens"], \
+                usage["input_tokens"]
+        else:
+            cached, prompt = usage["prompt_tokens_details"]["cached_tokens"], \
+                usage["prompt_tokens"]
+        assert cached == prompt - 1, (client, usage)

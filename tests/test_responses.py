@@ -298,8 +298,8 @@ REFUSED = [
     ("item reference", {**OK, "input": [{"type": "item_reference", "id": "msg_1"}]}, 400,
      "stored responses", "input.0.type"),
     ("an image part", {**OK, "input": [{"role": "user", "content": [
-        {"type": "input_image", "image_url": "https://x/y.png"}]}]}, 400, "input_text",
-     "input.0.content.0.type"),
+        {"type": "input_image", "image_url": "https://x/y.png"}]}]}, 400, "text-only",
+     "input.0.content.0"),
     ("an unknown field in an item", {**OK, "input": [{"role": "user", "content": "x",
                                                       "color": "red"}]}, 400, "extra",
      "input.0.color"),

@@ -354,7 +354,8 @@ BAD = [
      "role", "messages.0.role"),
     ("no messages", CHAT, {**OK_CHAT, "messages": []}, 400, "at least 1", "messages"),
     ("image part", CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "text", None),
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "text-only",
+     "messages.0.content.0"),
     ("negative temperature", CHAT, {**OK_CHAT, "temperature": -1}, 400, "temperature",
      "temperature"),
     ("top_p 0", CHAT, {**OK_CHAT, "top_p": 0}, 400, "top_p", "top_p"),

@@ -124,7 +124,7 @@ class Service:
                            "server, not by a request", param="chat_template_kwargs")
         messages, sources = take_images(tool_images_after(messages))
         if sources:
-            self._check_images(messages, param)
+            self._check_images(messages, sources[0].where)
         if not self.traits.system_anywhere:
             messages = fold_system(messages)
         if not self.traits.tools:
@@ -148,7 +148,8 @@ class Service:
         return media.keys, media
 
     def _check_images(self, messages: list[dict], param: str) -> None:
-        """400 where this model takes no images, or an image is outside a user turn."""
+        """400 where this model takes no images, or an image is outside a user turn; param:
+        the first image's field."""
         why = self.pipe.image_refusal()
         if why is not None:
             raise APIError(400, f"{param}: {why}", param=param)
