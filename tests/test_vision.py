@@ -224,3 +224,15 @@ def test_memory_counts_the_tower_and_the_rows(folders):
     lines = memory.vision_lines(config, 4)
     assert lines[0].startswith("vision tower") and "while the tower runs" in lines[1]
     assert memory.vision_lines({"hidden_size": 8}, 4) == []
+
+
+def test_bench_takes_a_vision_language_target(folders, tmp_path):
+    """`dflash2-mlx bench` on a vision-language target (its text prompt sets), without a
+    drafter (`--draft none`: mlx-lm against the lookup), writes its table."""
+    from test_cli import run
+
+    target, _ = folders("qwen3_5")
+    out = run("bench", "--model", target, "--draft", "none", "--prompt-sets", "chat",
+              "--prompts", 1, "--block-sizes", "auto", "--temperatures", 0, "--max-tokens", 4,
+              "--no-reference", "--out", tmp_path / "b", check_rc=0)
+    assert "| hybrid b=auto |" in out.stdout and "| mlx-lm |" in out.stdout

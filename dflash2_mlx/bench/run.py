@@ -141,15 +141,20 @@ def _load(model: str, draft: str, reference: bool, kv: dict):
     return pipe, tmp, ref
 
 
+def _drafter_block(pipe) -> int:
+    """The drafter's widest block; 0 without a drafter (`--draft none`: lookup only)."""
+    return pipe.drafter.args.max_width if pipe.drafter is not None else 0
+
+
 def _systems(pipe, ref, block_sizes, lookup: bool, max_tokens: int) -> dict[str, Callable]:
     """The systems of a short set, each called with (ids, temperature, seed): mlx-lm, and per
     block size ours alone (up to the drafter's block), the hybrid, the reference."""
     stop_ids = set(pipe.tokenizer.eos_token_ids)
-    block = pipe.drafter.args.max_width
+    block = _drafter_block(pipe)
     systems: dict[str, Callable] = {
         "mlx-lm": lambda ids, t, s: _plain(pipe, ids, t, max_tokens, s, stop_ids)}
     for b in block_sizes:
-        if b == "auto" or b <= block:
+        if block and (b == "auto" or b <= block):
             systems[f"dflash2-mlx b={b}"] = (
                 lambda ids, t, s, b=b: _ours(pipe, ids, t, max_tokens, s, b, False))
         if lookup:
@@ -164,13 +169,13 @@ def _systems(pipe, ref, block_sizes, lookup: bool, max_tokens: int) -> dict[str,
 def _long_systems(pipe, block_sizes, lookup: bool, max_tokens: int) -> dict[str, Callable]:
     """The systems of a long set, each called with (ids, temperature, seed, prefilled state):
     mlx-lm's loop, and ours alone and the hybrid per block size."""
-    block = pipe.drafter.args.max_width
+    block = _drafter_block(pipe)
     stop_ids = set(pipe.tokenizer.eos_token_ids)
     systems: dict[str, Callable] = {"mlx-lm": (
         lambda ids, t, s, state: _plain(pipe, ids, t, max_tokens, s, stop_ids, state))}
     for b in block_sizes:
         for hybrid in ((False, True) if lookup else (False,)):
-            if hybrid or b == "auto" or b <= block:
+            if hybrid or block and (b == "auto" or b <= block):
                 systems[f"{'hybrid' if hybrid else 'dflash2-mlx'} b={b}"] = (
                     lambda ids, t, s, state, b=b, h=hybrid:
                     _ours(pipe, ids, t, max_tokens, s, b, h, state))
@@ -260,7 +265,8 @@ def run_bench(model: str, draft: str, prompt_sets: dict[str, Sequence[str]], *,
                                "max_tokens": max_tokens, "block_sizes": list(block_sizes),
                                "temperatures": list(temperatures), "seed": seed,
                                "lookup": lookup, "drafter_block_size":
-                               pipe.drafter.args.block_size, "repeats": repeats,
+                               pipe.drafter and pipe.drafter.args.block_size,
+                               "repeats": repeats,
                                "reference": reference, "complete": False}}
     if pipe.kv is not None:         # (absent in float: unfinished runs of before still resume)
         results["setup"].update(kv_bits=pipe.kv.bits, kv_group_size=pipe.kv.group_size)

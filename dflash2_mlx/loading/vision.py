@@ -65,8 +65,11 @@ def load_vision(path: Path, target: nn.Module, dtype=None) -> Vision | None:
         vlm.update(tree_unflatten(list(tower.items())))
     mx.eval(list(tower.values()))
     vlm.eval()
-    embed_dtype = _embedding_dtype(target)
-    return Vision(vlm, processor, family, config, embed_dtype)
+    vision = Vision(vlm, processor, family, config, _embedding_dtype(target))
+    if vision.refusal is not None:
+        log.notice(f"target {path}: images on {family} targets are not served "
+                   f"({vision.refusal}); text-only requests are")
+    return vision
 
 
 def share_language_model(vlm: nn.Module, target: nn.Module) -> int:
