@@ -195,6 +195,9 @@ def test_limits_and_refusals(folders, tmp_path):
                        "rows have not been checked.*served: gemma3, gemma4, mistral3"):
         pipe.generate(TEXT, images=[image], max_tokens=2)
     assert pipe.generate(TEXT, max_tokens=3).tokens               # text is still served
+    pipe = load(str(target), None)
+    pipe.stage = object()             # a pipeline-sharded target's stage: its images refused
+    assert "pipeline-sharded" in pipe.image_refusal()
 
 
 def test_memory_counts_the_tower_and_the_rows(folders):
