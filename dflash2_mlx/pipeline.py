@@ -151,7 +151,8 @@ class Pipeline:
             raise ValueError(f"the messages have {placeholders} image part(s) for "
                              f"{len(opened)} image(s)")
         with _quiet_length_warning():
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+            text = self.tokenizer.apply_chat_template(self.vision.escaped(messages),
+                                                      tokenize=False,
                                                       add_generation_prompt=True, **template)
         media = self.vision.media(text, opened)
         return media.keys, media

@@ -321,7 +321,7 @@ def test_opencode_on_a_thinking_target_gets_reasoning_content(thinking_pipes):
     assert call["function"]["name"] == "bash"
 
 
-@pytest.mark.slow      # ~30 s: Claude Code's and Codex's prompts, twice each
+@pytest.mark.slow      # 30 s: Claude Code's and Codex's prompts, twice each
 def test_each_clients_image_request_runs_to_its_end(tmp_path):
     """An image from each client, as each sent it (benchmarks/agent_clients.py's `image`
     scenario): Claude Code's `Read` of a PNG (an image block in a tool_result), Codex's

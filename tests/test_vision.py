@@ -239,3 +239,22 @@ def test_bench_takes_a_vision_language_target(folders, tmp_path):
               "--prompts", 1, "--block-sizes", "auto", "--temperatures", 0, "--max-tokens", 4,
               "--no-reference", "--out", tmp_path / "b", check_rc=0)
     assert "| hybrid b=auto |" in out.stdout and "| mlx-lm |" in out.stdout
+
+
+@pytest.mark.parametrize("family", ("qwen2_vl", "gemma3", "mistral3", "gemma4"))
+def test_a_text_that_spells_an_image_marker_is_no_image(folders, family):
+    """A text holding the family's image marker ("<|image_pad|>", "<start_of_image>", "[IMG]",
+    ...: a file an agent read, a model's own output) in a request with an image: the processor
+    places the one image, not more (it failed for want of a second)."""
+    target, _ = folders(family)
+    pipe = load(str(target), None)
+    marks = [v for k, v in vars(pipe.vision.processor).items() if k.endswith("_token")
+             and isinstance(v, str) and "image" in k]
+    assert marks, family
+    text = "This file says " + " and ".join(marks) + "."
+    _, one = pipe.encode_images(user_turn(1), [vf.test_image(0)])
+    _, media = pipe.encode_images(user_turn(1, text) + [
+        {"role": "assistant", "content": text}, {"role": "user", "content": text}],
+        [vf.test_image(0)])
+    assert media.image_rows.sum() == one.image_rows.sum()
+    assert pipe.generate(text, images=[vf.test_image(0)], max_tokens=2).tokens

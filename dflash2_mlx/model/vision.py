@@ -27,6 +27,7 @@ from .. import settings as check
 from .inputs import ImageRows, Inputs, MRope
 
 KEY_BASE = 1 << 31            # key ids: KEY_BASE | 31 bits of a hash; never a vocabulary id
+IMAGE_WORDS = ("image", "video", "boi", "eoi", "img")     # a processor's image marker names
 
 
 @dataclass(frozen=True)
@@ -258,6 +259,32 @@ class Vision:
         vision = config.get("vision_config", {})
         self.deepstack = len(vision.get("deepstack_visual_indexes") or ()) if how.deepstack \
             else 0
+
+    def escaped(self, messages: list[dict]) -> list[dict]:
+        """Messages whose texts cannot pass for an image placeholder: where a text holds one
+        of the processor's image markers (Qwen's "<|image_pad|>", Gemma's
+        "<start_of_image>", Pixtral's "[IMG]"), a zero-width space goes after its first
+        character; the processor would read it as one more image (a file an agent read, a
+        model's own output), and the request would fail for want of one."""
+        marks = [v for k, v in vars(self.processor).items() if k.endswith("_token")
+                 and isinstance(v, str) and v and any(w in k for w in IMAGE_WORDS)]
+
+        def fix(text):
+            if not isinstance(text, str):
+                return text
+            for m in marks:
+                text = text.replace(m, m[0] + "\u200b" + m[1:])
+            return text
+
+        out = []
+        for m in messages:
+            m = {**m, **{k: fix(m[k]) for k in ("reasoning_content", "reasoning") if k in m}}
+            c = m.get("content")
+            m["content"] = fix(c) if isinstance(c, str) else c if not isinstance(c, list) \
+                else [{**p, "text": fix(p.get("text"))} if p.get("type") == "text" else p
+                      for p in c]
+            out.append(m)
+        return out
 
     @property
     def weights_bytes(self) -> int:

@@ -125,6 +125,7 @@ class Service:
         messages, sources = take_images(tool_images_after(messages))
         if sources:
             self._check_images(messages, sources[0].where)
+            messages = self.pipe.vision.escaped(messages)
         if not self.traits.system_anywhere:
             messages = fold_system(messages)
         if not self.traits.tools:
