@@ -9,7 +9,7 @@ once by `dflash2_mlx.load` (mlx-lm's text model, mlx-vlm's tower). The two syste
 model object: `vlm` is the pipeline as loaded (its layers run through the image view where
 the family needs one: Qwen's multimodal rope, Gemma 4's two-way image mask), `text` a
 `Pipeline` on the same model and tokenizer without the image side. Rounds alternate the
-systems; each round generates --tokens greedy tokens from a text prompt, plain decoding (block
+systems' order; each round generates --tokens greedy tokens from a text prompt, plain decoding (block
 size 1) and the adaptive default (`auto`: lookup, no drafter). Prints each family's median
 tok/s per system and their ratio; the outputs are checked equal.
 """
@@ -33,7 +33,7 @@ def main() -> None:
     ap.add_argument("--families", default="qwen3_5,gemma4,qwen2_5_vl")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--hidden", type=int, default=1024)
     args = ap.parse_args()
 
     import dflash2_mlx
@@ -52,8 +52,8 @@ def main() -> None:
             for block in (1, "auto"):
                 rates = {"text": [], "vlm": []}
                 outs = {}
-                for _ in range(args.rounds):
-                    for name, pipe in (("text", text), ("vlm", vlm)):
+                for r in range(args.rounds):      # ABBA: neither system always goes first
+                    for name, pipe in (("text", text), ("vlm", vlm))[::1 if r % 2 else -1]:
                         gen = pipe.generate(PROMPT, max_tokens=args.tokens, block_size=block)
                         rates[name].append(gen.stats.decode_tps)
                         outs.setdefault(name, gen.tokens)
