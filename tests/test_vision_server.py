@@ -151,3 +151,39 @@ def test_limits_and_bad_images(vlm):
             {"type": "image", "source": {"type": "url", "url": "http://x/a.png"}}]}]})
     assert r.status_code == 400 and r.json()["type"] == "error"
     assert "messages.0.content.0.source" in r.text
+
+
+def test_image_urls_are_fetched_when_switched_on(vlm, tmp_path, reference):
+    """`serve --fetch-images` fetches an http image URL (here from a loopback file server):
+    the answer is the one the same image inline gets; a URL that fails is a 400 naming it."""
+    import functools
+    import http.server
+    import threading
+
+    import httpx
+
+    folder, _ = vlm
+    (tmp_path / "a.png").write_bytes(base64.b64decode(png(1)))
+    files = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(
+        http.server.SimpleHTTPRequestHandler, directory=str(tmp_path)))
+    threading.Thread(target=files.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{files.server_address[1]}"
+    server = Server("--model", folder, "--fetch-images")
+    try:
+        def ask(url: str) -> httpx.Response:
+            return httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+                "model": "qwen2_vl", "max_tokens": 12, "temperature": 0,
+                "messages": [{"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": url}},
+                    {"type": "text", "text": "Describe this image."}]}]})
+
+        r = ask(base + "/a.png")
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == reference("Describe this image.",
+                                                                          1)
+        r = ask(base + "/missing.png")
+        assert r.status_code == 400 and "could not fetch the image" in r.text
+        assert r.json()["error"]["param"] == "messages.0.content.0"
+    finally:
+        server.stop()
+        files.shutdown()
