@@ -31,7 +31,8 @@ from dflash2_mlx.policy.planner import Planner  # noqa: E402
 from fixtures import drafter_args, write_drafter  # noqa: E402
 from test_exactness import OracleDrafter  # noqa: E402
 
-SERVED = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "mistral3", "gemma3", "gemma4")
+SERVED = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "mistral3", "gemma3",
+          "gemma4")
 TEXT = "Describe this image."
 
 

@@ -211,8 +211,9 @@ def _qwen(folder: Path, family: str) -> dict:
         cfg = {"model_type": family, **common,
                "text_config": {"model_type": "qwen3_vl_text", **text, **common},
                "vision_config": vision, "tie_word_embeddings": False}
-    elif family == "qwen3_5":
-        # 4 layers: linear (GatedDeltaNet), linear, linear, full attention.
+    elif family in ("qwen3_5", "qwen3_5_moe"):
+        # 4 layers: linear (GatedDeltaNet), linear, linear, full attention; the MoE variant
+        # (Qwen3.5/3.6's A3B models) with 4 experts, 2 a token, and a shared expert.
         text.update(num_hidden_layers=4, head_dim=16, attention_bias=False,
                     linear_num_value_heads=4, linear_num_key_heads=2,
                     linear_key_head_dim=16, linear_value_head_dim=16,
@@ -221,13 +222,17 @@ def _qwen(folder: Path, family: str) -> dict:
                     rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1],
                                      "mrope_interleaved": True, "rope_theta": 10000.0,
                                      "partial_rotary_factor": 0.5})
-        vision = {"model_type": "qwen3_5", "depth": 2, "hidden_size": 32,
+        if family == "qwen3_5_moe":
+            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        shared_expert_intermediate_size=64, norm_topk_prob=True,
+                        decoder_sparse_step=1, mlp_only_layers=[])
+        vision = {"model_type": family, "depth": 2, "hidden_size": 32,
                   "intermediate_size": 64, "out_hidden_size": HIDDEN, "num_heads": 2,
                   "patch_size": patch, "spatial_merge_size": merge, "temporal_patch_size": 2,
                   "num_position_embeddings": 16, "deepstack_visual_indexes": [],
                   "in_channels": 3, "hidden_act": "gelu_pytorch_tanh"}
         cfg = {"model_type": family, **common,
-               "text_config": {"model_type": "qwen3_5_text", **text, **common},
+               "text_config": {"model_type": f"{family}_text", **text, **common},
                "vision_config": vision, "tie_word_embeddings": False}
     else:
         raise ValueError(family)
@@ -370,6 +375,7 @@ def _gemma4(folder: Path, family: str) -> dict:
 
 
 _BUILDERS = {"qwen2_vl": _qwen, "qwen2_5_vl": _qwen, "qwen3_vl": _qwen, "qwen3_5": _qwen,
+             "qwen3_5_moe": _qwen,
              "mistral3": _mistral3, "gemma3": _gemma3, "gemma4": _gemma4}
 
 
@@ -486,7 +492,8 @@ def vlm_greedy(folder, messages_or_prompt, images=(), max_tokens: int = 8,
     return [int(t) for t in (result.token_ids or [])]
 
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "mistral3", "gemma3", "gemma4")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "mistral3", "gemma3",
+            "gemma4")
 
 
 NOTES = """\

@@ -44,8 +44,8 @@ class Family:
     gemma4: bool = False
 
 
-# the families whose image rows are checked against mlx-vlm's own generation (tests; the MoE
-# variants run their dense family's image path: only their text MLP differs)
+# the families whose image rows are checked against mlx-vlm's own generation (tests;
+# qwen3_vl_moe runs qwen3_vl's image path untested: only its text MLP differs)
 FAMILIES = {"qwen2_vl": Family("chunked"), "qwen2_5_vl": Family("chunked"),
             "qwen3_vl": Family("interleaved", deepstack=True),
             "qwen3_vl_moe": Family("interleaved", deepstack=True),
