@@ -25,7 +25,7 @@ from .model.drafter import Drafter
 from .model.target import Target, TargetAdapter
 from .model.views import KVQuant, TargetModel
 from .model.vision import ImageLimits, Media, Vision, open_images
-from .policy.acceptance import SurenessModel
+from .policy.acceptance import MatchModel, SurenessModel
 from .policy.adaptive import AdaptiveWidth
 from .policy.calibration import calibration_key, load_or_measure_costs, store_correction
 from .policy.kernel_choice import verify_kernels
@@ -83,6 +83,7 @@ class Pipeline:
         self._policy: AdaptiveWidth | None = None
         # what the drafter's drafts say of their acceptance, learnt across generations
         self.acceptance = SurenessModel(16)
+        self.matches = MatchModel(16)            # how lookup drafts fare, by match length
         self.kernel_setting = "auto"         # settings.kernels, for the target's verify kernels
         self.verify_kernels = None           # kernel_probe.KernelRecord; None: stock
         self.kernel_calls = None             # kernel_view.VerifyKernels; None: Metal's
@@ -391,7 +392,7 @@ class Pipeline:
         """An `Engine` on this pipeline's target and drafter, decoding up to `max_batch`
         sequences at once (one at a time where the target cannot batch:
         `Engine.solo_reason`)."""
-        return Engine(self.adapter, self.drafter, planner=Planner(self.acceptance),
+        return Engine(self.adapter, self.drafter, planner=Planner(self.acceptance, self.matches),
                       lookup=self.lookup_config,
                       max_batch=max_batch, prefill_step_size=self.prefill_step_size)
 

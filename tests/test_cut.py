@@ -15,7 +15,8 @@ import pytest
 
 from dflash2_mlx.decode.stats import DRAFTER, LOOKUP, PLAIN, Cycle, GenerationStats
 from dflash2_mlx.model.sampling import Sampling
-from dflash2_mlx.policy.acceptance import SurenessModel, calibration, expected_tokens, predicted
+from dflash2_mlx.policy.acceptance import (MatchModel, SurenessModel, calibration,
+                                          expected_tokens, predicted)
 from dflash2_mlx.policy.adaptive import AdaptiveWidth
 from dflash2_mlx.policy.batch import BatchAwareWidth
 from dflash2_mlx.policy.costs import Correction, CostModel
@@ -57,6 +58,42 @@ def test_the_sureness_model_learns_what_sure_drafts_say():
     c = calibration(records)
     assert c["auc"] > 0.75 and c["ece"] < 0.05, c
     assert model.seen == 3000 and 0 < model.loss < 0.7
+
+
+def test_the_match_model_learns_how_long_matches_fare(llama_dir):
+    """Lookup drafts whose positions are accepted with probability 0.9 after long matches and
+    0.3 after short ones: after 2000 rows the model ranks a long match's prefixes above a short
+    one's (AUC > 0.7) and is calibrated (ECE < 0.05) on the next 1000; untried positions copy
+    the estimate before them; a fixed-width pipeline's lookup predictions come from it."""
+    rng = np.random.default_rng(1)
+    model = MatchModel(8)
+
+    def row():
+        match = int(rng.choice([1, 2, 12, 16]))
+        a = 0.9 if match >= 12 else 0.3
+        return match, next((k for k in range(7) if rng.random() > a), 7)
+
+    for _ in range(2000):
+        match, accepted = row()
+        model.learn(match, 8, accepted)
+    records = []
+    for _ in range(1000):
+        match, accepted = row()
+        prefix = np.cumprod(model.predict(match, 7))
+        records += [(k, prefix[k - 1], k <= accepted) for k in range(1, 8)]
+    c = calibration(records)
+    assert c["auc"] > 0.7 and c["ece"] < 0.05, c
+    assert model.predict(12, 3)[0] > 0.8 > 0.4 > model.predict(1, 3)[0]
+    fresh = MatchModel(4)
+    fresh.learn(5, 2, 1)                  # one row of width 2: position 1 hit
+    a = fresh.predict(5, 4)
+    assert a[0] > 0.5 and a[1] == a[2] == a[3] == a[0]
+    # at a fixed width (no policy estimates) the lookup's predictions are the pipeline's model
+    copier = dflash2_mlx.load(str(llama_dir), "none")          # the lookup alone
+    g = copier.generate("def add(a, b):", max_tokens=64, block_size=6)
+    lookup = g.stats.calibration_records(LOOKUP)
+    assert lookup and copier.matches.tries.sum() > 0
+    assert any(abs(p - 0.5) > 1e-6 for k, p, _ in lookup if k == 1), lookup
 
 
 def test_calibration_figures():

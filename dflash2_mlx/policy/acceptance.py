@@ -7,7 +7,8 @@ A prediction is a_k = P(draft k accepted | drafts < k accepted), k = 1..w-1, fro
   distribution says at each position (its top log-probability, the margin over the second, the
   position), fitted to the acceptance observed while decoding;
 - the lookup: the policy's per-position estimate for its match length (`AdaptiveWidth.alphas`:
-  how the continuations of matches that long fared).
+  how the continuations of matches that long fared), or under a fixed width, which has no such
+  estimates, `MatchModel`: the same counts, kept over every lookup row verified.
 """
 
 from __future__ import annotations
@@ -66,6 +67,39 @@ class SurenessModel:
         grad = x.T @ (p - y) + self.l2 * self.w
         self.g2 += grad**2
         self.w -= self.lr * grad / np.sqrt(self.g2)
+
+
+class MatchModel:
+    """a_k of a lookup draft for its match length: hits / tries of position k over the lookup
+    rows verified with a match in the same length bucket (`BUCKETS`), each position's prior
+    the estimate before it (position 1's: `prior`) at `prior_tries` tries. Shared by the
+    sequences of one pipeline."""
+
+    BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16)        # a bucket's shortest match
+
+    def __init__(self, positions: int, prior: float = 0.5, prior_tries: float = 2.0):
+        self.hits = np.zeros((len(self.BUCKETS), positions))
+        self.tries = np.zeros((len(self.BUCKETS), positions))
+        self.prior, self.prior_tries = prior, prior_tries
+
+    def _bucket(self, match: int) -> int:
+        return max(0, int(np.searchsorted(self.BUCKETS, match, side="right")) - 1)
+
+    def predict(self, match: int, n: int) -> np.ndarray:
+        """a_1..a_n of a draft copied after a match of `match` tokens."""
+        b, out, a = self._bucket(match), [], self.prior
+        for k in range(n):
+            h, t = (self.hits[b, k], self.tries[b, k]) if k < self.hits.shape[1] else (0, 0)
+            a = (h + a * self.prior_tries) / (t + self.prior_tries)
+            out.append(a)
+        return np.asarray(out)
+
+    def learn(self, match: int, width: int, accepted: int) -> None:
+        """A lookup row of `width` verified after a match of `match` tokens kept `accepted`
+        drafts: positions 1..accepted hit, the one after (if drafted) missed."""
+        b, tried = self._bucket(match), min(accepted + 1, width - 1, self.hits.shape[1])
+        self.tries[b, :tried] += 1
+        self.hits[b, :min(accepted, tried)] += 1
 
 
 def predicted(source: str, width: int, sure: np.ndarray | None, confidence: np.ndarray | None,

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..decode.sequence import Drafted, Offer, WidthPolicy
 from ..decode.stats import DRAFTER, LOOKUP, PLAIN
-from .acceptance import SurenessModel, predicted
+from .acceptance import MatchModel, SurenessModel, predicted
 from .adaptive import AdaptiveWidth, FixedWidth, LookupShadow
 from .batch import BatchAwareWidth, Want, outlooks_after, plain_is_better
 from .costs import Correction, drafter_pass
@@ -56,16 +56,19 @@ class Planner:
     """Plans the steps of one engine. `join(rid, policy)` when a sequence starts decoding,
     `plan(rids, offers, slots)` each step, `learn(...)` after it, `leave(rid)` when it ends.
     shared: the correction of the batch's step prices, which its batch-aware policies share.
-    acceptance: the drafter's acceptance model (`SurenessModel`), kept by the pipeline so
-    that it learns across generations (default: one of its own)."""
+    acceptance: the drafter's acceptance model (`SurenessModel`), matches: the lookup's
+    (`MatchModel`), both kept by the pipeline so that they learn across generations (default:
+    its own)."""
 
-    def __init__(self, acceptance: SurenessModel | None = None):
+    def __init__(self, acceptance: SurenessModel | None = None,
+                 matches: MatchModel | None = None):
         self.shared = Correction(decay=FIT.batch_decay)
         self.policies: dict[int, WidthPolicy] = {}
         self.shadows: dict[int, LookupShadow] = {}
         self.timer = PlainStepTimer()
         self.planned: list[Planned] = []
         self.acceptance = acceptance if acceptance is not None else SurenessModel(16)
+        self.matches = matches if matches is not None else MatchModel(16)
         self.drafted: list[Drafted | None] = []
         self.host: dict[int, tuple] = {}                 # `_host`: this step's, by row
         self.predicted: list[np.ndarray | None] = []
@@ -170,7 +173,8 @@ class Planner:
         sure, confidence = self._host(i)
         inner = _adaptive(self.policies[p.rid])
         return predicted(p.source, p.drafted, sure, confidence, self.acceptance,
-                         lambda: inner.alphas(p.source, p.match, p.context) if inner else [])
+                         lambda: inner.alphas(p.source, p.match, p.context) if inner else
+                         list(self.matches.predict(p.match, p.drafted - 1)))
 
     def _host(self, i: int) -> tuple[np.ndarray | None, np.ndarray | None]:
         """Row i's sureness [w-1, 2] and confidence [w-1] on the host, read once a step."""
@@ -214,8 +218,11 @@ class Planner:
             shadow.commit(tokens)
 
     def _learn_acceptance(self, accepted: list[int]) -> None:
-        """The drafter's verified rows teach the acceptance model (`SurenessModel`)."""
+        """The verified rows teach the acceptance models: the drafter's `SurenessModel`, the
+        lookup's `MatchModel`."""
         for i, (p, a) in enumerate(zip(self.planned, accepted)):
+            if p.source == LOOKUP and p.width > 1:
+                self.matches.learn(p.match, p.width, a)
             sure = self._host(i)[0] if p.source == DRAFTER else None
             if sure is not None:
                 self.acceptance.learn(sure, p.width, a)
