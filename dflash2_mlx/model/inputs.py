@@ -61,9 +61,10 @@ class MRope(NamedTuple):
         return mx.array(axis, dtype=mx.int32)
 
 
-class RopeRows:
-    """The positions of the forward being built (set by `TargetAdapter.forward` around the
-    call; read while the graph is built, so nothing outlives the call)."""
+class CurrentInputs:
+    """The `Inputs` of the forward being built, for the view's ropes and layers (set by
+    `TargetAdapter.forward` around the call; read while the graph is built, so nothing
+    outlives the call)."""
 
     def __init__(self):
         self.inputs: Inputs | None = None
@@ -73,7 +74,7 @@ class ShiftedRope(nn.Module):
     """A layer's rope (mlx's `nn.RoPE`) that also takes the rows' shift or explicit
     multimodal positions from `rows`."""
 
-    def __init__(self, rope: nn.RoPE, mrope: MRope, rows: RopeRows):
+    def __init__(self, rope: nn.RoPE, mrope: MRope, rows: CurrentInputs):
         super().__init__()
         self._rope, self._rows = rope, rows
         self._dims = rope.dims
@@ -105,7 +106,7 @@ class ImageLayer:
     features added to its output. Otherwise the layer's own call. window: the layer's sliding
     window (None: full attention)."""
 
-    def __init__(self, layer: nn.Module, index: int, rows: RopeRows, window: int | None):
+    def __init__(self, layer: nn.Module, index: int, rows: CurrentInputs, window: int | None):
         self.layer, self.index, self.rows, self.window = layer, index, rows, window
 
     def __call__(self, x, *args, **kwargs):
@@ -171,7 +172,7 @@ class ImageRows(NamedTuple):
         return self.mrope is not None or self.deepstack > 0 or self.bidirectional
 
 
-def image_layers(layers: Sequence[nn.Module], how: ImageRows, rows: RopeRows) -> list:
+def image_layers(layers: Sequence[nn.Module], how: ImageRows, rows: CurrentInputs) -> list:
     """Layers that take `rows`' inputs as `how` says: copies (every parameter shared) whose
     attention ropes are `ShiftedRope`s, wrapped in `ImageLayer` where a layer's mask or output
     changes; the layers themselves are untouched."""

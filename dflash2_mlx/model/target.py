@@ -16,7 +16,7 @@ from typing import Callable, Protocol, runtime_checkable
 import mlx.core as mx
 import mlx.nn as nn
 
-from .inputs import ImageRows, Inputs, RopeRows, image_layers
+from .inputs import ImageRows, Inputs, CurrentInputs, image_layers
 from .row_caches import RaggedRows, batch_refusal
 from .views import (STACK_PATHS, KVQuant, LayerRange, LayerTap, RollbackRotatingKVCache,
                     Snapshot, TargetModel, check_kv, find_stack_path)
@@ -97,10 +97,10 @@ class TargetAdapter(TargetModel):
 
     def __init__(self, model: nn.Module, layer_ids: tuple[int, ...] = (),
                  kv: KVQuant | None = None, images: ImageRows | None = None):
-        self.rope_rows = RopeRows()
+        self.current_inputs = CurrentInputs()
         if images:
             whole = TargetModel(model)
-            model = whole.view(image_layers(whole.layers, images, self.rope_rows))
+            model = whole.view(image_layers(whole.layers, images, self.current_inputs))
         super().__init__(model, kv)
         if kv is not None:
             check_kv(model, kv)
@@ -115,12 +115,12 @@ class TargetAdapter(TargetModel):
         if inputs is None:
             logits = self._view(tokens, cache=cache)
         else:
-            self.rope_rows.inputs = inputs
+            self.current_inputs.inputs = inputs
             try:
                 logits = (self._view(tokens, cache=cache) if inputs.embeds is None else
                           self._view(tokens, cache=cache, input_embeddings=inputs.embeds))
             finally:
-                self.rope_rows.inputs = None
+                self.current_inputs.inputs = None
         outputs = self.range.outputs
         feats = (mx.concatenate([outputs[i] for i in self.layer_ids], axis=-1)
                  if self.layer_ids else None)
