@@ -187,3 +187,28 @@ def test_image_urls_are_fetched_when_switched_on(vlm, tmp_path, reference):
     finally:
         server.stop()
         files.shutdown()
+
+
+def test_an_image_conversation_outlives_a_restart_on_disk(vlm, tmp_path):
+    """The prefix cache's disk tier keeps an image request's state (its rows' key ids
+    included): after a restart the same request reads all but its last prompt token from disk
+    and answers the same."""
+    import httpx
+
+    folder, _ = vlm
+    body = {"model": "qwen2_vl", "max_tokens": 8, "temperature": 0, "messages": [
+        {"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png(5)}"}},
+            {"type": "text", "text": "Describe this image."}]}]}
+    answers = []
+    for _ in range(2):
+        server = Server("--model", folder, "--prompt-cache-dir", tmp_path / "disk")
+        try:
+            r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()
+        finally:
+            assert server.stop() == 0
+        answers.append((r["choices"][0]["message"]["content"], r["usage"]))
+    (first, u1), (again, u2) = answers
+    assert u1["prompt_tokens_details"]["cached_tokens"] == 0
+    assert u2["prompt_tokens_details"]["cached_tokens"] == u2["prompt_tokens"] - 1
+    assert again == first

@@ -24,6 +24,7 @@ from ..model.drafter import Drafter
 from ..decode.state import DecodeState
 from ..files import atomic_path
 from ..model.target import TargetAdapter
+from ..model.vision import KEY_BASE
 
 FORMAT = 1
 NAME = re.compile(r"^[0-9a-f]{32}\.safetensors$")
@@ -152,7 +153,8 @@ def read_header(path: Path, ident: dict, vocab_size: int) -> Header:
     except (ValueError, OverflowError):
         ids = np.asarray([])
     expect(ids.ndim == 1 and len(ids) and ids.dtype.kind == "i" and ids.min() >= 0 and
-            ids.max() < vocab_size, "bad token ids")
+            ids.max() < 2**32 and bool(np.all((ids < vocab_size) | (ids >= KEY_BASE))),
+            "bad token ids")        # (an image's rows hold key ids: `model.vision.Media`)
     expect(path.name == entry_name(tokens), "its name does not match its token ids")
     layout = meta.get("layout")
     expect(isinstance(layout, dict) and isinstance(layout.get("exact_only"), bool),
