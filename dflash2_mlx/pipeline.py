@@ -23,7 +23,7 @@ from .decode.stats import DRAFTER, LOOKUP, GenerationStats
 from .loading.weights import quantization
 from .model.drafter import Drafter
 from .model.target import Target, TargetAdapter
-from .model.views import KVQuant, TargetModel
+from .model.views import KVQuant
 from .model.vision import ImageLimits, Media, Vision, open_images
 from .policy.acceptance import MatchModel, SurenessModel
 from .policy.adaptive import AdaptiveWidth
@@ -95,7 +95,7 @@ class Pipeline:
         # what generates: this process's model, or the stage's target of a pipeline
         self.adapter: Target = TargetAdapter(
             target, drafter.args.target_layer_ids if drafter else (), kv=self.kv,
-            images=(vision.image_rows(TargetModel(target).layers)
+            images=(vision.image_rows()
                     if vision is not None and vision.refusal is None else None))
 
     # ---- prompts

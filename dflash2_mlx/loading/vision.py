@@ -17,6 +17,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .. import log
+from ..model.memory import activation_dtype
 from ..model.vision import Vision
 
 _log = log.get(__name__)
@@ -65,7 +66,7 @@ def load_vision(path: Path, target: nn.Module, dtype=None) -> Vision | None:
         vlm.update(tree_unflatten(list(tower.items())))
     mx.eval(list(tower.values()))
     vlm.eval()
-    vision = Vision(vlm, processor, family, config, _embedding_dtype(target))
+    vision = Vision(vlm, processor, family, config, activation_dtype(target))
     if vision.refusal is not None:
         log.notice(f"target {path}: images on {family} targets are not served "
                    f"({vision.refusal}); text-only requests are")
@@ -89,8 +90,3 @@ def share_language_model(vlm: nn.Module, target: nn.Module) -> int:
         vlm.update(tree_unflatten(swap))
     return len(swap)
 
-
-def _embedding_dtype(target: nn.Module):
-    floats = [v.dtype for _, v in tree_flatten(target.parameters())
-              if mx.issubdtype(v.dtype, mx.floating)]
-    return floats[0] if floats else mx.float32

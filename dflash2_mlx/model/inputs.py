@@ -160,13 +160,13 @@ def rope_refusal(layers: Sequence[nn.Module]) -> str | None:
 class ImageRows(NamedTuple):
     """What a vision-language family needs inside its stack (`image_layers`): mrope, its
     multimodal rope (None: rows count positions); deepstack, how many early layers get
-    DeepStack features; bidirectional, image rows attend both ways (with `windows`, each
-    layer's sliding window or None)."""
+    DeepStack features; bidirectional, image rows attend both ways (`window`: the sliding
+    window of the layers whose `layer_type` is "sliding_attention")."""
 
     mrope: MRope | None = None
     deepstack: int = 0
     bidirectional: bool = False
-    windows: tuple = ()
+    window: int | None = None
 
     def __bool__(self) -> bool:
         return self.mrope is not None or self.deepstack > 0 or self.bidirectional
@@ -187,6 +187,7 @@ def image_layers(layers: Sequence[nn.Module], how: ImageRows, rows: CurrentInput
                 copied[name] = attn
         layer = copied or layer
         if how.bidirectional or i < how.deepstack:
-            layer = ImageLayer(layer, i, rows, how.windows[i] if how.windows else None)
+            sliding = getattr(layer, "layer_type", "") == "sliding_attention"
+            layer = ImageLayer(layer, i, rows, how.window if sliding else None)
         out.append(layer)
     return out

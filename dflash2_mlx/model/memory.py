@@ -227,9 +227,9 @@ def weights_bytes(model) -> int:
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
-def activation_itemsize(model) -> int:
-    """The bytes of one value of the model's activations (and so of its float KV cache): the
-    float dtype holding most of its float parameters."""
+def activation_dtype(model):
+    """The dtype of the model's activations (and so of its float KV cache): the float dtype
+    holding most of its float parameters (float32 where it has none)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
@@ -237,7 +237,12 @@ def activation_itemsize(model) -> int:
     for _, v in tree_flatten(model.parameters()):
         if mx.issubdtype(v.dtype, mx.floating):
             sizes[v.dtype] = sizes.get(v.dtype, 0) + v.size
-    return max(sizes, key=sizes.get).size if sizes else 4
+    return max(sizes, key=sizes.get) if sizes else mx.float32
+
+
+def activation_itemsize(model) -> int:
+    """The bytes of one value of the model's activations (`activation_dtype`)."""
+    return activation_dtype(model).size
 
 
 def gib(n: float) -> str:
@@ -390,6 +395,6 @@ def _tokens(n: int) -> str:
 
 __all__ = ["KVCost", "Footprint", "kv_cost", "kv_bytes_per_token", "drafter_cost",
            "layer_kinds", "text_config", "device_memory", "budget_bytes", "margin",
-           "weights_bytes", "activation_itemsize", "prefill_tokens", "SCORES_PEAK",
+           "weights_bytes", "activation_dtype", "activation_itemsize", "prefill_tokens", "SCORES_PEAK",
            "out_of_memory", "estimate_weights", "fit_lines", "vision_lines", "gib", "FULL", "SLIDING",
            "RECURRENT", "STEP", "KV_GROUP_SIZE", "COMPACT_MIN", "COMPACT_SHARE"]

@@ -48,7 +48,8 @@ class Target(Protocol):
                 ) -> tuple[mx.array, mx.array | None]:
         """tokens [B, T] -> (logits [B, T, V], features [B, T, F] or None without layer_ids);
         appends the rows to `cache`. inputs: the rows' embeddings and positions where an
-        image is (`inputs.Inputs`; only a target with `takes_inputs`)."""
+        image is (`inputs.Inputs`; `TargetAdapter` takes them, a pipeline-sharded target,
+        which refuses images, does not)."""
 
     def make_cache(self) -> list:
         """A new, empty cache for `forward`."""
@@ -92,8 +93,6 @@ class TargetAdapter(TargetModel):
     multimodal rope, Gemma 4's two-way image attention, Qwen3-VL's DeepStack): the model then
     runs through a view whose layers take `Inputs` (`inputs.image_layers`).
     """
-
-    takes_inputs = True
 
     def __init__(self, model: nn.Module, layer_ids: tuple[int, ...] = (),
                  kv: KVQuant | None = None, images: ImageRows | None = None):

@@ -296,15 +296,11 @@ class Vision:
         return sum(v.nbytes for k, v in tree_flatten(self.model.parameters())
                    if not k.startswith("language_model."))
 
-    def image_rows(self, layers: list) -> ImageRows:
-        """What the target's stack needs (`inputs.ImageRows`); layers: its decoder layers
-        (their sliding windows, for a two-way image mask)."""
-        windows = ()
-        if self.bidirectional:
-            text = self.config.get("text_config", self.config)
-            windows = tuple(text.get("sliding_window") if getattr(l, "layer_type", "") ==
-                            "sliding_attention" else None for l in layers)
-        return ImageRows(self.mrope, self.deepstack, self.bidirectional, windows)
+    def image_rows(self) -> ImageRows:
+        """What the target's stack needs (`inputs.ImageRows`)."""
+        text = self.config.get("text_config", self.config)
+        return ImageRows(self.mrope, self.deepstack, self.bidirectional,
+                         text.get("sliding_window") if self.bidirectional else None)
 
     def media(self, text: str, images: list) -> Media:
         """The rendered chat `text` (one placeholder per image, as the chat template writes
