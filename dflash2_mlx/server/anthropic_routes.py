@@ -15,7 +15,7 @@ from ..model.vision import Media
 from .errors import APIError, error_body
 from .http import PING, Authorized, JSONRoute, ServiceDep, event_stream, sse
 from .scheduler import GenerationRequest, Job
-from .images import content_of, image_part, parts_of
+from .images import anthropic_image, content_of, parts_of
 from .schemas import CountTokensRequest, MessagesRequest, content_text
 from .service import Service, usage
 from .text_stream import TextStream
@@ -115,9 +115,7 @@ def anthropic_messages(req: CountTokensRequest, keep_billing_header: bool = Fals
             elif b.type == "image" and m.role == "user":
                 if b.source is None:
                     raise APIError(400, f"{where}: an image block needs a source", param=where)
-                text.append(image_part(f"{where}.source",
-                                       **({"data": b.source.data} if b.source.type == "base64"
-                                          else {"url": b.source.url})))
+                text.append(anthropic_image(b.source, where))
             elif b.type == "thinking" and m.role == "assistant" and b.thinking:
                 thinking.append(b.thinking)
             elif b.type in ("thinking", "redacted_thinking"):

@@ -38,6 +38,13 @@ def image_part(where: str, *, data: str | None = None, url: str | None = None) -
     return {"type": "image", "source": ImageSource(where, data, url)}
 
 
+def anthropic_image(source, where: str) -> dict:
+    """An Anthropic image block's `source` (base64 data or a URL) as an internal part."""
+    if source.type == "base64":
+        return image_part(f"{where}.source", data=source.data)
+    return image_part(f"{where}.source", url=source.url)
+
+
 def content_of(parts: list[dict]) -> str | list[dict]:
     """A message's content from internal parts: one string where there is no image."""
     if not any(p["type"] == "image" for p in parts):
@@ -63,11 +70,7 @@ def parts_of(content, where: str) -> str | list[dict]:
                                "files are not stored here)", param=f"{where}.{j}")
             parts.append(image_part(f"{where}.{j}", url=p.image_url))
         elif p.type == "image":
-            src = p.source
-            if src.type == "base64":
-                parts.append(image_part(f"{where}.{j}.source", data=src.data))
-            else:
-                parts.append(image_part(f"{where}.{j}.source", url=src.url))
+            parts.append(anthropic_image(p.source, f"{where}.{j}"))
         else:
             parts.append({"type": "text", "text": p.text})
     return content_of(parts)
